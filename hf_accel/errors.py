@@ -1,0 +1,25 @@
+"""Every error hf_accel raises derives from HFAccelError, so callers can catch ours apart from torch's."""
+
+
+class HFAccelError(Exception):
+    """Base class of hf_accel's errors. Messages say what was received, what is allowed, and what to do."""
+
+
+class UnsupportedModel(HFAccelError, TypeError):
+    """The model's family (config.model_type) has no patch in hf_accel.patches."""
+
+
+class BackendUnavailable(HFAccelError, RuntimeError):
+    """No attention backend (or not the forced one) can serve a request; names the missing capability."""
+
+
+class UnsupportedVersion(HFAccelError, ImportError):
+    """An installed dependency is outside the range hf_accel supports."""
+
+
+class InvalidBatch(HFAccelError, ValueError):
+    """A batch or a dataset example is malformed (wrong dtype, ragged fields, empty document, ...)."""
+
+
+class ConfigurationError(HFAccelError, ValueError):
+    """Options that contradict each other or the model (e.g. checkpointing on under FSDP's own)."""
