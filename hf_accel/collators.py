@@ -1,0 +1,322 @@
+"""Collators for causal-LM fine-tuning: dynamic padding and padding-free packing.
+
+Both take pre-tokenized features (``input_ids``, optional ``labels``, optional ``attention_mask``) and emit the batch
+format the patched models consume (see the package README):
+
+- padded: ``input_ids``, ``labels`` (-100 on padding), ``attention_mask``, all ``(B, S) long``;
+- packed: ``input_ids``, ``labels``, ``position_ids`` ``(B, S) long``; ``cu_seq_lens_q/k`` ``(num_docs + 1,) int32``
+  over the flattened ``B * S`` tokens; ``max_length_q/k`` Python ints. The first label of every document is -100, so
+  no token is trained to predict across a document boundary. A row's padding tail is its own dummy document.
+
+Nothing is dropped silently: every truncation, split, dropped empty or all-masked document is counted in
+``collator.stats``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+
+from .errors import ConfigurationError, InvalidBatch
+from .sampling import best_fit_decreasing
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+Feature = Mapping[str, Any]
+
+
+@dataclass
+class CollatorStats:
+    """Running counters of what a collator saw and emitted (since construction or ``reset()``)."""
+
+    batches: int = 0
+    documents: int = 0  # documents emitted (a split document counts once per piece)
+    real_tokens: int = 0
+    slots: int = 0  # token positions emitted, real + padding
+    truncated_docs: int = 0
+    truncated_tokens: int = 0
+    split_docs: int = 0
+    empty_docs_dropped: int = 0
+    all_masked_docs: int = 0  # documents with no target token (dropped or kept, see ``all_masked``)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.slots if self.slots else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "padding_fraction": self.padding_fraction}
+
+    def reset(self) -> None:
+        for name in asdict(self):
+            setattr(self, name, 0)
+
+
+def _as_int_list(value: Any, field: str, index: int) -> list[int]:
+    """Return ``value`` as a list of ints; raise InvalidBatch for float/bool tensors or non-integer entries."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise InvalidBatch(
+                f"feature {index}: {field} has dtype {value.dtype}; token ids and labels must be integers "
+                f"(torch.long). Tokenize with a tokenizer or cast with .long() before collating."
+            )
+        if value.dim() != 1:
+            raise InvalidBatch(f"feature {index}: {field} has shape {tuple(value.shape)}; expected one 1-D sequence.")
+        return value.tolist()
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise InvalidBatch(f"feature {index}: {field} is a {type(value).__name__}; expected a list of ints.")
+    out = list(value)
+    for item in out:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise InvalidBatch(
+                f"feature {index}: {field} contains {item!r} ({type(item).__name__}); expected ints only. "
+                f"Float token ids usually mean the wrong column was passed; cast to int after checking."
+            )
+    return out
+
+
+def validate_feature(feature: Feature, index: int = 0) -> tuple[list[int], list[int]]:
+    """Check one feature and return its ``(input_ids, labels)``; labels default to the input ids.
+
+    Positions where ``attention_mask`` is 0 (a feature padded upstream) are removed.
+    Raises InvalidBatch for a missing ``input_ids``, non-integer values or fields of different lengths.
+    """
+    if "input_ids" not in feature:
+        raise InvalidBatch(f"feature {index} has keys {sorted(feature)}; 'input_ids' is required.")
+    ids = _as_int_list(feature["input_ids"], "input_ids", index)
+    labels = ids if feature.get("labels") is None else _as_int_list(feature["labels"], "labels", index)
+    mask = None if feature.get("attention_mask") is None else _as_int_list(feature["attention_mask"], "attention_mask", index)
+    for name, other in (("labels", labels), ("attention_mask", mask)):
+        if other is not None and len(other) != len(ids):
+            raise InvalidBatch(
+                f"feature {index}: {name} has length {len(other)} but input_ids has {len(ids)}; "
+                f"they must be aligned token for token."
+            )
+    if mask is not None and not all(m == 1 for m in mask):
+        keep = [i for i, m in enumerate(mask) if m]
+        ids, labels = [ids[i] for i in keep], [labels[i] for i in keep]
+    return list(ids), list(labels)
+
+
+class _BaseCollator:
+    """Shared validation and accounting: empty and all-masked documents."""
+
+    def __init__(
+        self,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None,
+        drop_empty: bool,
+        all_masked: Literal["drop", "keep", "error"],
+    ) -> None:
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ConfigurationError(f"pad_to_multiple_of={pad_to_multiple_of}; use a positive int or None.")
+        if all_masked not in ("drop", "keep", "error"):
+            raise ConfigurationError(f"all_masked={all_masked!r}; allowed: 'drop', 'keep', 'error'.")
+        self.pad_token_id = int(pad_token_id)
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.drop_empty = drop_empty
+        self.all_masked = all_masked
+        self.stats = CollatorStats()
+        self._warned_all_masked = False
+
+    def _round_up(self, length: int) -> int:
+        m = self.pad_to_multiple_of
+        return length if m is None else -(-length // m) * m
+
+    def _documents(self, features: Sequence[Feature]) -> list[tuple[list[int], list[int]]]:
+        """Validate features; drop (and count) empty and, by policy, all-masked ones."""
+        if len(features) == 0:
+            raise InvalidBatch("received an empty list of features; a batch needs at least one document.")
+        docs = []
+        for index, feature in enumerate(features):
+            ids, labels = validate_feature(feature, index)
+            if not ids:
+                if not self.drop_empty:
+                    raise InvalidBatch(
+                        f"feature {index} has no tokens. Filter empty examples out of the dataset, or pass "
+                        f"drop_empty=True to drop them here (they are counted in collator.stats.empty_docs_dropped)."
+                    )
+                self.stats.empty_docs_dropped += 1
+                continue
+            # The label of a document's first token is never a target (the model shifts labels by one).
+            if all(label == IGNORE_INDEX for label in labels[1:]):
+                self.stats.all_masked_docs += 1
+                if self.all_masked == "error":
+                    raise InvalidBatch(
+                        f"feature {index} has no target token (all labels after the first are -100). "
+                        f"Pass all_masked='drop' to skip such documents or 'keep' to train on them as context only."
+                    )
+                if self.all_masked == "drop":
+                    self._warn_all_masked_once()
+                    continue
+            docs.append((ids, labels))
+        if not docs:
+            raise InvalidBatch(
+                f"all {len(features)} features of this batch were empty or had no target token; "
+                f"see collator.stats ({self.stats.as_dict()}). Filter such examples out of the dataset."
+            )
+        return docs
+
+    def _warn_all_masked_once(self) -> None:
+        if not self._warned_all_masked:
+            self._warned_all_masked = True
+            logger.warning(
+                "dropping documents without any target token (all labels -100); "
+                "they are counted in collator.stats.all_masked_docs (this warning is shown once)."
+            )
+
+    def _pad_rows(
+        self, docs: Sequence[tuple[list[int], list[int]]], padding_side: Literal["left", "right"]
+    ) -> dict[str, torch.Tensor]:
+        """One document per row, padded to the longest (rounded up to ``pad_to_multiple_of``)."""
+        seq_len = self._round_up(max(len(ids) for ids, _ in docs))
+        input_ids = torch.full((len(docs), seq_len), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(docs), seq_len), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(docs), seq_len), dtype=torch.long)
+        for row, (ids, doc_labels) in enumerate(docs):
+            span = slice(0, len(ids)) if padding_side == "right" else slice(seq_len - len(ids), seq_len)
+            input_ids[row, span] = torch.tensor(ids, dtype=torch.long)
+            labels[row, span] = torch.tensor(doc_labels, dtype=torch.long)
+            attention_mask[row, span] = 1
+        self.stats.batches += 1
+        self.stats.documents += len(docs)
+        self.stats.real_tokens += sum(len(ids) for ids, _ in docs)
+        self.stats.slots += input_ids.numel()
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+class DataCollatorForPadding(_BaseCollator):
+    """Dynamic padding for causal LM: pad to the longest feature of the batch (optionally to a multiple).
+
+    Labels default to ``input_ids``; padding gets label -100 and attention_mask 0. ``all_masked`` decides what
+    happens to a document without any target token: "drop" (default; counted and warned once), "keep" (train on it
+    as context only; it adds nothing to the loss), or "error".
+    """
+
+    def __init__(
+        self,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        padding_side: Literal["left", "right"] = "right",
+        drop_empty: bool = False,
+        all_masked: Literal["drop", "keep", "error"] = "drop",
+    ) -> None:
+        super().__init__(pad_token_id, pad_to_multiple_of, drop_empty, all_masked)
+        if padding_side not in ("left", "right"):
+            raise ConfigurationError(f"padding_side={padding_side!r}; allowed: 'left', 'right'.")
+        self.padding_side = padding_side
+
+    def __call__(self, features: Sequence[Feature]) -> dict[str, torch.Tensor]:
+        return self._pad_rows(self._documents(features), self.padding_side)
+
+
+class DataCollatorForPacking(_BaseCollator):
+    """Padding-free collator: packs documents into rows of at most ``max_tokens`` tokens (best fit decreasing).
+
+    ``max_tokens=None`` puts the whole batch in one row. Documents longer than ``max_tokens`` follow ``overflow``:
+    "error" raises InvalidBatch, "truncate" keeps the first ``max_tokens`` tokens, "split" cuts the document into
+    ``max_tokens``-long pieces that become separate documents (each piece's first label is -100); all are counted.
+    Rows shorter than the longest (or than ``pad_to_multiple_of``) get a padding tail that is its own dummy document.
+
+    When the attention backend cannot do varlen, call ``use_padding(reason)`` (or pass ``fallback_to_padding=True``):
+    the collator then emits padded batches (one document per row) with the same documents and targets.
+    """
+
+    def __init__(
+        self,
+        pad_token_id: int,
+        max_tokens: int | None = None,
+        overflow: Literal["error", "truncate", "split"] = "error",
+        pad_to_multiple_of: int | None = None,
+        drop_empty: bool = False,
+        all_masked: Literal["drop", "keep", "error"] = "drop",
+        fallback_to_padding: bool = False,
+    ) -> None:
+        super().__init__(pad_token_id, pad_to_multiple_of, drop_empty, all_masked)
+        if max_tokens is not None and max_tokens < 1:
+            raise ConfigurationError(f"max_tokens={max_tokens}; use a positive int or None (one row for the batch).")
+        if overflow not in ("error", "truncate", "split"):
+            raise ConfigurationError(f"overflow={overflow!r}; allowed: 'error', 'truncate', 'split'.")
+        self.max_tokens = max_tokens
+        self.overflow = overflow
+        self.fallback_to_padding = False
+        if fallback_to_padding:
+            self.use_padding("fallback_to_padding=True was passed")
+
+    def use_padding(self, reason: str) -> None:
+        """Switch to padded output (for backends without varlen support); logs ``reason`` once."""
+        if not self.fallback_to_padding:
+            logger.warning("DataCollatorForPacking emits padded batches instead of packed ones: %s", reason)
+        self.fallback_to_padding = True
+
+    def __call__(self, features: Sequence[Feature]) -> dict[str, Any]:
+        docs = self._fit(self._documents(features))
+        if self.fallback_to_padding:
+            return self._pad_rows(docs, "right")
+        return self._pack(docs)
+
+    def _fit(self, docs: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+        """Apply the overflow policy to documents longer than ``max_tokens``."""
+        cap = self.max_tokens
+        if cap is None:
+            return docs
+        fitted = []
+        for index, (ids, labels) in enumerate(docs):
+            if len(ids) <= cap:
+                fitted.append((ids, labels))
+            elif self.overflow == "error":
+                raise InvalidBatch(
+                    f"document {index} has {len(ids)} tokens, more than max_tokens={cap}. Pass overflow='truncate' "
+                    f"or overflow='split' to the collator, raise max_tokens, or truncate when tokenizing."
+                )
+            elif self.overflow == "truncate":
+                self.stats.truncated_docs += 1
+                self.stats.truncated_tokens += len(ids) - cap
+                fitted.append((ids[:cap], labels[:cap]))
+            else:
+                self.stats.split_docs += 1
+                fitted.extend((ids[s : s + cap], labels[s : s + cap]) for s in range(0, len(ids), cap))
+        return fitted
+
+    def _pack(self, docs: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
+        cap = self.max_tokens if self.max_tokens is not None else sum(len(ids) for ids, _ in docs)
+        rows = best_fit_decreasing([len(ids) for ids, _ in docs], cap)
+        rows.sort(key=min)  # keep rows in roughly the incoming order, for readability of batches
+        seq_len = self._round_up(max(sum(len(docs[d][0]) for d in row) for row in rows))
+        input_ids, labels, position_ids, doc_lens = [], [], [], []
+        for row in rows:
+            row_ids, row_labels, row_pos = [], [], []
+            for d in sorted(row):
+                ids, doc_labels = docs[d]
+                row_ids += ids
+                row_labels += [IGNORE_INDEX] + doc_labels[1:]
+                row_pos += range(len(ids))
+                doc_lens.append(len(ids))
+            tail = seq_len - len(row_ids)
+            if tail:  # the padding tail is a dummy document, so no attention mask is needed
+                row_ids += [self.pad_token_id] * tail
+                row_labels += [IGNORE_INDEX] * tail
+                row_pos += range(tail)
+                doc_lens.append(tail)
+            input_ids.append(row_ids)
+            labels.append(row_labels)
+            position_ids.append(row_pos)
+        cu_seq_lens = torch.zeros(len(doc_lens) + 1, dtype=torch.int32)
+        cu_seq_lens[1:] = torch.tensor(doc_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        max_length = max(doc_lens)
+        self.stats.batches += 1
+        self.stats.documents += len(docs)
+        self.stats.real_tokens += sum(len(ids) for ids, _ in docs)
+        self.stats.slots += len(rows) * seq_len
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "position_ids": torch.tensor(position_ids, dtype=torch.long),
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens.clone(),
+            "max_length_q": max_length,
+            "max_length_k": max_length,
+        }
