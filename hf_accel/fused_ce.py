@@ -1,0 +1,193 @@
+"""Chunked (fused) linear cross-entropy: the LM-head matmul and the loss without the full (N, V) logits.
+
+Three paths, chosen per call by `linear_cross_entropy`:
+- Liger's fused kernel (`liger_kernel`, CUDA, plain `nn.Linear` head);
+- `_ChunkedLinearCE`, a pure-torch autograd Function for a plain `nn.Linear` head: the forward keeps only the
+  per-token log-sum-exp (N floats), the backward recomputes each chunk's logits;
+- a module path for any other head (e.g. a PEFT LoRA layer): the head *module* is called per chunk under
+  non-reentrant activation checkpointing, so adapters get their gradients and chunk logits are not kept.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .errors import ConfigurationError, InvalidBatch
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_SIZE = 4096
+Reduction = Literal["sum", "mean"]
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def liger_available() -> bool:
+    """True when liger-kernel is importable (its kernels still need a CUDA device)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    # Exact type: subclasses (PEFT's lora.Linear is not one, but quantized heads are) may change the math.
+    return type(module) is nn.Linear
+
+
+def _chunk_ce_sum(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_cv.float(), labels_c, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Sum of token CE of `hidden_nh @ weight_vh.T + bias_v`; saves hidden, weight, labels and lse_n only."""
+
+    @staticmethod
+    def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int):
+        lse_n = torch.empty(hidden_nh.shape[0], dtype=torch.float32, device=hidden_nh.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden_nh.device)
+        for start in range(0, hidden_nh.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            logits_cv = F.linear(hidden_nh[sl], weight_vh, bias_v).float()
+            lse_n[sl] = torch.logsumexp(logits_cv, dim=-1)
+            total += _chunk_ce_sum(logits_cv, labels_n[sl])
+        ctx.chunk_size = chunk_size
+        ctx.has_bias = bias_v is not None
+        ctx.save_for_backward(hidden_nh, weight_vh, bias_v, labels_n, lse_n)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden_nh, weight_vh, bias_v, labels_n, lse_n = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden_nh) if ctx.needs_input_grad[0] else None
+        # fp32 accumulators: summing many chunk contributions in bf16 would lose the small ones
+        grad_weight = torch.zeros_like(weight_vh, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        for start in range(0, hidden_nh.shape[0], ctx.chunk_size):
+            sl = slice(start, start + ctx.chunk_size)
+            h_ch, labels_c = hidden_nh[sl], labels_n[sl]
+            logits_cv = F.linear(h_ch, weight_vh, bias_v).float()
+            # d(sum CE)/d logits = softmax - onehot(label), zero on ignored rows
+            dlogits_cv = torch.exp(logits_cv - lse_n[sl, None])
+            valid_c = labels_c != IGNORE_INDEX
+            rows = valid_c.nonzero(as_tuple=True)[0]
+            dlogits_cv[rows, labels_c[rows]] -= 1.0
+            dlogits_cv *= valid_c[:, None] * grad_total
+            if grad_hidden is not None:
+                grad_hidden[sl] = (dlogits_cv.to(weight_vh.dtype) @ weight_vh).to(hidden_nh.dtype)
+            if grad_weight is not None:
+                grad_weight += dlogits_cv.t() @ h_ch.float()
+            if grad_bias is not None:
+                grad_bias += dlogits_cv.sum(0)
+        grad_weight = grad_weight.to(weight_vh.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(bias_v.dtype) if grad_bias is not None else None
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _module_chunked_sum(hidden_nh: torch.Tensor, head: nn.Module, labels_n: torch.Tensor, chunk_size: int):
+    """Call `head` per chunk under checkpointing: LoRA adapters get gradients, chunk logits are recomputed."""
+
+    def chunk_loss(h_ch: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
+        return _chunk_ce_sum(head(h_ch), labels_c)
+
+    total = hidden_nh.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden_nh.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        total = total + checkpoint(chunk_loss, hidden_nh[sl], labels_n[sl], use_reentrant=False)
+    return total
+
+
+def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor) -> torch.Tensor:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(
+        hidden_nh, head.weight, labels_n, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def _pick_path(hidden_nh: torch.Tensor, head: nn.Module, use_liger: bool | None) -> str:
+    plain = _is_plain_linear(head)
+    liger_ok = liger_available() and hidden_nh.is_cuda and plain
+    if use_liger and not liger_ok:
+        if liger_available() and hidden_nh.is_cuda and not plain:
+            _warn_once("liger-peft", f"Liger fused CE needs a plain nn.Linear head, got {type(head).__name__} "
+                       "(e.g. LoRA on lm_head); using the chunked module path, which trains the adapters.")
+        else:
+            _warn_once("liger-missing", "Liger fused CE requested but liger-kernel is not installed or the device "
+                       "is not CUDA; using the pure-torch chunked path.")
+    if liger_ok and use_liger is not False:
+        return "liger"
+    return "function" if plain else "module"
+
+
+def linear_cross_entropy(
+    hidden_nh: torch.Tensor,
+    lm_head: nn.Module,
+    labels_n: torch.Tensor,
+    *,
+    reduction: Reduction = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    use_liger: bool | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of `lm_head(hidden_nh)` against `labels_n` (-100 ignored), never building full (N, V) logits.
+
+    hidden_nh: (N, H) already shifted and flattened; labels_n: (N,) long. The result is the summed token loss
+    divided by `num_items_in_batch` when given (the transformers Trainer convention), else reduced by `reduction`
+    ("mean" over non-ignored tokens; 0 when there are none). `use_liger`: None = use Liger when it can run,
+    True = prefer it (warns once when it cannot), False = never.
+    """
+    if hidden_nh.dim() != 2 or labels_n.shape != hidden_nh.shape[:1]:
+        raise InvalidBatch(
+            f"linear_cross_entropy expects hidden (N, H) and labels (N,), got {tuple(hidden_nh.shape)} and "
+            f"{tuple(labels_n.shape)}; flatten (B, S, H) to (B*S, H) after shifting."
+        )
+    if reduction not in ("sum", "mean"):
+        raise ConfigurationError(f"reduction={reduction!r} is not supported; use 'sum' or 'mean'.")
+    if chunk_size < 1:
+        raise ConfigurationError(f"chunk_size must be a positive int, got {chunk_size}.")
+    path = _pick_path(hidden_nh, lm_head, use_liger)
+    if path == "liger":
+        total = _liger_sum(hidden_nh, lm_head, labels_n)
+    elif path == "function":
+        total = _ChunkedLinearCE.apply(hidden_nh, lm_head.weight, lm_head.bias, labels_n, chunk_size)
+    else:
+        total = _module_chunked_sum(hidden_nh, lm_head, labels_n, chunk_size)
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
+    if reduction == "sum":
+        return total
+    return total / (labels_n != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def causal_lm_loss_from_hidden(
+    model: nn.Module,
+    hidden_states: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    use_liger: bool | None = None,
+) -> torch.Tensor:
+    """Causal-LM loss from the decoder's last hidden states (B, S, H) and unshifted labels (B, S).
+
+    Shifts like transformers' `ForCausalLMLoss` (position t predicts label t+1), uses the model's output embedding
+    module (works for PEFT models and tied heads), and returns mean over target tokens, or sum / num_items_in_batch.
+    """
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ConfigurationError(f"{type(model).__name__} has no output embeddings (lm_head); pass a causal-LM model.")
+    hidden_nh = hidden_states[:, :-1, :].reshape(-1, hidden_states.shape[-1])
+    labels_n = labels[:, 1:].reshape(-1).to(hidden_states.device)
+    return linear_cross_entropy(
+        hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, use_liger=use_liger
+    )

@@ -1,0 +1,143 @@
+"""Chunked linear CE vs plain F.cross_entropy over full logits (fp32, CPU): loss, gradients, saved memory."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_accel.errors import ConfigurationError, InvalidBatch
+from hf_accel.fused_ce import causal_lm_loss_from_hidden, linear_cross_entropy
+
+# fp32 on CPU: chunking only reorders sums, so differences are a few ulps of the accumulated values
+RTOL, ATOL = 1e-5, 1e-6
+N, H, V = 37, 16, 53
+
+
+def _data(seed: int = 0, ignore_frac: float = 0.3):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[torch.rand(N, generator=g) < ignore_frac] = -100
+    return hidden, labels
+
+
+def _reference(hidden, head, labels, reduction, num_items):
+    loss = F.cross_entropy(head(hidden).float(), labels, ignore_index=-100, reduction="sum")
+    if num_items is not None:
+        return loss / num_items
+    return loss if reduction == "sum" else loss / (labels != -100).sum()
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 1000])
+@pytest.mark.parametrize("reduction,num_items", [("sum", None), ("mean", None), ("mean", 23)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_linear_matches_full_logits(chunk_size, reduction, num_items, bias):
+    hidden, labels = _data()
+    head = nn.Linear(H, V, bias=bias)
+    hidden.requires_grad_(True)
+    params = [hidden, *head.parameters()]
+    want = _reference(hidden, head, labels, reduction, num_items)
+    got = linear_cross_entropy(
+        hidden, head, labels, reduction=reduction, num_items_in_batch=num_items, chunk_size=chunk_size
+    )
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for g_got, g_want in zip(_grads(got, params), _grads(want, params)):
+        torch.testing.assert_close(g_got, g_want, rtol=RTOL, atol=ATOL)
+
+
+def test_frozen_head_only_hidden_grad():
+    hidden, labels = _data(1)
+    head = nn.Linear(H, V).requires_grad_(False)
+    hidden.requires_grad_(True)
+    got = linear_cross_entropy(hidden, head, labels, chunk_size=7)
+    want = _reference(hidden, head, labels, "mean", None)
+    torch.testing.assert_close(_grads(got, [hidden])[0], _grads(want, [hidden])[0], rtol=RTOL, atol=ATOL)
+
+
+def test_lora_head_gets_gradients_through_module_path():
+    peft = pytest.importorskip("peft")
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(H, V, bias=False)
+
+    model = peft.get_peft_model(Tiny(), peft.LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False))
+    head = model.base_model.model.lm_head
+    hidden, labels = _data(2)
+    hidden.requires_grad_(True)
+    lora = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert len(lora) == 2  # lora_A and lora_B
+    want = _reference(hidden, head, labels, "mean", None)
+    got = linear_cross_entropy(hidden, head, labels, chunk_size=6)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for g_got, g_want in zip(_grads(got, [hidden, *lora]), _grads(want, [hidden, *lora])):
+        assert g_want.abs().sum() > 0
+        torch.testing.assert_close(g_got, g_want, rtol=RTOL, atol=ATOL)
+
+
+def _saved_numel(fn) -> int:
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved)
+
+
+def test_saved_tensors_much_smaller_than_full_logits():
+    n, h, v = 2048, 32, 4096
+    hidden = torch.randn(n, h, requires_grad=True)
+    head = nn.Linear(h, v, bias=False)
+    labels = torch.randint(0, v, (n,))
+    chunked = _saved_numel(lambda: linear_cross_entropy(hidden, head, labels, chunk_size=256))
+    full = _saved_numel(lambda: F.cross_entropy(head(hidden), labels))
+    # hidden (n*h) + weight (v*h) + labels + lse: ~n*(h+2) + v*h, vs the reference keeping >= n*v logits
+    assert full >= n * v
+    assert chunked < n * v / 10, (chunked, n * v)
+
+
+def test_causal_lm_loss_matches_hf_model_loss():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    input_ids = torch.randint(0, 128, (2, 11))
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    out = model(input_ids=input_ids, labels=labels, use_cache=False, output_hidden_states=True)
+    hidden = out.hidden_states[-1]  # after the final norm: what lm_head sees
+    for num_items in (None, 7):
+        want = out.loss if num_items is None else model.loss_function(out.logits, labels, 128, num_items_in_batch=7)
+        got = causal_lm_loss_from_hidden(model, hidden, labels, num_items_in_batch=num_items)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    params = [p for p in model.parameters()]
+    g_got = _grads(causal_lm_loss_from_hidden(model, model.model(input_ids).last_hidden_state, labels), params)
+    g_want = _grads(model(input_ids=input_ids, labels=labels, use_cache=False).loss, params)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bad_inputs_raise_typed_errors():
+    hidden, labels = _data()
+    head = nn.Linear(H, V)
+    with pytest.raises(InvalidBatch, match="flatten"):
+        linear_cross_entropy(hidden[None], head, labels)
+    with pytest.raises(ConfigurationError, match="reduction"):
+        linear_cross_entropy(hidden, head, labels, reduction="none")
+    with pytest.raises(ConfigurationError, match="chunk_size"):
+        linear_cross_entropy(hidden, head, labels, chunk_size=0)
+
+
+def test_all_ignored_mean_is_zero_not_nan():
+    hidden, _ = _data()
+    labels = torch.full((N,), -100)
+    assert linear_cross_entropy(hidden, nn.Linear(H, V), labels).item() == 0.0
