@@ -1,0 +1,86 @@
+"""The attention function and mask function hf_accel registers with transformers under its own name.
+
+Training and prefill calls (queries as long as keys) go through the varlen seam and the chosen kernel. Decoding
+steps with a KV cache (queries shorter than keys) run transformers' own SDPA function with SDPA's own mask, i.e.
+exactly what the unpatched model computes.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
+
+from .kernels import AttnOptions, varlen_attention
+from .varlen import varlen_batch
+
+# Our own name: never containing "flash" (transformers treats such names as its own flash path and fetches kernels).
+ATTN_NAME = "hf_accel"
+BACKEND_ATTR = "_hf_accel_backend"
+
+
+def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """2D padding mask (or None) for the varlen path; SDPA's 4D mask for decoding steps behind a KV cache."""
+    if q_length != kv_length:
+        return sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+            attention_mask=attention_mask, **kwargs,
+        )
+    return flash_attention_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset,
+        mask_function=kwargs.get("mask_function"), attention_mask=attention_mask,
+    )
+
+
+def seam_attention(
+    module: torch.nn.Module,
+    q_bshd: torch.Tensor,
+    k_bshd: torch.Tensor,
+    v_bshd: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    opts: AttnOptions,
+    cu_seq_lens: torch.Tensor | None = None,
+    max_length: int | None = None,
+) -> torch.Tensor:
+    """The one seam every family shares: (B, S, H, D) in, varlen kernel, (B, S, Hq, D) out."""
+    batch, seq = q_bshd.shape[:2]
+    meta = varlen_batch(
+        batch_size=batch, seq_len=seq, device=q_bshd.device, attention_mask=attention_mask,
+        position_ids=position_ids, cu_seq_lens=cu_seq_lens, max_length=max_length,
+    )
+    out_thd = varlen_attention(
+        meta.unpad(q_bshd), meta.unpad(k_bshd), meta.unpad(v_bshd),
+        meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, opts,
+        backend=getattr(module, BACKEND_ATTR, "auto"),
+    )
+    return meta.pad(out_thd)
+
+
+def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
+    decoding = query.shape[2] != key.shape[2] or (attention_mask is not None and attention_mask.ndim == 4)
+    if decoding:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    opts = AttnOptions(
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        causal=getattr(module, "is_causal", True),
+        window=(window - 1 if window else None, None),
+        dropout_p=dropout,
+    )
+    out = seam_attention(
+        module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        attention_mask=attention_mask, position_ids=kwargs.get("position_ids"), opts=opts,
+        cu_seq_lens=kwargs.get("cu_seq_lens_q"), max_length=kwargs.get("max_length_q"),
+    )
+    return out, None
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent, process-wide, our name only)."""
+    AttentionInterface.register(ATTN_NAME, hf_accel_attention)
+    AttentionMaskInterface.register(ATTN_NAME, hf_accel_mask)

@@ -1,0 +1,157 @@
+"""patch() / unpatch(): bind hf_accel's attention seam to one model instance, and undo it exactly.
+
+Nothing is rebound on classes: each family module in ``hf_accel.patches`` touches only this model's attention modules
+(and, for registry families, this model's attention implementation name), and hands back undo actions.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ._compat import check_transformers_version
+from .errors import UnsupportedModel
+from .kernels import AttentionRequest, DeviceInfo, select
+
+logger = logging.getLogger("hf_accel")
+
+FAMILY_MODULES = ("llama", "gpt_neox", "falcon")
+STATE_ATTR = "_hf_accel_state"
+
+
+@dataclass
+class PatchReport:
+    """What patch() did: which modules, which backend serves training calls, what was passed over and why."""
+
+    model_type: str
+    backend_requested: str
+    backend: str
+    selection: str
+    patched_modules: list[str]
+    touches: str
+    lora_targets: tuple[str, ...]
+    checkpointing: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [
+            f"hf_accel: patched {len(self.patched_modules)} attention modules of a {self.model_type} model "
+            f"({self.touches})",
+            f"  backend: {self.selection}",
+            f"  LoRA targets for this family: {', '.join(self.lora_targets)}",
+        ]
+        if self.checkpointing:
+            lines.append(f"  checkpointing: {self.checkpointing}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass
+class _PatchState:
+    report: PatchReport
+    undo: list[Callable[[], None]]
+
+
+def _family(model_type: str):
+    for name in FAMILY_MODULES:
+        module = importlib.import_module(f"hf_accel.patches.{name}")
+        if model_type in module.MODEL_TYPES:
+            return module
+    supported = ", ".join(t for n in FAMILY_MODULES for t in importlib.import_module(f"hf_accel.patches.{n}").MODEL_TYPES)
+    raise UnsupportedModel(
+        f"hf_accel has no patch for model_type={model_type!r}; supported: {supported}. "
+        "Train it unpatched, or open an issue with the model's config."
+    )
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under PEFT (or any wrapper exposing get_base_model)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _training_request(model, family, device: DeviceInfo | None) -> AttentionRequest:
+    heads_q, heads_kv, head_dim = family.head_shape(model.config)
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype = param.dtype if param is not None else torch.float32
+    dev = device or DeviceInfo.of(param.device if param is not None else torch.device("cpu"))
+    alibi = bool(getattr(model.config, "alibi", False))
+    return AttentionRequest(
+        device=dev, dtype=dtype, head_dim=head_dim, num_heads_q=heads_q, num_heads_kv=heads_kv,
+        dropout=alibi and float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0, alibi=alibi,
+    )
+
+
+def _no_cache_in_training(module, args, kwargs):
+    """A KV cache is dead weight in training (and stock HF then ignores packing); default it off there."""
+    if module.training and kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def patch(model: torch.nn.Module, backend: str = "auto", checkpointing=None) -> PatchReport:
+    """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
+
+    Works on a plain transformers model or a PEFT model, before or after ``get_peft_model``. Idempotent: patching a
+    patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
+    takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.checkpointing).
+    """
+    check_transformers_version()
+    model_hf = base_model(model)
+    config = getattr(model_hf, "config", None)
+    if config is None:
+        raise UnsupportedModel(f"expected a transformers PreTrainedModel (or PEFT model), got {type(model).__name__}.")
+    family = _family(config.model_type)
+    state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
+    if state is not None:
+        same = state.report.backend_requested == backend and state.report.checkpointing == _describe(checkpointing)
+        if same:
+            return state.report
+        unpatch(model)
+
+    request = _training_request(model_hf, family, None)
+    chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
+    names, undo = family.apply(model_hf, backend)
+    hook = model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    undo.append(hook.remove)
+    report = PatchReport(
+        model_type=config.model_type, backend_requested=backend, backend=chosen.backend.name,
+        selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,
+        lora_targets=family.LORA_TARGETS,
+    )
+    if checkpointing is not None:
+        from .checkpointing import policy_from_spec
+
+        policy = policy_from_spec(checkpointing)
+        policy.apply(model)
+        undo.append(lambda: policy.remove(model))
+        report.checkpointing = _describe(checkpointing)
+    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo)
+    logger.info("%s", report)
+    return report
+
+
+def _describe(checkpointing) -> str | None:
+    if checkpointing is None:
+        return None
+    describe = getattr(checkpointing, "describe", None)
+    return describe() if callable(describe) else str(checkpointing)
+
+
+def unpatch(model: torch.nn.Module) -> None:
+    """Undo patch() exactly (a no-op on an unpatched model)."""
+    model_hf = base_model(model)
+    state: _PatchState | None = model_hf.__dict__.pop(STATE_ATTR, None)
+    if state is None:
+        return
+    for action in reversed(state.undo):
+        action()
+
+
+def patch_report(model: torch.nn.Module) -> PatchReport | None:
+    state = base_model(model).__dict__.get(STATE_ATTR)
+    return None if state is None else state.report
+

@@ -1,0 +1,194 @@
+"""The one description of a batch's layout that every attention call shares: where the real tokens sit once the
+(B, S) batch is flattened, and where each document starts.
+
+A forward pass computes it once (the first attention layer does, later layers and checkpoint recomputation hit the
+memo below) from whichever the caller gave: a collator's ``cu_seq_lens_q`` + ``max_length_q`` (no host sync), or a 2D
+padding mask and/or ``position_ids`` that restart per packed document (exactly one host sync).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidBatch
+
+INT32_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class VarlenBatch:
+    """Varlen metadata of one (B, S) batch.
+
+    cu_seqlens: (num_docs + 1,) int32 on the model's device, offsets into the selected (real) tokens.
+    max_seqlen: longest document, a Python int (kernels need it on the host).
+    indices:    (num_tokens,) int64 positions of the real tokens in the flattened B*S, or None when every slot is real.
+    """
+
+    batch_size: int
+    seq_len: int
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    indices: torch.Tensor | None
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def unpad(self, x_bshd: torch.Tensor) -> torch.Tensor:
+        """(B, S, H, D) -> (T, H, D) keeping only real tokens."""
+        x_thd = x_bshd.reshape(self.batch_size * self.seq_len, *x_bshd.shape[2:])
+        return x_thd if self.indices is None else x_thd.index_select(0, self.indices)
+
+    def pad(self, x_thd: torch.Tensor) -> torch.Tensor:
+        """(T, H, D) -> (B, S, H, D); padding slots are zero."""
+        if self.indices is None:
+            return x_thd.reshape(self.batch_size, self.seq_len, *x_thd.shape[1:])
+        full = x_thd.new_zeros(self.batch_size * self.seq_len, *x_thd.shape[1:])
+        full = full.index_copy(0, self.indices, x_thd)
+        return full.reshape(self.batch_size, self.seq_len, *x_thd.shape[1:])
+
+
+def _check_int32(total: int) -> None:
+    if total > INT32_LIMIT:
+        raise InvalidBatch(
+            f"the batch holds {total} token slots, more than int32 cumulative lengths can address ({INT32_LIMIT}); "
+            "split it into smaller micro-batches."
+        )
+
+
+def from_cu_seqlens(
+    cu_seq_lens: torch.Tensor, max_length: int, batch_size: int, seq_len: int, device: torch.device
+) -> VarlenBatch:
+    """Trust a collator's metadata over the flattened B*S tokens (no host sync)."""
+    _check_int32(batch_size * seq_len)
+    if cu_seq_lens.ndim != 1 or cu_seq_lens.numel() < 2:
+        raise InvalidBatch(f"cu_seq_lens must be 1D with at least 2 entries, got shape {tuple(cu_seq_lens.shape)}.")
+    if isinstance(max_length, torch.Tensor):
+        max_length = int(max_length.item())  # host sync, only when a caller passed a tensor
+    return VarlenBatch(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        cu_seqlens=cu_seq_lens.to(device=device, dtype=torch.int32),
+        max_seqlen=int(max_length),
+        indices=None,
+    )
+
+
+def from_mask_and_positions(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+) -> VarlenBatch:
+    """Documents from a 2D padding mask (B, S) and/or position_ids (B or 1, S).
+
+    A document starts at a row's first real token, and wherever position_ids do not continue the previous real
+    token's position by +1 (packed rows restart at 0). The whole computation happens on one host copy.
+    """
+    _check_int32(batch_size * seq_len)
+    layout = []
+    if attention_mask is not None:
+        layout.append(attention_mask.to(torch.long).expand(batch_size, seq_len))
+    if position_ids is not None:
+        layout.append(position_ids.to(torch.long).expand(batch_size, seq_len))
+    if layout:
+        # The one host sync of the forward pass: the batch layout comes to the CPU once.
+        host = torch.stack(layout).cpu()
+    mask_bs = host[0].bool() if attention_mask is not None else torch.ones(batch_size, seq_len, dtype=torch.bool)
+    pos_bs = host[-1] if position_ids is not None else torch.arange(seq_len).expand(batch_size, seq_len)
+
+    prev_real = torch.nn.functional.pad(mask_bs[:, :-1], (1, 0), value=False)
+    prev_pos = torch.nn.functional.pad(pos_bs[:, :-1], (1, 0), value=-2)
+    starts_bs = mask_bs & (~prev_real | (pos_bs != prev_pos + 1))
+
+    real_flat = mask_bs.reshape(-1)
+    starts_flat = starts_bs.reshape(-1)
+    indices = None
+    if not bool(real_flat.all()):
+        indices = real_flat.nonzero().squeeze(1)
+        starts_flat = starts_flat[indices]
+    num_tokens = int(starts_flat.numel())
+    if num_tokens == 0:
+        raise InvalidBatch("the batch has no real token (its attention_mask is all zeros).")
+    doc_starts = starts_flat.nonzero().squeeze(1)
+    cu = torch.cat([doc_starts, torch.tensor([num_tokens])]).to(torch.int32)
+    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    return VarlenBatch(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        cu_seqlens=cu.to(device, non_blocking=True),
+        max_seqlen=max_seqlen,
+        indices=None if indices is None else indices.to(device, non_blocking=True),
+    )
+
+
+class _Memo:
+    """Single-entry memo keyed by the identity of the tensors a forward pass hands to every layer.
+
+    Weak references make a stale entry (a freed tensor whose id was reused) a miss, never a wrong hit.
+    """
+
+    def __init__(self) -> None:
+        self._refs: tuple = ()
+        self._value: VarlenBatch | None = None
+
+    @staticmethod
+    def _ref(t):
+        return None if t is None else weakref.ref(t)
+
+    def get(self, key: tuple) -> VarlenBatch | None:
+        if self._value is None or len(key) != len(self._refs):
+            return None
+        for tensor, ref in zip(key, self._refs):
+            if (tensor is None) != (ref is None) or (ref is not None and ref() is not tensor):
+                return None
+        return self._value
+
+    def put(self, key: tuple, value: VarlenBatch) -> None:
+        self._refs = tuple(self._ref(t) for t in key)
+        self._value = value
+
+
+_memo = _Memo()
+
+
+def key_padding_from_4d(mask_b1qk: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) causal mask (bool, or additive float) -> (B, S) bool of real keys.
+
+    Its last query row sees every real key (causal x padding), whether padding sits left or right.
+    """
+    last_row = mask_b1qk[:, 0, -1, :]
+    if last_row.dtype == torch.bool:
+        return last_row
+    return last_row > torch.finfo(last_row.dtype).min / 2
+
+
+def varlen_batch(
+    *,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens: torch.Tensor | None = None,
+    max_length: int | None = None,
+) -> VarlenBatch:
+    """The batch's VarlenBatch, computed once per forward pass and shared by every layer.
+
+    ``attention_mask`` is a 2D padding mask, or a model's 4D causal mask (reduced to its key padding).
+    """
+    key = (attention_mask, position_ids, cu_seq_lens)
+    hit = _memo.get(key)
+    if hit is not None and hit.batch_size == batch_size and hit.seq_len == seq_len:
+        return hit
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = key_padding_from_4d(attention_mask)
+    if cu_seq_lens is not None and max_length is not None and attention_mask is None:
+        value = from_cu_seqlens(cu_seq_lens, max_length, batch_size, seq_len, device)
+    else:
+        value = from_mask_and_positions(attention_mask, position_ids, batch_size, seq_len, device)
+    _memo.put(key, value)
+    return value

@@ -1,0 +1,103 @@
+"""Falcon family: 7B multi-query, 40B/180B new decoder architecture (grouped KV), RW (ALiBi), plain MHA.
+
+Falcon does not use transformers' AttentionInterface and builds its mask without position_ids, so stock packed
+batches attend across documents. The seam here is each ``FalconAttention`` instance's ``forward`` (never the decoder
+layer's, which would silently disable checkpointing): the fused ``query_key_value`` and ``dense`` projections are
+still called as modules (LoRA works), K/V go to the kernel as true groups (no broadcast to every head), documents come
+from position_ids, and ALiBi is passed to the kernel as slopes. Decoding steps behind a KV cache and
+``output_attentions`` run the original forward unchanged.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+from transformers.models.falcon.modeling_falcon import FalconAttention, apply_rotary_pos_emb, build_alibi_tensor
+
+from hf_accel.hf_attention import BACKEND_ATTR, seam_attention
+from hf_accel.kernels import AttnOptions
+
+MODEL_TYPES = ("falcon",)
+LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+TOUCHES = "FalconAttention.forward (instance-bound)"
+_ORIGINAL = "_hf_accel_original_forward"
+
+
+def head_shape(config) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    if config.new_decoder_architecture:
+        kv = config.num_kv_heads
+    else:
+        kv = 1 if config.multi_query else heads
+    return heads, kv, config.hidden_size // heads
+
+
+def split_qkv(module: FalconAttention, fused_bsx: torch.Tensor):
+    """Fused projection (B, S, X) -> q (B, S, Hq, D), k and v (B, S, Hkv, D), per the checkpoint's layout."""
+    batch, seq, _ = fused_bsx.shape
+    heads, head_dim = module.num_heads, module.head_dim
+    if module.new_decoder_architecture:  # per KV group: [q ... q, k, v]
+        groups = module.num_kv_heads
+        qkv = fused_bsx.view(batch, seq, groups, heads // groups + 2, head_dim)
+        return qkv[:, :, :, :-2].reshape(batch, seq, heads, head_dim), qkv[:, :, :, -2], qkv[:, :, :, -1]
+    if module.multi_query:  # all q heads, then one k, one v
+        qkv = fused_bsx.view(batch, seq, heads + 2, head_dim)
+        return qkv[:, :, :heads], qkv[:, :, heads:heads + 1], qkv[:, :, heads + 1:]
+    qkv = fused_bsx.view(batch, seq, heads, 3, head_dim)  # plain MHA: interleaved per head
+    return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+
+
+def alibi_slopes(module: FalconAttention, device: torch.device) -> torch.Tensor:
+    """Per-head slopes exactly as transformers builds them (bf16-rounded), scaled as Falcon scales its bias."""
+    ones = torch.ones(1, 2, device=device)
+    slopes = build_alibi_tensor(ones, module.num_heads, torch.float32).reshape(module.num_heads, 2)[:, 1]
+    return slopes / math.sqrt(module.head_dim)
+
+
+def _cache_layout(module: FalconAttention, k_bshd: torch.Tensor) -> torch.Tensor:
+    """K/V as the stock forward caches them: (B, H_cache, S, D); the new architecture broadcasts to every head."""
+    cached_heads = module.num_heads if module.new_decoder_architecture else module.num_kv_heads
+    groups = cached_heads // k_bshd.shape[2]
+    return k_bshd.repeat_interleave(groups, dim=2).transpose(1, 2) if groups > 1 else k_bshd.transpose(1, 2)
+
+
+def patched_forward(
+    self: FalconAttention, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+    use_cache=False, output_attentions=False, position_embeddings=None, **kwargs,
+):
+    decoding = layer_past is not None and layer_past.get_seq_length(self.layer_idx) > 0
+    if decoding or output_attentions:
+        return getattr(self, _ORIGINAL)(
+            hidden_states, alibi, attention_mask, position_ids=position_ids, layer_past=layer_past,
+            use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
+            **kwargs,
+        )
+    q, k, v = split_qkv(self, self.query_key_value(hidden_states))
+    if alibi is None:
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    if layer_past is not None:  # a prefill that starts a cache: store it the way the stock decode steps read it
+        layer_past.update(_cache_layout(self, k), _cache_layout(self, v), self.layer_idx)
+    opts = AttnOptions(
+        scale=self.inv_norm_factor,
+        causal=True,
+        dropout_p=self.attention_dropout.p if (self.training and alibi is not None) else 0.0,
+        alibi_slopes=None if alibi is None else alibi_slopes(self, q.device),
+    )
+    out = seam_attention(
+        self, q, k, v, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
+    )
+    return self.dense(out.reshape(*out.shape[:2], -1)), None
+
+
+def apply(model, backend: str):
+    names, undo = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, FalconAttention):
+            module.__dict__[_ORIGINAL] = module.forward
+            module.forward = types.MethodType(patched_forward, module)
+            setattr(module, BACKEND_ATTR, backend)
+            names.append(name)
+            undo.append(lambda m=module: [m.__dict__.pop(a, None) for a in ("forward", _ORIGINAL, BACKEND_ATTR)])
+    return names, undo
