@@ -1,0 +1,1 @@
+"""Training-throughput benchmark helpers used by scripts/bench.py (workloads, FLOP/MFU accounting, configurations)."""

@@ -1,0 +1,223 @@
+"""The benchmarked configurations: what each needs (as data) and how it builds its model and batches."""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .train import Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop, run_trl
+from .workloads import BenchData, greedy_steps, micro_batches
+
+FA4 = "flash_attention_4"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Knobs of the `hf_accel-best` configuration (and the attention substitute for CPU smoke runs)."""
+
+    fused_ce: str = "auto"  # auto (Liger on CUDA when installed, else chunked) | chunked | liger | off
+    backend: str = "auto"  # passed to hf_accel.patch
+    checkpointing: str | None = None  # passed to hf_accel.patch when set
+    ce_chunk_size: int = 4096
+    substitute_attn: str | None = None  # e.g. "sdpa": run FA4 configs with it (CPU smoke of the TRL path)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    stock: bool  # a baseline others are compared against (everything not hf_accel)
+    needs: tuple[str, ...]  # requirement names, see REQUIREMENTS
+    run: Callable[[RunSettings, BenchData, Options, Timing], nn.Module]
+    description: str
+    wrong_for: tuple[str, ...] = field(default=())  # families where this config computes something else
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _hf_accel_api() -> bool:
+    try:
+        import hf_accel
+        from hf_accel.collators import DataCollatorForPacking  # noqa: F401
+        from hf_accel.sampling import TokenBudgetBatchSampler  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(hf_accel, "patch")
+
+
+def _liger_families() -> set[str]:
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception:  # noqa: BLE001 - liger imports triton; any failure means "cannot use liger"
+        return set()
+    return set(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def _cuda(device: str) -> bool:
+    return device.startswith("cuda") and torch.cuda.is_available()
+
+
+# name -> check(device, family) returning why it is unmet, or None
+REQUIREMENTS: dict[str, Callable[[str, str], str | None]] = {
+    "cuda": lambda device, fam: None if _cuda(device) else "needs CUDA",
+    "fa4": lambda device, fam: ("needs CUDA" if not _cuda(device) else
+                                None if _has("flash_attn.cute") else "flash-attn-4 (flash_attn.cute) not installed"),
+    "liger": lambda device, fam: None if _has("liger_kernel") else "liger-kernel not installed",
+    "liger-family": lambda device, fam: (None if fam in _liger_families()
+                                         else f"liger-kernel has no kernels for model_type {fam!r}"),
+    "trl": lambda device, fam: None if _has("trl") and _has("datasets") else "trl / datasets not installed",
+    "hf_accel": lambda device, fam: (None if _hf_accel_api()
+                                     else "hf_accel.patch / collators / sampling not importable yet"),
+}
+
+
+def missing_requirement(config: BenchConfig, device: str, family: str, options: Options) -> str | None:
+    """Why `config` cannot run here (first unmet requirement), or None. A substitute attention waives "fa4"."""
+    for need in config.needs:
+        if need == "fa4" and options.substitute_attn:
+            continue
+        reason = REQUIREMENTS[need](device, family)
+        if reason:
+            return reason
+    return None
+
+
+def _attn(options: Options, wanted: str) -> str:
+    return options.substitute_attn if (wanted == FA4 and options.substitute_attn) else wanted
+
+
+def _padded_steps(data: BenchData) -> Iterator[list[Batch]]:
+    steps = greedy_steps(data.lengths, data.spec.tokens_per_step)
+    for step in itertools.cycle(steps):
+        yield [_pad([data.samples[i] for i in mb]) for mb in micro_batches(step, data.spec.padded_batch_size)]
+
+
+def _pad(samples: list[list[int]]) -> Batch:
+    """Right-pad to the longest: input_ids (B, S), attention_mask, labels (-100 on padding)."""
+    longest = max(len(s) for s in samples)
+    input_ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, sample in enumerate(samples):
+        input_ids[row, : len(sample)] = torch.tensor(sample)
+        mask[row, : len(sample)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
+
+
+def _flattened_steps(data: BenchData) -> Iterator[list[Batch]]:
+    """Stock packing: transformers' DataCollatorWithFlattening, one row per step, position_ids only."""
+    from transformers import DataCollatorWithFlattening
+
+    collate = DataCollatorWithFlattening(return_tensors="pt")
+    for step in itertools.cycle(greedy_steps(data.lengths, data.spec.tokens_per_step)):
+        batch = collate([{"input_ids": data.samples[i]} for i in step])
+        yield [{k: batch[k] for k in ("input_ids", "labels", "position_ids")}]
+
+
+def _hf_accel_steps(data: BenchData, seed: int) -> Iterator[list[Batch]]:
+    """hf_accel packing: token-budget best-fit bins, packed into one row each by DataCollatorForPacking."""
+    from hf_accel.collators import DataCollatorForPacking
+    from hf_accel.sampling import TokenBudgetBatchSampler
+
+    sampler = TokenBudgetBatchSampler(data.lengths, max_tokens=data.spec.tokens_per_step, shuffle=True, seed=seed)
+    collate = DataCollatorForPacking(pad_token_id=0, max_tokens=None)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        for indices in sampler:
+            yield [collate([{"input_ids": data.samples[i]} for i in indices])]
+
+
+def _stock(attn: str, packed: bool) -> Callable[..., nn.Module]:
+    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+        model = add_lora(build_model(settings, _attn(options, attn)), settings.workload)
+        steps = _flattened_steps(data) if packed else _padded_steps(data)
+        run_loop(model, steps, hf_loss, settings, timing)
+        return model
+
+    return run
+
+
+def _liger_padded(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    model = build_model(settings, "sdpa")
+    _apply_liger_kernel_to_instance(model=model)  # rope, norms, MLP and fused linear CE in the forward
+    model = add_lora(model, settings.workload)
+    run_loop(model, _padded_steps(data), hf_loss, settings, timing)
+    return model
+
+
+def _trl(liger: bool) -> Callable[..., nn.Module]:
+    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+        model = add_lora(build_model(settings, _attn(options, FA4)), settings.workload)
+        run_trl(model, data, settings, timing, liger=liger)
+        return model
+
+    return run
+
+
+def _fused_loss(options: Options, timing: Timing) -> Callable[..., torch.Tensor]:
+    from hf_accel.fused_ce import causal_lm_loss_from_hidden
+
+    use_liger = {"auto": None, "liger": True, "chunked": False}[options.fused_ce]
+
+    def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
+        lm = causal_lm(model)
+        decoder = getattr(lm, lm.base_model_prefix)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        hidden = call_filtered(decoder, {**inputs, "use_cache": False}).last_hidden_state
+        return causal_lm_loss_from_hidden(model, hidden, batch["labels"], num_items_in_batch=step_targets,
+                                          chunk_size=options.ce_chunk_size, use_liger=use_liger)
+
+    return loss_fn
+
+
+def _hf_accel(best: bool) -> Callable[..., nn.Module]:
+    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+        import hf_accel
+
+        model = build_model(settings, "sdpa")
+        kwargs: dict[str, Any] = {"backend": options.backend if best else "auto"}
+        if best and options.checkpointing is not None:
+            kwargs["checkpointing"] = options.checkpointing
+        report = hf_accel.patch(model, **kwargs)
+        timing.notes.append(f"patch: {report}")
+        model = add_lora(model, settings.workload)
+        loss_fn = _fused_loss(options, timing) if best and options.fused_ce != "off" else hf_loss
+        if best:
+            timing.notes.append(f"fused_ce={options.fused_ce}")
+        run_loop(model, _hf_accel_steps(data, settings.seed), loss_fn, settings, timing)
+        return model
+
+    return run
+
+
+_FALCON_LEAK = ("falcon",)  # Falcon ignores packed position_ids under sdpa/TRL: documents attend to each other
+CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in [
+        BenchConfig("hf-sdpa-padded", True, (), _stock("sdpa", packed=False),
+                    "stock HF, sdpa, micro-batches of 8 padded to longest"),
+        BenchConfig("hf-fa4-padded", True, ("fa4",), _stock(FA4, packed=False),
+                    "stock HF, attn_implementation=flash_attention_4, padded"),
+        BenchConfig("hf-sdpa-packed", True, (), _stock("sdpa", packed=True),
+                    "stock HF, sdpa, DataCollatorWithFlattening (one row, position_ids)", wrong_for=_FALCON_LEAK),
+        BenchConfig("liger-sdpa-padded", True, ("cuda", "liger", "liger-family"), _liger_padded,
+                    "liger_kernel on stock sdpa, padded"),
+        BenchConfig("trl-fa4-packed", True, ("fa4", "trl"), _trl(liger=False),
+                    "TRL SFTTrainer packing=True (bfd, padding-free), flash_attention_4", wrong_for=_FALCON_LEAK),
+        BenchConfig("trl-fa4-packed-liger", True, ("fa4", "trl", "cuda", "liger", "liger-family"), _trl(liger=True),
+                    "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_FALCON_LEAK),
+        BenchConfig("hf_accel", False, ("hf_accel",), _hf_accel(best=False),
+                    "hf_accel.patch(model) + TokenBudgetBatchSampler + DataCollatorForPacking"),
+        BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
+                    "hf_accel plus fused/chunked CE and the --best-* options"),
+    ]
+}

@@ -1,0 +1,77 @@
+"""Model FLOPs for MFU, trainable-aware, counted on real (non-pad) tokens and real documents only.
+
+Per optimizer step, with T real tokens in documents of lengths n_d:
+    FLOPs = (6 * P_trainable + 4 * P_frozen) * T  +  6 * L * d_attn * sum_d n_d^2
+- P_*: weights of every matmul (each nn.Linear, so LoRA A/B and a tied lm_head count; embeddings lookups do not).
+  A weight costs 2 FLOPs/token forward, 2 for the input gradient, and 2 more for its own gradient if trainable.
+- attention: per layer, causal QK^T and PV cost 2 * 2 * d_attn * n^2 / 2 forward, x3 for forward+backward.
+  d_attn = num_attention_heads * head_dim (query width; GQA does not reduce score FLOPs).
+Recomputation by gradient checkpointing is not counted (MFU, not hardware FLOPs utilisation); padding is not
+counted either, so padded configurations are charged only for useful work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+# bf16 dense tensor-core peak (no sparsity), from NVIDIA's H100/H200 SXM data sheets.
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    trainable_matmul_params: int
+    frozen_matmul_params: int
+    num_layers: int
+    attn_width: int  # num_attention_heads * head_dim
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "FlopModel":
+        trainable = frozen = 0
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                if module.weight.requires_grad:
+                    trainable += module.weight.numel()
+                else:
+                    frozen += module.weight.numel()
+        config = model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(trainable, frozen, config.num_hidden_layers, heads * head_dim)
+
+    def step_flops(self, doc_lengths: Iterable[int]) -> float:
+        """Model FLOPs of one optimizer step (forward + backward) over documents of these real lengths."""
+        lengths = [int(n) for n in doc_lengths]
+        dense = (6 * self.trainable_matmul_params + 4 * self.frozen_matmul_params) * sum(lengths)
+        attention = 6 * self.num_layers * self.attn_width * sum(n * n for n in lengths)
+        return float(dense + attention)
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    """bf16 dense peak of a known GPU (by name), else None (MFU is then not reported)."""
+    for key, value in PEAK_BF16_FLOPS.items():
+        if device_name and key in device_name:
+            return value
+    return None
+
+
+def doc_lengths_from_batch(batch: Mapping[str, torch.Tensor]) -> list[int]:
+    """Real document lengths of a padded (attention_mask) or packed (cu_seq_lens / position_ids) batch.
+
+    Packed rows' padding tails (labels all -100 and position_ids restarting) are indistinguishable from a real
+    document here, so collators used with this function must not add one (one row per step, no pad_to_multiple_of).
+    """
+    if "attention_mask" in batch and batch["attention_mask"] is not None:
+        return [int(n) for n in batch["attention_mask"].sum(dim=1).tolist() if n > 0]
+    if "cu_seq_lens_q" in batch:
+        return [int(n) for n in batch["cu_seq_lens_q"].diff().tolist() if n > 0]
+    if "position_ids" in batch:
+        lengths: list[int] = []
+        for row in batch["position_ids"].tolist():
+            starts = [i for i, p in enumerate(row) if p == 0] + [len(row)]
+            lengths += [b - a for a, b in zip(starts, starts[1:]) if b > a]
+        return lengths
+    return [int(batch["input_ids"].shape[1])] * int(batch["input_ids"].shape[0])

@@ -1,0 +1,76 @@
+"""Environment record and the results table."""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+DISTRIBUTIONS = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "liger-kernel", "flash-attn-4",
+                 "triton", "hf_accel")
+
+
+def versions() -> dict[str, Any]:
+    """Installed versions of everything that changes the numbers, plus the GPU and the repo commit."""
+    found: dict[str, Any] = {"python": platform.python_version()}
+    for name in DISTRIBUTIONS:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    found["cuda"] = torch.version.cuda
+    found["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).resolve().parent)
+        found["hf_accel_commit"] = commit.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        found["hf_accel_commit"] = None
+    return found
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def add_ratios(results: list[dict[str, Any]], stock: Iterable[str]) -> str | None:
+    """Set `ratio_to_best_stock` on every ok result; return the best stock config's name (None if none ran)."""
+    stock = set(stock)
+    ok_stock = [r for r in results if r["config"] in stock and r.get("status") == "ok"]
+    if not ok_stock:
+        return None
+    best = max(ok_stock, key=lambda r: r["tokens_per_s"])
+    for r in results:
+        if r.get("status") == "ok":
+            r["ratio_to_best_stock"] = r["tokens_per_s"] / best["tokens_per_s"]
+    return best["config"]
+
+
+def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str:
+    """config | tokens/s | x best stock | MFU | peak GiB | loss | status."""
+    lines = [
+        f"ratio = tokens/s / tokens/s of the best stock config ({best_stock or 'none ran'})",
+        "",
+        "| config | real tokens/s | vs best stock | MFU | peak GiB | loss | status |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        mfu = r.get("mfu")
+        lines.append(
+            f"| {r['config']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('ratio_to_best_stock'), '.2f')}"
+            f" | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')}"
+            f" | {_fmt(r.get('loss'), '.4f')} | {r.get('status', '?')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(out_dir: Path, stem: str, record: dict[str, Any], table: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    md_path.write_text(f"# {stem}\n\n{table}\n")
+    return json_path, md_path

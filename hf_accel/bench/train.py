@@ -1,0 +1,231 @@
+"""Model construction and the timed training loops (a plain loop, and TRL's SFTTrainer with a timing callback)."""
+from __future__ import annotations
+
+import inspect
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from .flops import FlopModel, doc_lengths_from_batch
+from .workloads import BenchData, Workload, build_config
+
+Batch = dict[str, Any]
+# (model, micro-batch on device, real target tokens in the whole optimizer step) -> loss already divided by them
+LossFn = Callable[[nn.Module, Batch, int], torch.Tensor]
+
+
+@dataclass
+class RunSettings:
+    """What the child process runs: one workload x one configuration."""
+
+    workload: Workload
+    device: str
+    tiny: bool
+    steps: int
+    warmup: int
+    step_time_budget: float  # seconds of timed steps; stops early (after >= min_steps) when spent
+    seed: int = 0
+    min_steps: int = 3
+
+    @property
+    def dtype(self) -> torch.dtype:
+        # bf16 weights (no fp32 master copy) for every configuration on GPU; fp32 for the CPU smoke run
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+
+@dataclass
+class Timing:
+    step_seconds: list[float] = field(default_factory=list)
+    step_docs: list[list[int]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def build_model(settings: RunSettings, attn_implementation: str) -> nn.Module:
+    """Random-init model of the workload's shape, on the device, in settings.dtype (+ checkpointing, no LoRA yet)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(settings.seed)
+    config = build_config(settings.workload, settings.tiny)
+    with torch.device(settings.device):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=settings.dtype
+        )
+    model.train()
+    if settings.workload.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def add_lora(model: nn.Module, workload: Workload) -> nn.Module:
+    """LoRA r=16, alpha=32 on the workload's decoder linears (identity when the workload has no LoRA)."""
+    if not workload.lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(workload.lora_targets),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The *ForCausalLM module under an optional PEFT wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def call_filtered(fn: Callable[..., Any], batch: Mapping[str, Any]) -> Any:
+    """Call `fn(**batch)`, dropping keys its signature cannot take (Falcon's forwards take no **kwargs)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**batch)
+    return fn(**{k: v for k, v in batch.items() if k in params})
+
+
+def target_count(batch: Mapping[str, Any]) -> int:
+    """Non-ignored targets after the causal shift (what transformers' loss averages over)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def hf_loss(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
+    """Stock loss: the model's own mean over this micro-batch, re-weighted to sum / step targets."""
+    loss = call_filtered(model, {**batch, "use_cache": False}).loss
+    return loss * (target_count(batch) / max(step_targets, 1))
+
+
+def _to_device(batch: Mapping[str, Any], device: str) -> Batch:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def run_loop(
+    model: nn.Module, steps: Iterator[list[Batch]], loss_fn: LossFn, settings: RunSettings, timing: Timing
+) -> None:
+    """Warmup + timed optimizer steps; each step = its CPU micro-batches (collation time included in the step)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    total = settings.warmup + settings.steps
+    timed_start = None
+    synchronize(settings.device)
+    previous = time.perf_counter()
+    for index in range(total):
+        micro = next(steps)
+        step_targets = sum(target_count(mb) for mb in micro)
+        step_loss = 0.0
+        for mb in micro:
+            loss = loss_fn(model, _to_device(mb, settings.device), step_targets)
+            loss.backward()
+            step_loss += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(settings.device)
+        now = time.perf_counter()
+        if index >= settings.warmup:
+            timed_start = timed_start or previous
+            timing.step_seconds.append(now - previous)
+            timing.step_docs.append([n for mb in micro for n in doc_lengths_from_batch(mb)])
+            timing.losses.append(float(step_loss))
+            if now - timed_start > settings.step_time_budget and len(timing.step_seconds) >= settings.min_steps:
+                timing.notes.append(f"stopped after {len(timing.step_seconds)} timed steps (step time budget)")
+                break
+        previous = now
+
+
+def offline_tokenizer():
+    """A tiny word-level tokenizer (pad id 0, eos id 1): TRL needs a processing class; the data is pre-tokenized."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _timing_callback(settings: RunSettings, timing: Timing):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """Times step end to step end (data loading included, as in run_loop), synchronised."""
+
+        previous = None
+        timed_start = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize(settings.device)
+            now = time.perf_counter()
+            if state.global_step > settings.warmup and self.previous is not None:
+                self.timed_start = self.timed_start or self.previous
+                timing.step_seconds.append(now - self.previous)
+                spent = now - self.timed_start
+                if spent > settings.step_time_budget and len(timing.step_seconds) >= settings.min_steps:
+                    timing.notes.append(f"stopped after {len(timing.step_seconds)} timed steps (step time budget)")
+                    control.should_training_stop = True
+            self.previous = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and state.global_step > settings.warmup:
+                timing.losses.append(float(logs["loss"]))
+
+    return StepTimer()
+
+
+def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool) -> None:
+    """TRL SFTTrainer, packing=True (bfd => padding-free), rows of max_len, rows per step = tokens_per_step // max_len."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    all_docs: list[list[int]] = []
+
+    class CountingSFTTrainer(SFTTrainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            all_docs.append(doc_lengths_from_batch(inputs))
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    spec = data.spec
+    cuda = settings.device.startswith("cuda")
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(
+            output_dir=out, max_steps=settings.warmup + settings.steps, max_length=spec.max_len, packing=True,
+            per_device_train_batch_size=max(1, spec.tokens_per_step // spec.max_len), gradient_accumulation_steps=1,
+            learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
+            bf16=cuda, use_cpu=not cuda, gradient_checkpointing=settings.workload.checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=1, save_strategy="no",
+            report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
+            use_liger_kernel=liger, shuffle_dataset=False,
+        )
+        trainer = CountingSFTTrainer(
+            model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
+            processing_class=offline_tokenizer(), callbacks=[_timing_callback(settings, timing)],
+        )
+        trainer.train()
+    timing.step_docs.extend(all_docs[settings.warmup : settings.warmup + len(timing.step_seconds)])
+
+
+def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str) -> dict[str, Any]:
+    """tokens/s, MFU and the rest from the timed steps."""
+    if not timing.step_seconds:
+        raise RuntimeError("no timed steps were recorded (steps too small or run stopped during warmup)")
+    flop_model = FlopModel.from_model(model)
+    seconds = sum(timing.step_seconds)
+    docs = timing.step_docs[: len(timing.step_seconds)]
+    tokens = sum(sum(d) for d in docs)
+    flops = sum(flop_model.step_flops(d) for d in docs)
+    result = {
+        "timed_steps": len(timing.step_seconds), "timed_seconds": seconds, "real_tokens": tokens,
+        "tokens_per_s": tokens / seconds, "model_flops_per_s": flops / seconds,
+        "mfu": flops / seconds / peak if peak else None,
+        "loss": timing.losses[-1] if timing.losses else None,
+        "loss_finite": bool(timing.losses) and all(math.isfinite(x) for x in timing.losses),
+        "step_seconds": timing.step_seconds, "flop_model": flop_model.__dict__, "notes": timing.notes,
+    }
+    if device.startswith("cuda"):
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result

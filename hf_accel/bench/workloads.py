@@ -1,0 +1,170 @@
+"""Benchmark workloads: real architectures' shapes (random init, no hub), SFT-shaped lengths, token-budget steps."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+# Shapes shared by every tiny (CPU smoke) variant; only the family changes.
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model shape to benchmark. `config_kwargs` builds the real shape; `tiny_kwargs` the CPU smoke shape."""
+
+    name: str
+    family: str  # transformers model_type: llama, gpt_neox, falcon
+    config_kwargs: dict[str, Any]
+    tiny_kwargs: dict[str, Any]
+    lora: bool = False  # LoRA r=16 on every linear layer of the decoder (peft)
+    checkpointing: bool = False
+    lora_targets: tuple[str, ...] = ()
+    notes: str = ""
+
+
+_LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FUSED_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload(
+            "llama-1b", "llama",
+            dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0,
+                 max_position_embeddings=131072, rms_norm_eps=1e-5),
+            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True),
+            notes="Llama-3.2-1B shapes (rope scaling omitted: it does not change cost)",
+        ),
+        Workload(
+            "llama-8b-lora", "llama",
+            dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5),
+            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
+        ),
+        Workload(
+            "neox-1.4b", "gpt_neox",
+            dict(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                 num_attention_heads=16, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False,
+                 max_position_embeddings=4096),
+            dict(TINY, intermediate_size=256, rotary_pct=0.25, use_parallel_residual=True),
+            notes="Pythia-1.4B shapes (max_position_embeddings raised to 4096 for the 4096-token tail)",
+        ),
+        Workload(
+            "falcon-1b", "falcon",
+            dict(vocab_size=50304, hidden_size=2048, ffn_hidden_size=8192, num_hidden_layers=24,
+                 num_attention_heads=32, num_kv_heads=32, new_decoder_architecture=False, multi_query=False,
+                 alibi=False, parallel_attn=True, bias=False, tie_word_embeddings=True,
+                 max_position_embeddings=4096),
+            dict(TINY, ffn_hidden_size=256, num_kv_heads=4, new_decoder_architecture=False, multi_query=False,
+                 alibi=False, parallel_attn=True, bias=False),
+            notes="Falcon ~1.3B: hidden 2048, 24 layers, 32 heads MHA, rotary, parallel attn, vocab 50304, tied",
+        ),
+    ]
+}
+
+
+def build_config(workload: Workload, tiny: bool = False):
+    """The transformers config for `workload` (tiny: same family, CPU-sized)."""
+    from transformers import AutoConfig
+
+    kwargs = workload.tiny_kwargs if tiny else workload.config_kwargs
+    config = AutoConfig.for_model(workload.family, **kwargs)
+    config.use_cache = False  # packed batches are honoured by eager/sdpa only without a KV cache
+    return config
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """SFT-shaped data and the per-optimizer-step token budget."""
+
+    median: int = 350
+    min_len: int = 16
+    max_len: int = 4096
+    sigma: float = 1.0
+    tokens_per_step: int = 16384  # real (non-pad) tokens per optimizer step, every config
+    padded_batch_size: int = 8  # micro-batch size of the padded configs
+    seed: int = 0
+    min_samples: int = 512
+
+    @classmethod
+    def tiny(cls) -> "DataSpec":
+        return cls(median=24, min_len=4, max_len=96, tokens_per_step=384, padded_batch_size=4, min_samples=64)
+
+    def num_samples(self, steps: int) -> int:
+        """Enough samples for `steps` steps without reusing data (log-normal mean = median * exp(sigma^2 / 2))."""
+        mean = self.median * math.exp(self.sigma**2 / 2)
+        return max(self.min_samples, math.ceil(1.3 * steps * self.tokens_per_step / mean))
+
+
+def _local_sft_lengths(n: int, seed: int, median: float, max_len: int, min_len: int, sigma: float) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    normal = torch.randn(n, generator=gen, dtype=torch.float64)
+    return torch.exp(math.log(median) + sigma * normal).round().clamp(min_len, max_len).long().tolist()
+
+
+def _lengths_fn() -> Callable[..., list[int]]:
+    try:
+        from hf_accel.data import sft_lengths
+    except ImportError:
+        return _local_sft_lengths
+    return sft_lengths
+
+
+def sft_lengths(n: int, spec: DataSpec) -> list[int]:
+    """Log-normal SFT-like lengths (hf_accel.data.sft_lengths when present, else an equivalent local generator)."""
+    return list(_lengths_fn()(n, seed=spec.seed, median=spec.median, max_len=spec.max_len, min_len=spec.min_len,
+                              sigma=spec.sigma))
+
+
+def make_samples(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids, one list per sample (ids >= 1 so id 0 stays free as the pad id)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    flat = torch.randint(1, vocab_size, (sum(lengths),), generator=gen)
+    return [chunk.tolist() for chunk in torch.split(flat, lengths)]
+
+
+def greedy_steps(lengths: list[int], tokens_per_step: int) -> list[list[int]]:
+    """Consecutive samples, in dataset order, grouped so each step holds at most `tokens_per_step` real tokens.
+
+    This is what a stock loop sees (no length-aware sampler). A sample longer than the budget forms its own step.
+    """
+    steps: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, n in enumerate(lengths):
+        if current and used + n > tokens_per_step:
+            steps.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += n
+    if current:
+        steps.append(current)
+    return steps
+
+
+def micro_batches(step: list[int], batch_size: int) -> list[list[int]]:
+    """Split one optimizer step's sample indices into micro-batches of at most `batch_size` samples."""
+    return [step[i : i + batch_size] for i in range(0, len(step), batch_size)]
+
+
+@dataclass
+class BenchData:
+    lengths: list[int]
+    samples: list[list[int]]
+    spec: DataSpec
+    source: str = field(default="")
+
+
+def make_data(spec: DataSpec, vocab_size: int, steps: int) -> BenchData:
+    """Lengths + random token ids for `steps` optimizer steps (deterministic in spec.seed)."""
+    n = spec.num_samples(steps)
+    lengths = sft_lengths(n, spec)
+    source = "hf_accel.data.sft_lengths" if _lengths_fn() is not _local_sft_lengths else "local log-normal"
+    return BenchData(lengths, make_samples(lengths, vocab_size, spec.seed), spec, source)

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""End-to-end training-throughput benchmark: stock HF / Liger / TRL stacks vs hf_accel on random-init models.
+
+Every configuration runs in its own subprocess (a crash or OOM is recorded, memory starts clean), with a
+per-configuration timeout inside a total time budget. Results: JSON + markdown under --out; the table is printed last.
+
+    python scripts/bench.py --workload llama-1b                 # all configurations, ~9 min on one H200
+    python scripts/bench.py --workload neox-1.4b --configs hf-sdpa-padded,hf_accel
+    python scripts/bench.py --device cpu --tiny                 # CI smoke: tiny model, CUDA-only configs skipped
+
+Precision: bf16 weights (no fp32 master copy) and torch.optim.AdamW(fused=True) for every configuration (fp32 in
+--tiny CPU runs). Token budget: ~16k real tokens per optimizer step for every configuration (padded: micro-batches of
+8 padded to longest with gradient accumulation; packed: one row; TRL: 4 bfd rows of 4096). MFU: see
+hf_accel/bench/flops.py (6*trainable + 4*frozen matmul params per token + causal attention, real tokens only).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
+                     ("TOKENIZERS_PARALLELISM", "false")):
+    os.environ.setdefault(_key, _value)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from hf_accel.bench import flops  # noqa: E402
+from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
+from hf_accel.bench.report import add_ratios, markdown_table, versions, write_outputs  # noqa: E402
+from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
+from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
+
+MIN_CONFIG_SECONDS = {False: 45.0, True: 5.0}  # do not start a configuration with less time left than this
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama-1b")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warmup steps (default 3; tiny 1)")
+    p.add_argument("--step-time-budget", type=float, default=20.0, help="stop timing a config after this many s")
+    p.add_argument("--time-budget", type=float, default=540.0, help="total seconds for all configs")
+    p.add_argument("--config-timeout", type=float, default=200.0, help="seconds before a config is killed")
+    p.add_argument("--tokens-per-step", type=int, default=None, help="real tokens per optimizer step (16384)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--fused-ce", choices=["auto", "chunked", "liger", "off"], default="auto",
+                   help="hf_accel-best loss: Liger when usable (auto), pure-torch chunked, or the model's own")
+    p.add_argument("--ce-chunk-size", type=int, default=4096)
+    p.add_argument("--best-backend", default="auto", help="hf_accel-best: backend passed to hf_accel.patch")
+    p.add_argument("--best-checkpointing", default=None, help="hf_accel-best: checkpointing passed to hf_accel.patch")
+    p.add_argument("--substitute-attn", default=None,
+                   help="run flash_attention_4 configs with this attn_implementation instead (CPU smoke of TRL)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: by GPU name)")
+    p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (2 if args.tiny else 30)
+    args.warmup = max(1, args.warmup if args.warmup is not None else 1 if args.tiny else 3)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    return args
+
+
+def data_spec(args: argparse.Namespace) -> DataSpec:
+    spec = DataSpec.tiny() if args.tiny else DataSpec()
+    overrides = {"seed": args.seed}
+    if args.tokens_per_step:
+        overrides["tokens_per_step"] = args.tokens_per_step
+    return DataSpec(**{**asdict(spec), **overrides})
+
+
+def options(args: argparse.Namespace) -> Options:
+    return Options(fused_ce=args.fused_ce, backend=args.best_backend, checkpointing=args.best_checkpointing,
+                   ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn)
+
+
+def peak(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    return flops.peak_flops(torch.cuda.get_device_name(0)) if args.device.startswith("cuda") else None
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """Run one configuration and write its result JSON to args.child."""
+    name = args.configs[0]
+    config, workload = CONFIGS[name], WORKLOADS[args.workload]
+    result = {"config": name, "description": config.description}
+    settings = RunSettings(workload, args.device, args.tiny, args.steps, args.warmup, args.step_time_budget, args.seed)
+    timing = Timing()
+    try:
+        spec = data_spec(args)
+        data = make_data(spec, build_config(workload, args.tiny).vocab_size, args.steps + args.warmup)
+        model = config.run(settings, data, options(args), timing)
+        result.update(summarize(model, timing, peak(args), args.device))
+        result["status"] = "ok"
+        if workload.family in config.wrong_for:
+            result["status"] = "ok (documents attend across packed boundaries: not the same computation)"
+    except Exception as exc:  # noqa: BLE001 - any failure is this configuration's result, not the run's
+        result["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        result["notes"] = timing.notes
+    args.child.write_text(json.dumps(result, default=str))
+
+
+def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--workload", args.workload, "--configs", name,
+            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--step-time-budget", str(args.step_time_budget), "--seed", str(args.seed),
+            "--fused-ce", args.fused_ce, "--ce-chunk-size", str(args.ce_chunk_size),
+            "--best-backend", args.best_backend, "--child", str(out)]
+    for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--best-checkpointing", args.best_checkpointing),
+                        ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--tiny"] if args.tiny else [])
+
+
+def run_one(args: argparse.Namespace, name: str, timeout: float) -> dict:
+    """One configuration in a fresh subprocess; a timeout, crash or missing result becomes an error status."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(child_argv(args, name, out), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            tail = (exc.stderr or b"")[-2000:]
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            return {"config": name, "status": f"error: timeout after {timeout:.0f}s", "log_tail": tail}
+        result = json.loads(out.read_text()) if out.exists() else {
+            "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)"}
+        result["wall_seconds"] = time.perf_counter() - start
+        if result.get("status") != "ok":
+            result["log_tail"] = proc.stderr[-3000:]
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child is not None:
+        child_main(args)
+        return 0
+    workload, opts, start = WORKLOADS[args.workload], options(args), time.perf_counter()
+    results = []
+    for name in args.configs:
+        reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
+        remaining = args.time_budget - (time.perf_counter() - start)
+        if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
+            reason = f"time budget exhausted ({args.time_budget:.0f}s)"
+        if reason:
+            result = {"config": name, "status": f"skipped: {reason}"}
+        else:
+            result = run_one(args, name, min(args.config_timeout, remaining))
+        results.append(result)
+        print(f"[bench] {args.workload} {name}: {result['status']}", flush=True)
+    best = add_ratios(results, [n for n, c in CONFIGS.items() if c.stock])
+    table = markdown_table(results, best)
+    spec = data_spec(args)
+    record = {
+        "workload": args.workload, "workload_notes": workload.notes, "tiny": args.tiny, "device": args.device,
+        "date": dt.datetime.now().isoformat(timespec="seconds"), "versions": versions(),
+        "model_config": build_config(workload, args.tiny).to_dict(), "data": asdict(spec),
+        "precision": "bf16 weights, no fp32 master copy" if args.device.startswith("cuda") else "fp32",
+        "optimizer": "torch.optim.AdamW(fused=True), lr 1e-5", "peak_flops": peak(args),
+        "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
+        "total_seconds": time.perf_counter() - start, "results": results,
+    }
+    stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{dt.datetime.now():%Y-%m-%dT%H%M%S}"
+    json_path, md_path = write_outputs(args.out, stem, record, table)
+    print(f"[bench] wrote {json_path} and {md_path}", flush=True)
+    print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
