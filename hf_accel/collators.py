@@ -88,7 +88,8 @@ def validate_feature(feature: Feature, index: int = 0) -> tuple[list[int], list[
         raise InvalidBatch(f"feature {index} has keys {sorted(feature)}; 'input_ids' is required.")
     ids = _as_int_list(feature["input_ids"], "input_ids", index)
     labels = ids if feature.get("labels") is None else _as_int_list(feature["labels"], "labels", index)
-    mask = None if feature.get("attention_mask") is None else _as_int_list(feature["attention_mask"], "attention_mask", index)
+    mask = feature.get("attention_mask")
+    mask = None if mask is None else _as_int_list(mask, "attention_mask", index)
     for name, other in (("labels", labels), ("attention_mask", mask)):
         if other is not None and len(other) != len(ids):
             raise InvalidBatch(
@@ -179,7 +180,9 @@ class _BaseCollator:
         for row, (ids, doc_labels) in enumerate(docs):
             span = slice(0, len(ids)) if padding_side == "right" else slice(seq_len - len(ids), seq_len)
             input_ids[row, span] = torch.tensor(ids, dtype=torch.long)
-            labels[row, span] = torch.tensor(doc_labels, dtype=torch.long)
+            # A document's first token is never a target; with left padding the pad before it would otherwise
+            # be trained to predict it.
+            labels[row, span] = torch.tensor([IGNORE_INDEX] + doc_labels[1:], dtype=torch.long)
             attention_mask[row, span] = 1
         self.stats.batches += 1
         self.stats.documents += len(docs)
@@ -191,7 +194,8 @@ class _BaseCollator:
 class DataCollatorForPadding(_BaseCollator):
     """Dynamic padding for causal LM: pad to the longest feature of the batch (optionally to a multiple).
 
-    Labels default to ``input_ids``; padding gets label -100 and attention_mask 0. ``all_masked`` decides what
+    Labels default to ``input_ids``; padding and each document's first token get label -100 (the latter is never a
+    target, as in packed mode), padding gets attention_mask 0. ``all_masked`` decides what
     happens to a document without any target token: "drop" (default; counted and warned once), "keep" (train on it
     as context only; it adds nothing to the loss), or "error".
     """

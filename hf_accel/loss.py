@@ -45,7 +45,7 @@ def global_num_items(micro_batch_labels: Iterable[torch.Tensor], ignore_index: i
     initialised (the Trainer's ``num_items_in_batch`` with ``average_tokens_across_devices=True``)."""
     counts = [count_target_tokens(labels, ignore_index) for labels in micro_batch_labels]
     if not counts:
-        raise InvalidBatch("global_num_items received no micro-batch; pass the labels of every micro-batch of the step.")
+        raise InvalidBatch("global_num_items received no micro-batch; pass the labels of every micro-batch of a step.")
     return _all_reduce_sum(torch.stack(counts).sum())
 
 
@@ -79,7 +79,7 @@ def document_ids(labels: torch.Tensor, position_ids: torch.Tensor | None = None)
         rows = torch.arange(labels.shape[0], device=labels.device)
         return rows[:, None].expand_as(labels)
     if position_ids.shape != labels.shape:
-        raise InvalidBatch(f"position_ids {tuple(position_ids.shape)} and labels {tuple(labels.shape)} differ in shape.")
+        raise InvalidBatch(f"position_ids {tuple(position_ids.shape)} and labels {tuple(labels.shape)} differ.")
     starts = position_ids.eq(0)
     starts[:, 0] = True  # a row always starts a document (documents never span rows)
     return starts.flatten().cumsum(0).view_as(labels) - 1

@@ -96,10 +96,10 @@ def test_padding_collator_right_and_left():
     right = DataCollatorForPadding(PAD, pad_to_multiple_of=4)(features)
     assert right["input_ids"].shape == (2, 8)
     assert right["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]]
-    assert right["labels"][0].tolist() == [1, 2, 3, -100, -100, -100, -100, -100]
+    assert right["labels"][0].tolist() == [-100, 2, 3, -100, -100, -100, -100, -100]
     left = DataCollatorForPadding(PAD, padding_side="left")(features)
     assert left["input_ids"][0].tolist() == [PAD, PAD, 1, 2, 3]
-    assert left["labels"][0].tolist() == [-100, -100, 1, 2, 3]
+    assert left["labels"][0].tolist() == [-100, -100, -100, 2, 3]  # the pad before "1" must not predict it
     assert left["attention_mask"][0].tolist() == [0, 0, 1, 1, 1]
 
 
@@ -120,9 +120,9 @@ def test_fallback_to_padding_keeps_documents_and_targets(caplog):
     padded = collator(features)
     assert "attention_mask" in padded and "cu_seq_lens_q" not in padded
     assert padded["input_ids"].shape == (3, 7)
-    # the same target tokens: packed first labels are -100, padded first labels are never targets
+    # the same target tokens
     assert sorted(packed["labels"][packed["labels"] != -100].tolist()) == sorted(
-        padded["labels"][:, 1:][padded["labels"][:, 1:] != -100].tolist()
+        padded["labels"][padded["labels"] != -100].tolist()
     )
 
 

@@ -77,7 +77,8 @@ def test_text_trains_on_everything(tokenizer):
 def test_pretokenize_is_cached_on_disk(tokenizer, tmp_path):
     from datasets import Dataset
 
-    data = Dataset.from_list([{"prompt": "hello", "completion": " world"}, {"prompt": "the lazy", "completion": " dog"}])
+    rows = [{"prompt": "hello", "completion": " world"}, {"prompt": "the lazy", "completion": " dog"}]
+    data = Dataset.from_list(rows)
     first = pretokenize(data, tokenizer, cache_dir=str(tmp_path))
     assert first.column_names == ["input_ids", "labels", "length"]
     assert first[0] == {**tokenize_example(data[0], tokenizer), "length": len(first[0]["input_ids"])}

@@ -72,11 +72,14 @@ def reference(model, features):
 
 def groupings(features):
     pad = DataCollatorForPadding(PAD)
+    left = DataCollatorForPadding(PAD, padding_side="left", pad_to_multiple_of=8)
     pack = DataCollatorForPacking(PAD)
     pack_rows = DataCollatorForPacking(PAD, max_tokens=16, pad_to_multiple_of=8)
     return {
         "padded, one batch": [pad(features)],
         "padded, 3 micro-batches": [pad(features[:2]), pad(features[2:5]), pad(features[5:])],
+        # RoPE is relative, so left padding's shifted positions leave attention unchanged
+        "left-padded to multiples of 8, 2 micro-batches": [left(features[:3]), left(features[3:])],
         "packed, one row": [pack(features)],
         "packed rows of 16 with tails, 2 micro-batches": [pack_rows(features[:4]), pack_rows(features[4:])],
         "packed, regrouped": [pack(features[::2]), pack(features[1::2])],
