@@ -93,6 +93,7 @@ class Capabilities:
     dropout: bool = False
     alibi: bool = False
     alibi_backward: bool = False
+    backward_devices: frozenset[str] | None = None  # where gradients work; None = every device in ``devices``
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def missing(self, req: AttentionRequest) -> list[str]:
@@ -105,6 +106,8 @@ class Capabilities:
                 out.append(f"GPU sm{cap[0]}{cap[1]} (needs sm{self.min_capability[0]}{self.min_capability[1]}+)")
             if self.max_capability and cap > self.max_capability:
                 out.append(f"GPU sm{cap[0]}{cap[1]} (supports up to sm{self.max_capability[0]}{self.max_capability[1]})")
+        if req.needs_grad and self.backward_devices is not None and req.device.type not in self.backward_devices:
+            out.append(f"backward on {req.device.type}")
         if req.dtype not in self.dtypes:
             out.append(f"dtype {req.dtype} (supports {', '.join(sorted(str(d) for d in self.dtypes))})")
         if req.head_dim > self.max_head_dim or req.head_dim % self.head_dim_multiple:

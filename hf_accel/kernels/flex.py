@@ -1,6 +1,6 @@
 """FlexAttention: a block-sparse document mask plus score_mods (ALiBi, softcap) in one kernel.
 
-Correct everywhere (eager flex runs a math reference on CPU); fast only compiled on CUDA, which is what ``varlen``
+Forward-correct everywhere (eager flex runs a math reference on CPU, without backward); fast only compiled on CUDA, which is what ``varlen``
 does there. It is the training path for ALiBi on GPUs (Falcon-RW): flash-attn-4's score_mod backward is broken on sm90
 and PyTorch's FA2 build rejects ALiBi slopes.
 """
@@ -37,7 +37,8 @@ class FlexBackend(Backend):
         softcap=True,
         alibi=True,
         alibi_backward=True,
-        notes=("compiled on CUDA; a block mask is built per call",),
+        backward_devices=frozenset({"cuda"}),
+        notes=("compiled on CUDA; a block mask is built per call; no backward on CPU",),
     )
 
     def unavailable_reason(self) -> str | None:

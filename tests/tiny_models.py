@@ -1,0 +1,58 @@
+"""Tiny random-init models of every supported family variant, built from configs in code (no hub)."""
+from __future__ import annotations
+
+import torch
+from transformers import (
+    FalconConfig,
+    FalconForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, attn_implementation="sdpa")
+
+
+def _llama(**kw):
+    cfg = dict(_COMMON, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg.update(kw)
+    return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
+def _neox(**kw):
+    cfg = dict(_COMMON, intermediate_size=96, num_attention_heads=4, rotary_pct=0.25)
+    cfg.update(kw)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**cfg))
+
+
+def _falcon(**kw):
+    cfg = dict(_COMMON, num_attention_heads=4, new_decoder_architecture=False, multi_query=False, parallel_attn=True)
+    cfg.update(kw)
+    return FalconForCausalLM(FalconConfig(**cfg))
+
+
+VARIANTS = {
+    "llama-gqa": lambda: _llama(),
+    "llama-mqa": lambda: _llama(num_key_value_heads=1),
+    "llama-rope-linear": lambda: _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "llama-rope-llama3": lambda: _llama(rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 500000.0}),
+    "llama-rope-yarn": lambda: _llama(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                        "original_max_position_embeddings": 512}),
+    "neox-parallel": lambda: _neox(use_parallel_residual=True),
+    "neox-sequential": lambda: _neox(use_parallel_residual=False),
+    "falcon-7b-mqa": lambda: _falcon(multi_query=True),
+    "falcon-40b-newarch": lambda: _falcon(new_decoder_architecture=True, num_kv_heads=2),
+    "falcon-rw-alibi": lambda: _falcon(alibi=True, bias=True, parallel_attn=False),
+    "falcon-mha": lambda: _falcon(),
+}
+
+
+def make(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = VARIANTS[name]()
+    model.config.use_cache = False
+    return model.float().eval()
