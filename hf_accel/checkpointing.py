@@ -1,0 +1,465 @@
+"""Checkpointing policies: which decoder layers (or other modules) recompute their activations in backward.
+
+Each policy is a small object with `apply(model)`, `remove(model)` and `describe()`. Decoder layers are
+transformers' `GradientCheckpointingLayer`s: we turn on transformers' own checkpointing through the model's enable
+method (`activation_checkpointing_enable` in 5.23, `gradient_checkpointing_enable` in 5.17, found by feature
+detection) and then set each layer's `gradient_checkpointing` flag and `_gradient_checkpointing_func` as the policy
+says. A decoder layer's `forward` is never replaced (that silently disables transformers' checkpointing); only
+non-layer modules picked by a `check_fn` (e.g. MLPs) get their instance `forward` wrapped, and `remove` restores it.
+
+`Trainer.train()` re-enables checkpointing from its arguments and overwrites the per-layer flags: call
+`reapply_checkpointing(model)` after that (hf_accel's Trainer does it) to restore the policy's choice.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+LayerChoice = str  # "none" | "op" | "full"
+_STATE_ATTR = "_hf_accel_checkpointing"
+
+_DEFAULT_SAVE_OP_NAMES = (
+    # matmuls (nn.Linear decomposes to mm / addmm under the dispatcher)
+    "mm", "addmm", "bmm", "baddbmm", "linear", "_addmm_activation",
+    # attention kernels: their outputs are the most expensive thing in a layer to recompute
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)
+
+
+def default_save_ops() -> frozenset:
+    """Op packets whose outputs op-level checkpointing keeps: matmuls, attention kernels, hf_accel.kernels.SAVEABLE_OPS."""
+    packets = {getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
+    try:  # read at apply time: the flash-attn-4 custom op registers itself when its backend module is imported
+        from . import kernels
+
+        packets |= {_as_packet(op) for op in getattr(kernels, "SAVEABLE_OPS", ())}
+    except ImportError:
+        pass
+    return frozenset(packets)
+
+
+def _as_packet(op) -> torch._ops.OpOverloadPacket:
+    """Accept an OpOverloadPacket, an OpOverload, a `torch.library.custom_op` object or a "ns::name" string."""
+    if isinstance(op, str):
+        namespace, name = op.split("::")
+        return getattr(getattr(torch.ops, namespace), name.split(".")[0])
+    op = getattr(op, "_opoverload", op)
+    return getattr(op, "overloadpacket", op)
+
+
+def _op_level_context_fn(save_ops: frozenset) -> Callable:
+    def policy_fn(ctx, op, *args, **kwargs):
+        packet = getattr(op, "overloadpacket", op)
+        return CheckpointPolicy.MUST_SAVE if packet in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy_fn)
+
+
+# ----------------------------------------------------------------------------------------------- model plumbing
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's GradientCheckpointingLayers (decoder layers) in forward order."""
+    return [m for m in base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _hf_enable_function(model: nn.Module) -> Callable:
+    """transformers 5.23 names it activation_checkpointing_enable; 5.17 gradient_checkpointing_enable."""
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        fn = getattr(model, name, None)
+        if callable(fn):
+            return fn
+    raise ConfigurationError(
+        f"{type(model).__name__} has neither activation_checkpointing_enable nor gradient_checkpointing_enable; "
+        "hf_accel checkpointing needs a transformers PreTrainedModel (transformers >=5.17,<6)."
+    )
+
+
+def fsdp_activation_checkpointing_active(model: nn.Module) -> bool:
+    """Best effort: FSDP's own activation checkpointing is on (wrapped layers, accelerate state or its env var)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
+            return True
+    except ImportError:
+        pass
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+
+        plugin = getattr(AcceleratorState(), "fsdp_plugin", None) if is_initialized() else None
+        if plugin is not None and getattr(plugin, "activation_checkpointing", False):
+            return True
+    except ImportError:
+        pass
+    env_true = ("1", "true", "yes")
+    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in env_true
+            and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() in env_true)
+
+
+@dataclass
+class _Applied:
+    """What apply() changed on one model, so remove() can restore it exactly."""
+
+    policy: "CheckpointingPolicy"
+    flags: list = field(default_factory=list)  # (module, attr, had_own, old value)
+    wrapped: list = field(default_factory=list)  # (module, had_own_forward, old forward)
+    added_input_grad_hooks: bool = False
+
+
+def _remember(applied: _Applied, module: nn.Module, attr: str) -> None:
+    applied.flags.append((module, attr, attr in module.__dict__, module.__dict__.get(attr)))
+
+
+# ----------------------------------------------------------------------------------------------- policies
+@dataclass(kw_only=True)
+class CheckpointingPolicy:
+    """Base class. `explicit`: the user asked for this policy (a clash with FSDP's checkpointing then raises)."""
+
+    use_reentrant: bool = False
+    explicit: bool = True
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        """Per decoder layer (in forward order): "none", "op" or "full"."""
+        return ["none"] * len(layers)
+
+    def module_selector(self) -> Callable[[nn.Module], bool] | None:
+        """Non-layer modules to checkpoint by wrapping their forward (None: none)."""
+        return None
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    def apply(self, model: nn.Module) -> None:
+        """Checkpoint `model` as this policy says (replaces any policy applied before)."""
+        if getattr(model, _STATE_ATTR, None) is not None:
+            remove_checkpointing(model)
+        if not isinstance(self, NoCheckpointing) and fsdp_activation_checkpointing_active(model):
+            if self.explicit:
+                raise ConfigurationError(
+                    f"checkpointing policy {self.describe()} was requested but FSDP's own activation checkpointing "
+                    "is on; both at once fail. Turn one off: drop `checkpointing=` or set "
+                    "fsdp_activation_checkpointing=false in the accelerate config."
+                )
+            logger.info("hf_accel: FSDP activation checkpointing is on; leaving %s unapplied", self.describe())
+            return
+        applied = _Applied(policy=self)
+        setattr(model, _STATE_ATTR, applied)
+        self._set_layers(model, applied, snapshot=True)
+        self._wrap_modules(model, applied)
+
+    def remove(self, model: nn.Module) -> None:
+        """Undo apply(): flags, checkpoint functions, wrapped forwards and input-grad hooks as they were."""
+        remove_checkpointing(model)
+
+    # -- internals
+    def _layer_function(self, choice: LayerChoice) -> Callable:
+        if choice == "op":
+            if self.use_reentrant:
+                raise ConfigurationError(
+                    "op-level checkpointing needs non-reentrant checkpointing (torch's selective checkpoint "
+                    "contexts); got use_reentrant=True. Use 'full' or 'every_N' with reentrant checkpointing."
+                )
+            return functools.partial(checkpoint, use_reentrant=False,
+                                     context_fn=_op_level_context_fn(default_save_ops_for(self)))
+        return functools.partial(checkpoint, use_reentrant=self.use_reentrant)
+
+    def _set_layers(self, model: nn.Module, applied: _Applied, snapshot: bool) -> None:
+        layers = decoder_layers(model)
+        choices = self.layer_choices(layers)
+        hf_model = base_model(model)
+        if snapshot:
+            for module in hf_model.modules():
+                if hasattr(module, "gradient_checkpointing"):
+                    _remember(applied, module, "gradient_checkpointing")
+                    _remember(applied, module, "_gradient_checkpointing_func")
+            _remember(applied, hf_model, "_require_grads_hooks")
+            _remember(applied, hf_model, "_require_grads_hook")
+        if any(c != "none" for c in choices):
+            had_hooks = bool(getattr(hf_model, "_require_grads_hooks", None) or
+                             getattr(hf_model, "_require_grads_hook", None))
+            # transformers' own enable sets up everything around the layers (non-layer flags, input grads for
+            # adapters); we then narrow the per-layer flags and functions to the policy's choice.
+            _hf_enable_function(hf_model)({"use_reentrant": self.use_reentrant})
+            if self.use_reentrant and not getattr(hf_model, "_require_grads_hooks", None):
+                hf_model.enable_input_require_grads()  # reentrant: frozen-input layers would get no LoRA grads
+            applied.added_input_grad_hooks |= not had_hooks
+        for layer, choice in zip(layers, choices):
+            layer.gradient_checkpointing = choice != "none"
+            if choice != "none":
+                layer._gradient_checkpointing_func = self._layer_function(choice)
+
+    def _wrap_modules(self, model: nn.Module, applied: _Applied) -> None:
+        selector = self.module_selector()
+        if selector is None:
+            return
+        for module in base_model(model).modules():
+            if isinstance(module, GradientCheckpointingLayer) or not selector(module):
+                continue
+            had_own = "forward" in module.__dict__
+            applied.wrapped.append((module, had_own, module.__dict__.get("forward")))
+            module.forward = _checkpointed_forward(module, module.forward, self.use_reentrant)
+
+
+def default_save_ops_for(policy: CheckpointingPolicy) -> frozenset:
+    ops = getattr(policy, "save_ops", None)
+    return default_save_ops() if ops is None else frozenset(_as_packet(op) for op in ops)
+
+
+def _checkpointed_forward(module: nn.Module, forward: Callable, use_reentrant: bool) -> Callable:
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        # reentrant checkpoint takes no kwargs, so bind them; tensors that need grads must be positional then
+        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=use_reentrant)
+
+    return checkpointed
+
+
+def remove_checkpointing(model: nn.Module) -> None:
+    """Undo whatever policy was applied to `model` (no-op when none was)."""
+    applied: _Applied | None = getattr(model, _STATE_ATTR, None)
+    if applied is None:
+        return
+    hf_model = base_model(model)
+    if applied.added_input_grad_hooks:
+        for hook in getattr(hf_model, "_require_grads_hooks", None) or []:
+            hook.remove()
+    for module, had_own, old in reversed(applied.wrapped):
+        if had_own:
+            module.forward = old
+        else:
+            del module.forward
+    for module, attr, had_own, old in reversed(applied.flags):
+        if had_own:
+            setattr(module, attr, old)
+        elif attr in module.__dict__:
+            delattr(module, attr)
+    delattr(model, _STATE_ATTR)
+
+
+def reapply_checkpointing(model: nn.Module) -> None:
+    """Re-set the applied policy's per-layer flags; call after `Trainer.train()` re-enabled checkpointing itself."""
+    applied: _Applied | None = getattr(model, _STATE_ATTR, None)
+    if applied is not None:
+        applied.policy._set_layers(model, applied, snapshot=False)
+
+
+def applied_policy(model: nn.Module) -> CheckpointingPolicy | None:
+    """The policy currently applied to `model`, if any."""
+    applied = getattr(model, _STATE_ATTR, None)
+    return None if applied is None else applied.policy
+
+
+@dataclass(kw_only=True)
+class NoCheckpointing(CheckpointingPolicy):
+    """Keep every activation (fastest, most memory)."""
+
+    def describe(self) -> str:
+        return "no checkpointing"
+
+
+@dataclass(kw_only=True)
+class FullCheckpointing(CheckpointingPolicy):
+    """Recompute every decoder layer in backward."""
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        return ["full"] * len(layers)
+
+    def describe(self) -> str:
+        return f"full checkpointing of every decoder layer ({'reentrant' if self.use_reentrant else 'non-reentrant'})"
+
+
+@dataclass(kw_only=True)
+class EveryN(CheckpointingPolicy):
+    """Recompute every n-th decoder layer (layers 0, n, 2n, ...), like transformers' every_n_layers."""
+
+    n: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigurationError(f"EveryN needs an integer n >= 1, got {self.n!r}; e.g. EveryN(n=2).")
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        return ["full" if i % self.n == 0 else "none" for i in range(len(layers))]
+
+    def describe(self) -> str:
+        return f"full checkpointing of every {self.n}-th decoder layer"
+
+
+@dataclass(kw_only=True)
+class SelectiveModules(CheckpointingPolicy):
+    """Checkpoint exactly the modules `check_fn(module)` is True for (decoder layers by flag, others by wrapping)."""
+
+    check_fn: Callable[[nn.Module], bool]
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        return ["full" if self.check_fn(layer) else "none" for layer in layers]
+
+    def module_selector(self) -> Callable[[nn.Module], bool]:
+        return self.check_fn
+
+    def describe(self) -> str:
+        return f"checkpoint modules where {getattr(self.check_fn, '__name__', repr(self.check_fn))}(module) is True"
+
+
+@dataclass(kw_only=True)
+class OpLevel(CheckpointingPolicy):
+    """Inside every decoder layer keep the outputs of matmuls / attention kernels, recompute element-wise ops."""
+
+    save_ops: Iterable | None = None  # None: default_save_ops() at apply time
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        return ["op"] * len(layers)
+
+    def describe(self) -> str:
+        return "op-level selective checkpointing (save matmul and attention outputs, recompute element-wise ops)"
+
+
+@dataclass(kw_only=True)
+class PerLayer(CheckpointingPolicy):
+    """An explicit choice per decoder layer, e.g. what MemoryBudget's planner picked."""
+
+    choices: Sequence[LayerChoice]
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        num_layers = len(layers)
+        if len(self.choices) != num_layers or set(self.choices) - {"none", "op", "full"}:
+            raise ConfigurationError(
+                f"PerLayer needs one of 'none'/'op'/'full' per decoder layer ({num_layers} layers), "
+                f"got {list(self.choices)}."
+            )
+        return list(self.choices)
+
+    def describe(self) -> str:
+        counts = {c: list(self.choices).count(c) for c in ("full", "op", "none")}
+        return f"per layer: {counts['full']} full, {counts['op']} op-level, {counts['none']} none"
+
+
+@dataclass(kw_only=True)
+class MemoryBudget(CheckpointingPolicy):
+    """The least recompute that fits `budget`: bytes, "20GiB", or a fraction (0, 1] of the device's memory.
+
+    apply() probes activation bytes per decoder layer with one forward on `sample_batch` (default: `batch_tokens`
+    random tokens in one row), adds the fixed cost of weights, gradients and optimizer states
+    (`memory.training_state_bytes`) and the logits/loss, and applies `memory.plan_checkpointing`'s choice. The plan
+    is kept in `self.plan` and logged.
+    """
+
+    budget: int | float | str
+    sample_batch: dict | None = None
+    batch_tokens: int = 2048
+    optimizer: str = "adamw"
+    device_bytes: int | None = None  # total device memory for fractional budgets; default: the CUDA device's
+    plan: object = field(default=None, init=False, repr=False)
+
+    def budget_bytes(self, device: torch.device) -> int:
+        from .memory import parse_bytes
+
+        budget = parse_bytes(self.budget) if isinstance(self.budget, str) else self.budget
+        if isinstance(budget, float) and 0 < budget <= 1:
+            total = self.device_bytes
+            if total is None and device.type == "cuda":
+                total = torch.cuda.get_device_properties(device).total_memory
+            if total is None:
+                raise ConfigurationError(
+                    f"budget fraction {budget} needs the device's memory size, but the model is on {device}. "
+                    "Pass an absolute budget such as 'budget:20GiB', or MemoryBudget(..., device_bytes=N)."
+                )
+            return int(budget * total)
+        if budget <= 0:
+            raise ConfigurationError(f"memory budget must be positive, got {self.budget!r}; e.g. 'budget:20GiB'.")
+        return int(budget)
+
+    def apply(self, model: nn.Module) -> None:
+        from .memory import loss_bytes, plan_checkpointing, probe_layer_activations, training_state_bytes
+
+        remove_checkpointing(model)
+        device = next(model.parameters()).device
+        batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens, device)
+        was_training = model.training
+        model.train()
+        try:
+            layers = probe_layer_activations(model, batch)
+        finally:
+            model.train(was_training)
+        config = base_model(model).config
+        tokens = batch["input_ids"].numel()
+        dtype_bytes = next(model.parameters()).element_size()
+        self.plan = plan_checkpointing(
+            layers, fixed_bytes=training_state_bytes(model, self.optimizer),
+            budget_bytes=self.budget_bytes(device), extra_bytes=loss_bytes(tokens, config.vocab_size, dtype_bytes),
+        )
+        log = logger.info if self.plan.fits else logger.warning
+        log("hf_accel checkpointing plan for budget %s:\n%s", self.budget, self.plan.table())
+        super().apply(model)
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        return list(self.plan.choices)
+
+    def describe(self) -> str:
+        planned = "" if self.plan is None else f": {PerLayer(choices=self.plan.choices).describe()}"
+        return f"memory budget {self.budget}{planned}"
+
+
+def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dict:
+    vocab = base_model(model).config.vocab_size
+    input_ids = torch.randint(0, vocab, (1, tokens), device=device)
+    position_ids = torch.arange(tokens, device=device)[None]
+    return {"input_ids": input_ids, "labels": input_ids.clone(), "position_ids": position_ids, "use_cache": False}
+
+
+def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True) -> CheckpointingPolicy:
+    """Turn a user spec into a policy.
+
+    spec: "none" | "full" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of device
+    memory) | True / False | a CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
+    """
+    if isinstance(spec, CheckpointingPolicy):
+        return spec
+    common = {"use_reentrant": use_reentrant, "explicit": explicit}
+    if isinstance(spec, bool):
+        return FullCheckpointing(**common) if spec else NoCheckpointing(**common)
+    if callable(spec):
+        return SelectiveModules(check_fn=spec, **common)
+    text = spec.strip().lower() if isinstance(spec, str) else None
+    simple = {"none": NoCheckpointing, "full": FullCheckpointing, "op": OpLevel}
+    if text in simple:
+        return simple[text](**common)
+    if text and text.startswith("every_") and text[6:].isdigit() and int(text[6:]) >= 1:
+        return EveryN(n=int(text[6:]), **common)
+    if text and text.startswith("budget:"):
+        value = text[7:]
+        try:
+            budget = float(value) if value.replace(".", "", 1).isdigit() and "." in value else value
+            from .memory import parse_bytes
+
+            parse_bytes(budget) if isinstance(budget, str) else None
+        except ValueError:
+            budget = None
+        if budget is not None:
+            return MemoryBudget(budget=budget, **common)
+    raise ConfigurationError(
+        f"unknown checkpointing spec {spec!r}. Allowed: 'none', 'full', 'every_N' (e.g. 'every_2'), 'op', "
+        "'budget:20GiB', 'budget:0.6' (fraction of device memory), True/False, a CheckpointingPolicy, or a "
+        "callable check_fn(module) -> bool."
+    )
