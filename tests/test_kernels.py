@@ -1,0 +1,155 @@
+"""Attention backends against an independent dense oracle, and backend selection on faked devices."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_accel.errors import BackendUnavailable
+from hf_accel.kernels import AttentionRequest, AttnOptions, DeviceInfo, select, varlen_attention
+
+LENGTHS = (5, 1, 9, 4)
+
+
+def dense_oracle(q, k, v, lengths, opts: AttnOptions):
+    """Block-diagonal attention over the whole packed sequence in float64: a second, independent formulation."""
+    total, heads = q.shape[0], q.shape[1]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    pos = torch.arange(total) - starts[doc]
+    rel = pos[None, :] - pos[:, None]
+    ok = doc[:, None] == doc[None, :]
+    if opts.causal:
+        ok &= rel <= 0
+    if opts.window[0] is not None:
+        ok &= rel >= -opts.window[0]
+    if opts.window[1] is not None:
+        ok &= rel <= opts.window[1]
+    groups = heads // k.shape[1]
+    kk, vv = (x.double().repeat_interleave(groups, 1) for x in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q.double(), kk) * opts.scale
+    if opts.softcap:
+        s = torch.tanh(s / opts.softcap) * opts.softcap
+    if opts.alibi_slopes is not None:
+        dist = rel.double() if opts.causal else -rel.abs().double()
+        s = s + opts.alibi_slopes.double()[:, None, None] * dist
+    s = s.masked_fill(~ok, -math.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).to(q.dtype)
+
+
+def inputs(heads=4, kv_heads=2, dim=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(LENGTHS)
+    q = torch.randn(total, heads, dim, generator=g, dtype=dtype)
+    k = torch.randn(total, kv_heads, dim, generator=g, dtype=dtype)
+    v = torch.randn(total, kv_heads, dim, generator=g, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+OPTIONS = {
+    "causal": AttnOptions(scale=0.25),
+    "bidirectional": AttnOptions(scale=0.25, causal=False),
+    "window": AttnOptions(scale=0.25, window=(2, None)),
+    "window-bidirectional": AttnOptions(scale=0.25, causal=False, window=(2, 1)),
+    "alibi": AttnOptions(scale=0.25, alibi_slopes=SLOPES),
+    "alibi-bidirectional": AttnOptions(scale=0.25, causal=False, alibi_slopes=SLOPES),
+    "softcap": AttnOptions(scale=0.25, softcap=1.5),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+def test_forward_matches_dense_oracle(backend, name):
+    opts = OPTIONS[name]
+    q, k, v, cu = inputs()
+    want = dense_oracle(q, k, v, LENGTHS, opts)
+    if backend == "sdpa" and opts.softcap:
+        with pytest.raises(BackendUnavailable, match="softcap"):
+            varlen_attention(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), opts, backend)
+        return
+    with torch.no_grad():
+        got = varlen_attention(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), opts, backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["causal", "window", "alibi", "bidirectional"])
+def test_sdpa_gradients_match_reference(name):
+    opts = OPTIONS[name]
+    grads = {}
+    for backend in ("reference", "sdpa"):
+        q, k, v, cu = (t.requires_grad_() if t.is_floating_point() else t for t in inputs(dtype=torch.float64))
+        out = varlen_attention(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), opts, backend)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads[backend] = (q.grad, k.grad, v.grad)
+    for a, b in zip(grads["sdpa"], grads["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def _request(device, **kw):
+    base = dict(device=device, dtype=torch.bfloat16, head_dim=128, num_heads_q=32, num_heads_kv=8)
+    base.update(kw)
+    return AttentionRequest(**base)
+
+
+H200 = DeviceInfo("cuda", (9, 0))
+A100 = DeviceInfo("cuda", (8, 0))
+T4 = DeviceInfo("cuda", (7, 5))
+CPU = DeviceInfo("cpu")
+CUDA_STACK = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
+
+
+@pytest.mark.parametrize(
+    "device, kw, installed, want",
+    [
+        (H200, {}, CUDA_STACK, "fa4"),
+        (H200, {}, CUDA_STACK - {"fa4"}, "torch-fa2"),
+        (H200, {}, CUDA_STACK | {"fa3"}, "fa4"),
+        (H200, {"alibi": True}, CUDA_STACK, "flex"),  # fa4 ALiBi backward broken on sm90; torch-fa2 rejects ALiBi
+        (H200, {"alibi": True}, CUDA_STACK | {"fa2"}, "fa2"),
+        (H200, {"dropout": True}, CUDA_STACK, "torch-fa2"),  # fa4 has no dropout
+        (H200, {"softcap": True}, CUDA_STACK, "fa4"),
+        (H200, {"head_dim": 100}, CUDA_STACK, "flex" if 100 % 8 == 0 else "sdpa"),
+        (A100, {}, CUDA_STACK, "torch-fa2"),  # fa4 needs sm90+
+        (T4, {}, CUDA_STACK, "flex"),  # no flash kernel below sm80
+        (H200, {"dtype": torch.float32}, CUDA_STACK, "flex"),
+        (CPU, {"dtype": torch.float32}, frozenset({"flex", "sdpa", "reference"}), "sdpa"),
+        (CPU, {"dtype": torch.float32, "softcap": True}, frozenset({"flex", "sdpa", "reference"}), "reference"),
+        (CPU, {"dtype": torch.float32, "softcap": True, "needs_grad": False},
+         frozenset({"flex", "sdpa", "reference"}), "flex"),
+    ],
+)
+def test_auto_selection_on_faked_devices(device, kw, installed, want):
+    assert select(_request(device, **kw), "auto", installed).backend.name == want
+
+
+def test_selection_remembers_why_others_were_passed_over():
+    sel = select(_request(A100), "auto", CUDA_STACK)
+    assert sel.rejected[0][0] == "fa4" and "sm80" in sel.rejected[0][1]
+    assert "fa4" in sel.explain() and "torch-fa2" in sel.explain()
+
+
+def test_forced_backend_error_names_capability_and_alternatives():
+    with pytest.raises(BackendUnavailable) as err:
+        select(_request(H200, head_dim=100), "fa4", CUDA_STACK)
+    msg = str(err.value)
+    assert "head_dim=100" in msg and "multiples of 8" in msg
+    assert "sdpa" in msg and "backend='auto'" in msg
+    with pytest.raises(BackendUnavailable, match="ALiBi backward"):
+        select(_request(H200, alibi=True), "fa4", CUDA_STACK)
+    with pytest.raises(BackendUnavailable, match="not installed"):
+        select(_request(H200), "fa2", CUDA_STACK)
+
+
+def test_list_backends_reports_this_machine():
+    from hf_accel import format_backends, list_backends
+
+    names = [s.name for s in list_backends()]
+    assert names[0] == "fa4" and "reference" in names
+    status = {s.name: s for s in list_backends()}
+    assert status["reference"].available and status["sdpa"].available
+    if not torch.cuda.is_available():
+        assert not status["torch-fa2"].available and "CUDA" in status["torch-fa2"].reason
+    assert "reference" in format_backends()
