@@ -361,7 +361,8 @@ def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-        model.tie_weights()  # not done for meta weights at construction; tied embeddings would count twice
+    # meta weights are not tied at construction (nor inside the context, which re-registers parameters)
+    model.tie_weights()
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     lora = 0
     if lora_rank:
