@@ -95,30 +95,36 @@ def plan_cost(choices: Sequence[str]) -> float:
 
 def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, budget_bytes: int,
                        extra_bytes: int = 0) -> CheckpointPlan:
-    """The least-recompute per-layer choice whose predicted peak fits `budget_bytes` (pure function).
+    """The least-recompute per-layer choice whose predicted peak fits `budget_bytes` (pure function, exact).
 
-    Tries every (number of full layers, number of op-level layers), giving full checkpointing to the layers it saves
-    the most on and op-level to the next; cost = RECOMPUTE_COST summed, ties broken by the lower peak.
+    For each cap on the bytes one recomputed layer rebuilds, a knapsack over layers (cost in tenths of a layer
+    forward) finds the least retained memory per total cost; the cheapest fitting plan wins, ties to the lower
+    peak. When nothing fits, the plan with the lowest peak is returned with fits=False.
     """
-    n = len(layers)
-    full_order = sorted(range(n), key=lambda i: -(layers[i].none_bytes - layers[i].full_bytes))
-    best = None
-    for n_full, n_op in itertools.product(range(n + 1), range(n + 1)):
-        if n_full + n_op > n:
-            continue
-        choices = ["none"] * n
-        for i in full_order[:n_full]:
-            choices[i] = "full"
-        rest = sorted((i for i in range(n) if choices[i] == "none"),
-                      key=lambda i: -(layers[i].none_bytes - layers[i].op_bytes))
-        for i in rest[:n_op]:
-            choices[i] = "op"
-        peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
-        key = (peak > budget_bytes, plan_cost(choices) if peak <= budget_bytes else peak, peak)
-        if best is None or key < best[0]:
-            best = (key, tuple(choices), peak)
-    _, choices, peak = best
-    return CheckpointPlan(choices, peak, budget_bytes, fixed_bytes, plan_cost(choices), peak <= budget_bytes)
+    units = {c: round(cost * 10) for c, cost in RECOMPUTE_COST.items()}
+    caps = sorted({layer.none_bytes - layer.retained(c) for layer in layers for c in units})
+    best_fit, best_any = None, None
+    for cap in caps or [0]:
+        table: dict[int, tuple[int, tuple[str, ...]]] = {0: (0, ())}  # total cost -> (least retained, choices)
+        for layer in layers:
+            grown: dict[int, tuple[int, tuple[str, ...]]] = {}
+            for cost, (retained, choices) in table.items():
+                for c, unit in units.items():
+                    if layer.none_bytes - layer.retained(c) > cap:
+                        continue
+                    entry = (retained + layer.retained(c), choices + (c,))
+                    if cost + unit not in grown or entry[0] < grown[cost + unit][0]:
+                        grown[cost + unit] = entry
+            table = grown
+        for cost, (_, choices) in table.items():
+            peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
+            if peak <= budget_bytes and (best_fit is None or (cost, peak) < best_fit[:2]):
+                best_fit = (cost, peak, choices)
+            if best_any is None or (peak, cost) < best_any[:2]:
+                best_any = (peak, cost, choices)
+    choices = best_fit[2] if best_fit else best_any[2]
+    peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
+    return CheckpointPlan(tuple(choices), peak, budget_bytes, fixed_bytes, plan_cost(choices), best_fit is not None)
 
 
 # ----------------------------------------------------------------------------------------------- measurement
