@@ -108,8 +108,11 @@ def child_main(args: argparse.Namespace) -> None:
         model = config.run(settings, data, options(args), timing)
         result.update(summarize(model, timing, peak(args), args.device))
         result["status"] = "ok"
-        if workload.family in config.wrong_for:
+        result["same_computation"] = workload.family not in config.wrong_for
+        if not result["same_computation"]:
             result["status"] = "ok (documents attend across packed boundaries: not the same computation)"
+        if args.substitute_attn and "fa4" in config.needs:
+            result["status"] += f" [{args.substitute_attn} substituted for flash_attention_4]"
     except Exception as exc:  # noqa: BLE001 - any failure is this configuration's result, not the run's
         result["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         result["traceback"] = traceback.format_exc()[-4000:]

@@ -37,15 +37,20 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _ok(result: dict[str, Any]) -> bool:
+    return str(result.get("status", "")).startswith("ok") and result.get("tokens_per_s") is not None
+
+
 def add_ratios(results: list[dict[str, Any]], stock: Iterable[str]) -> str | None:
     """Set `ratio_to_best_stock` on every ok result; return the best stock config's name (None if none ran)."""
     stock = set(stock)
-    ok_stock = [r for r in results if r["config"] in stock and r.get("status") == "ok"]
+    # a stock run that computes something else (e.g. Falcon packed without document masking) is no baseline
+    ok_stock = [r for r in results if r["config"] in stock and _ok(r) and r.get("same_computation", True)]
     if not ok_stock:
         return None
     best = max(ok_stock, key=lambda r: r["tokens_per_s"])
     for r in results:
-        if r.get("status") == "ok":
+        if _ok(r):
             r["ratio_to_best_stock"] = r["tokens_per_s"] / best["tokens_per_s"]
     return best["config"]
 

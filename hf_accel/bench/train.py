@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import tempfile
 import time
@@ -61,10 +62,14 @@ def build_model(settings: RunSettings, attn_implementation: str) -> nn.Module:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn_implementation, dtype=settings.dtype
         )
+    if any(t.device.type != torch.device(settings.device).type for t in itertools.chain(model.parameters(),
+                                                                                         model.buffers())):
+        model.to(settings.device)  # a submodule built its tensors outside the device context
     model.train()
     if settings.workload.checkpointing:
+        # 5.23 renamed gradient_checkpointing_enable (5.17) and its kwargs; the first positional is the same dict
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable({"use_reentrant": False})
     return model
 
 

@@ -1,0 +1,145 @@
+"""Benchmark harness: workload data, token-budget steps, the FLOP formula (hand count and torch's FLOP counter),
+the results table, and scripts/bench.py --device cpu --tiny as a subprocess."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch, peak_flops
+from hf_accel.bench.report import add_ratios, markdown_table
+from hf_accel.bench.workloads import (DataSpec, _local_sft_lengths, greedy_steps, make_data, micro_batches,
+                                      sft_lengths)
+
+REPO = Path(__file__).resolve().parents[1]
+MEDIAN_RTOL = 0.05  # sample median of 20k log-normal draws (sigma 1): std error ~1% of the median
+
+
+@pytest.mark.parametrize("generate", [lambda n, s: sft_lengths(n, s), lambda n, s: _local_sft_lengths(
+    n, s.seed, s.median, s.max_len, s.min_len, s.sigma)], ids=["used", "local"])
+def test_lengths_median_clipping_determinism(generate):
+    spec = DataSpec()
+    lengths = generate(20_000, spec)
+    assert abs(statistics.median(lengths) - 350) <= MEDIAN_RTOL * 350
+    assert min(lengths) == 16 and max(lengths) == 4096  # the tails are clipped, and reach the clip
+    assert generate(20_000, spec) == lengths
+    assert generate(20_000, DataSpec(seed=1)) != lengths
+
+
+def test_greedy_steps_respect_budget_and_keep_order():
+    lengths = [5, 9, 3, 12, 1, 1, 20, 7]
+    steps = greedy_steps(lengths, 12)
+    assert [i for step in steps for i in step] == list(range(len(lengths)))
+    for step in steps:
+        assert sum(lengths[i] for i in step) <= 12 or len(step) == 1  # an oversized sample is its own step
+    assert steps[-2] == [6]  # 20 > 12: alone
+    assert micro_batches(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_make_data_enough_tokens_and_deterministic():
+    spec = DataSpec.tiny()
+    data = make_data(spec, vocab_size=100, steps=20)
+    assert len(data.samples) >= spec.min_samples
+    assert [len(s) for s in data.samples] == data.lengths
+    assert sum(data.lengths) >= 20 * spec.tokens_per_step
+    assert all(1 <= t < 100 for s in data.samples for t in s)  # 0 stays free for padding
+    assert make_data(spec, 100, 20).samples == data.samples
+    assert DataSpec().num_samples(1) >= 512
+
+
+def _tiny_llama(tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(cfg)
+
+
+def test_flop_formula_matches_hand_count():
+    h, i, v, layers, kv_width = 64, 128, 128, 2, 2 * 16
+    per_layer = h * h + 2 * h * kv_width + h * h + 3 * h * i  # q, k+v (GQA), o, gate/up/down
+    fm = FlopModel.from_model(_tiny_llama())
+    assert fm == FlopModel(layers * per_layer + v * h, 0, layers, 64)
+    docs = [10, 3]
+    want = 6 * (layers * per_layer + v * h) * 13 + 6 * layers * 64 * (10**2 + 3**2)
+    assert fm.step_flops(docs) == want
+    # LoRA r=4 on q_proj: the base weights cost 4 FLOPs/token (no weight gradient), adapters 6
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    lora = layers * (4 * h + h * 4)
+    assert FlopModel.from_model(model) == FlopModel(lora, layers * per_layer + v * h, layers, 64)
+
+
+def test_flop_formula_matches_torch_flop_counter():
+    """Live reference: torch counts eager attention over the full S x S square (masked half included)."""
+    model = _tiny_llama(tie=True)
+    model.set_attn_implementation("eager")
+    seq = 24
+    ids = torch.randint(0, 128, (1, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    fm = FlopModel.from_model(model)
+    masked_half = 6 * fm.num_layers * fm.attn_width * seq**2
+    # rotary's inv_freq @ positions matmul (a few hundred FLOPs) is the only other counted op
+    assert counter.get_total_flops() == pytest.approx(fm.step_flops([seq]) + masked_half, rel=1e-3)
+
+
+def test_doc_lengths_from_batches():
+    padded = {"input_ids": torch.zeros(2, 5), "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1] * 5])}
+    assert doc_lengths_from_batch(padded) == [3, 5]
+    packed = {"input_ids": torch.zeros(1, 6), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}
+    assert doc_lengths_from_batch(packed) == [3, 2, 1]
+    assert doc_lengths_from_batch({**packed, "cu_seq_lens_q": torch.tensor([0, 4, 6], dtype=torch.int32)}) == [4, 2]
+    assert peak_flops("NVIDIA H200") == 989.4e12 and peak_flops("cpu") is None
+
+
+def test_ratio_uses_best_same_computation_stock():
+    results = [
+        {"config": "a", "status": "ok", "tokens_per_s": 100.0},
+        {"config": "b", "status": "ok (documents attend ...)", "tokens_per_s": 300.0, "same_computation": False},
+        {"config": "mine", "status": "ok", "tokens_per_s": 150.0, "mfu": 0.5},
+        {"config": "c", "status": "skipped: needs CUDA"},
+    ]
+    assert add_ratios(results, ["a", "b", "c"]) == "a"
+    assert results[2]["ratio_to_best_stock"] == 1.5 and "ratio_to_best_stock" not in results[3]
+    table = markdown_table(results, "a")
+    assert "| mine | 150 | 1.50 | 50.0% |" in table and "skipped: needs CUDA |" in table
+
+
+def _run_bench(tmp_path, *args: str) -> tuple[str, dict]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--device", "cpu", "--tiny",
+                           "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("*.json")
+    assert json_path.with_suffix(".md").exists()
+    return proc.stdout, json.loads(json_path.read_text())
+
+
+def test_script_skips_cuda_configs_and_prints_table_last(tmp_path):
+    stdout, record = _run_bench(tmp_path, "--configs", "hf-fa4-padded,liger-sdpa-padded")
+    lines = [line for line in stdout.strip().splitlines() if line.strip()]
+    assert lines[-1].startswith("| liger-sdpa-padded |") and lines[-3].startswith("|---")
+    assert [r["status"] for r in record["results"]] == ["skipped: needs CUDA"] * 2
+    assert {"torch", "transformers", "trl", "liger-kernel", "flash-attn-4", "gpu"} <= set(record["versions"])
+
+
+@pytest.mark.slow
+def test_script_tiny_cpu_runs_configs(tmp_path):
+    configs = "hf-sdpa-padded,hf-sdpa-packed,trl-fa4-packed,hf_accel-best"
+    stdout, record = _run_bench(tmp_path, "--configs", configs, "--substitute-attn", "sdpa")
+    results = {r["config"]: r for r in record["results"]}
+    assert stdout.strip().splitlines()[-1].startswith("| hf_accel-best |")
+    for name in ("hf-sdpa-padded", "hf-sdpa-packed", "trl-fa4-packed"):
+        assert results[name]["status"].startswith("ok"), results[name]
+        assert results[name]["tokens_per_s"] > 0 and results[name]["loss_finite"]
+    # padded and packed stock runs see the same samples in the same steps from the same init: same training
+    assert results["hf-sdpa-padded"]["loss"] == pytest.approx(results["hf-sdpa-packed"]["loss"], rel=1e-4)
+    assert results["hf-sdpa-padded"]["real_tokens"] == results["hf-sdpa-packed"]["real_tokens"]
+    best = results["hf_accel-best"]["status"]
+    assert best.startswith("ok") or "not importable" in best, results["hf_accel-best"]
