@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warmup steps (default 3; tiny 1)")
-    p.add_argument("--step-time-budget", type=float, default=20.0, help="stop timing a config after this many s")
+    p.add_argument("--step-time-budget", type=float, default=15.0, help="stop timing a config after this many s")
     p.add_argument("--time-budget", type=float, default=540.0, help="total seconds for all configs")
     p.add_argument("--config-timeout", type=float, default=200.0, help="seconds before a config is killed")
     p.add_argument("--tokens-per-step", type=int, default=None, help="real tokens per optimizer step (16384)")

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .train import Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop, run_trl
+from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop,
+                    run_trl)
 from .workloads import BenchData, greedy_steps, micro_batches
 
 FA4 = "flash_attention_4"
@@ -163,7 +164,7 @@ def _trl(liger: bool) -> Callable[..., nn.Module]:
     return run
 
 
-def _fused_loss(options: Options, timing: Timing) -> Callable[..., torch.Tensor]:
+def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
     from hf_accel.fused_ce import causal_lm_loss_from_hidden
 
     use_liger = {"auto": None, "liger": True, "chunked": False}[options.fused_ce]
@@ -190,7 +191,7 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
         report = hf_accel.patch(model, **kwargs)
         timing.notes.append(f"patch: {report}")
         model = add_lora(model, settings.workload)
-        loss_fn = _fused_loss(options, timing) if best and options.fused_ce != "off" else hf_loss
+        loss_fn = _fused_loss(options) if best and options.fused_ce != "off" else hf_loss
         if best:
             timing.notes.append(f"fused_ce={options.fused_ce}")
         run_loop(model, _hf_accel_steps(data, settings.seed), loss_fn, settings, timing)

@@ -183,7 +183,7 @@ def _timing_callback(settings: RunSettings, timing: Timing):
 
 
 def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool) -> None:
-    """TRL SFTTrainer, packing=True (bfd => padding-free), rows of max_len, rows per step = tokens_per_step // max_len."""
+    """TRL SFTTrainer, packing=True (bfd => padding-free): rows of max_len, tokens_per_step // max_len rows a step."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
