@@ -12,8 +12,8 @@ from transformers import (FalconConfig, FalconForCausalLM, GPTNeoXConfig, GPTNeo
 
 from hf_accel.checkpointing import MemoryBudget, decoder_layers
 from hf_accel.errors import ConfigurationError
-from hf_accel.memory import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes, plan_checkpointing,
-                             plan_cost, plan_peak_bytes, probe_layer_activations, training_state_bytes)
+from hf_accel.memory import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
+                             plan_checkpointing, plan_cost, plan_peak_bytes, probe_layer_activations, training_state_bytes)
 
 # The formula counts the big per-token tensors a decoder layer saves for a flash-style kernel; HF's CPU reference
 # path adds or drops a few (Falcon's broadcast K/V and its seq x seq mask, layout copies), which for these tiny
@@ -149,6 +149,7 @@ def test_estimate_rejects_unknown_inputs():
         estimate_training_memory("llama-3.2-1b", dtype="int3")
 
 
+@pytest.mark.slow
 def test_estimate_cli_runs():
     script = Path(__file__).resolve().parents[1] / "scripts" / "estimate_memory.py"
     result = subprocess.run([sys.executable, str(script), "llama-3-8b", "--lora-rank", "16", "--checkpointing",
