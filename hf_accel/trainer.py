@@ -1,0 +1,346 @@
+"""``hf_accel.trainer.Trainer``: a drop-in ``transformers.Trainer`` that patches the model, packs batches, applies a
+checkpoint policy, logs real throughput, and saves checkpoints atomically (optionally in the background).
+
+``hf_accel.trainer.SFTTrainer`` (TRL's ``SFTTrainer`` with the same behaviour) lives in ``trl_trainer.py`` and is
+imported lazily, so TRL stays optional.
+
+Loss normalisation is transformers' own: the Trainer counts the targets of every micro-batch of an optimizer step
+(``num_items_in_batch``) and the model divides its summed cross-entropy by it, so packed, padded and regrouped
+batches of the same samples give the same loss (see ``hf_accel.loss``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from . import checkpoint_io
+from .collators import DataCollatorForPacking, DataCollatorForPadding
+from .errors import ConfigurationError
+from .patching import patch
+from .sampling import TokenBudgetBatchSampler
+from .trainer_metrics import ThroughputMeter, format_summary
+
+logger = logging.getLogger("hf_accel")
+
+__all__ = ["AccelArguments", "Trainer", "SFTTrainer"]
+
+
+@dataclass
+class AccelArguments:
+    """What hf_accel adds to a Trainer.
+
+    patch: route attention through hf_accel (False = stock transformers, for speed comparisons).
+    backend: attention backend for ``hf_accel.patch`` ("auto", "fa4", "torch-fa2", "sdpa", ...).
+    packing: padding-free batches (one packed row per micro-batch); False = dynamic padding.
+    max_tokens_per_batch: with packing, form micro-batches by a token budget (``TokenBudgetBatchSampler``) instead of
+        ``per_device_train_batch_size`` examples.
+    checkpointing: a checkpoint policy or spec ("full", "every_2", "op", "budget:20GiB"); None leaves the model and
+        ``TrainingArguments.gradient_checkpointing`` alone.
+    fused_ce: chunked cross-entropy from hidden states (no full logits tensor), ``hf_accel.fused_ce``.
+    async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
+    print_summary: print a throughput table when training ends.
+    """
+
+    patch: bool = True
+    backend: str = "auto"
+    packing: bool = True
+    max_tokens_per_batch: int | None = None
+    checkpointing: Any = None
+    fused_ce: bool = False
+    async_save: bool = False
+    print_summary: bool = True
+
+
+def _to_cpu(obj: Any) -> Any:
+    """A CPU copy of nested tensors (a snapshot that training may keep mutating the original of)."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _rng_state() -> dict[str, Any]:
+    """The RNG snapshot transformers' ``_load_rng_state`` reads back (single process)."""
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state()
+    return state
+
+
+class AccelMixin:
+    """The behaviour shared by ``Trainer`` and ``SFTTrainer``; expects to sit before a transformers Trainer in MRO."""
+
+    accel: AccelArguments
+
+    def _accel_setup(self, accel: AccelArguments | None) -> None:
+        self.accel = accel or AccelArguments()
+        self.patch_report = None
+        if self.accel.patch:
+            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self.accel.checkpointing)
+            logger.info("%s", self.patch_report)
+        elif self.accel.checkpointing is not None:
+            from .checkpointing import policy_from_spec
+
+            policy_from_spec(self.accel.checkpointing).apply(self.model)
+        if self.accel.async_save and self.args.world_size > 1:
+            raise ConfigurationError(
+                f"async_save=True with world_size={self.args.world_size}; background saves support one process only. "
+                "Pass async_save=False (saves are still atomic)."
+            )
+        self._writer = checkpoint_io.AsyncWriter()
+        self._meter: ThroughputMeter | None = None
+        self.throughput_summary: dict[str, float] | None = None
+
+    # ---- training loop hooks -------------------------------------------------------------------------------------
+
+    def _inner_training_loop(self, *args, **kwargs):
+        # Trainer.train() has just (re-)enabled checkpointing from its args; put our policy's choices back.
+        if self.accel.checkpointing is not None:
+            from .checkpointing import reapply_checkpointing
+
+            reapply_checkpointing(self.model)
+        self._meter = ThroughputMeter(self.model, self.args.device)
+        return super()._inner_training_loop(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._writer.wait()
+            if self._meter is not None:
+                self.throughput_summary = self._meter.summary()
+                if self.accel.print_summary and self.args.should_log:
+                    print(format_summary(self.throughput_summary), flush=True)
+
+    def get_batch_samples(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = super().get_batch_samples(*args, **kwargs)
+        if self._meter is not None:
+            self._meter.add_wait(time.perf_counter() - start)
+        return out
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if self._meter is not None:
+            self._meter.add_batch(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._meter is not None:
+            logs.update(self._meter.pop())
+        super().log(logs, *args, **kwargs)
+
+    # ---- atomic (and optionally background) checkpoints ----------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.accel.async_save:
+            self._save_checkpoint_async(run_dir, name)
+            return
+        staging_root = os.path.join(run_dir, checkpoint_io.STAGING_DIR)
+        if self.args.should_save:
+            checkpoint_io.staging_path(run_dir, name)
+        self.accelerator.wait_for_everyone()
+        # transformers writes the whole checkpoint (model, optimizer, scheduler, RNG, state) under _get_output_dir;
+        # point that at the staging folder for this one call.
+        self._get_output_dir = lambda trial=None: staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            self._publish(os.path.join(staging_root, name), run_dir, name)
+
+    def _publish(self, staged: str, run_dir: str, name: str) -> None:
+        best = self.state.best_model_checkpoint
+        staging_root = os.path.join(run_dir, checkpoint_io.STAGING_DIR)
+        if best and best.startswith(staging_root):
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        checkpoint_io.publish(staged, os.path.join(run_dir, name), self.state.global_step)
+        rotate_checkpoints(
+            output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False,
+        )
+
+    def _export_callback_states(self) -> None:
+        """What transformers' _save_checkpoint does for stateful callbacks before writing trainer_state.json."""
+        for cb in self.callback_handler.callbacks + [self.control]:
+            if isinstance(cb, transformers.trainer_callback.ExportableState):
+                name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+
+    def _save_checkpoint_async(self, run_dir: str, name: str) -> None:
+        """Copy everything a checkpoint holds to CPU now; write, fsync and rename it on the writer thread."""
+        self._writer.wait()  # one snapshot in memory at a time (raises if the previous write failed)
+        self.store_flos()
+        self._export_callback_states()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        snapshot = {
+            "model": _to_cpu(unwrapped.state_dict()),
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "scheduler": _to_cpu(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None,
+            "rng": _rng_state(),
+            "state": json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
+            "args": copy.deepcopy(self.args),
+        }
+        step, processing_class = self.state.global_step, self.processing_class
+
+        def write() -> None:
+            staging_root = checkpoint_io.staging_path(run_dir, name)
+            staged = os.path.join(staging_root, name)
+            unwrapped.save_pretrained(staged, state_dict=snapshot["model"], safe_serialization=True)
+            if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+                processing_class.save_pretrained(staged)
+            torch.save(snapshot["args"], os.path.join(staged, transformers.trainer.TRAINING_ARGS_NAME))
+            torch.save(snapshot["optimizer"], os.path.join(staged, transformers.trainer.OPTIMIZER_NAME))
+            if snapshot["scheduler"] is not None:
+                torch.save(snapshot["scheduler"], os.path.join(staged, transformers.trainer.SCHEDULER_NAME))
+            torch.save(snapshot["rng"], os.path.join(staged, "rng_state.pth"))
+            with open(os.path.join(staged, transformers.trainer.TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
+                f.write(snapshot["state"])
+            checkpoint_io.publish(staged, os.path.join(run_dir, name), step)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+
+        self._writer.submit(write)
+
+
+def _example_lengths(dataset: Any) -> list[int]:
+    if hasattr(dataset, "column_names") and "length" in dataset.column_names:
+        return [int(n) for n in dataset["length"]]
+    return [len(example["input_ids"]) for example in dataset]
+
+
+def _needs_tokenizing(dataset: Any) -> bool:
+    if dataset is None:
+        return False
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        columns = list(dataset[0].keys()) if len(dataset) else []
+    return "input_ids" not in columns
+
+
+def tokenize_dataset(dataset: Any, tokenizer: Any) -> Any:
+    """Tokenize a dataset of ``messages``, ``prompt``/``completion`` or ``text`` examples (a list or ``datasets``)."""
+    from .data import pretokenize, tokenize_example
+
+    if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
+        return pretokenize(dataset, tokenizer)
+    return [tokenize_example(example, tokenizer) for example in dataset]
+
+
+class Trainer(AccelMixin, transformers.Trainer):
+    """``transformers.Trainer`` with hf_accel's attention patch, packing collator, token-budget sampler, checkpoint
+    policy, throughput logging and atomic checkpoints. Takes every ``transformers.Trainer`` argument plus ``accel``.
+
+    Datasets may be pre-tokenized (``input_ids``, optional ``labels``) or raw (``messages``, ``prompt``/``completion``
+    or ``text``; tokenized here with ``processing_class``, labels on completions / assistant turns only).
+    """
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, *, accel: AccelArguments | None = None, **kwargs) -> None:
+        accel = accel or AccelArguments()
+        datasets = []
+        for dataset in (train_dataset, eval_dataset):
+            if _needs_tokenizing(dataset):
+                if processing_class is None:
+                    raise ConfigurationError(
+                        "the dataset has no 'input_ids' column and no processing_class was given; pass a tokenizer "
+                        "as processing_class, or pre-tokenize with hf_accel.data.pretokenize."
+                    )
+                dataset = tokenize_dataset(dataset, processing_class)
+            datasets.append(dataset)
+        self._own_collator = data_collator is None
+        if data_collator is None:
+            data_collator = self._default_collator(model, processing_class, accel)
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=datasets[0],
+                         eval_dataset=datasets[1], processing_class=processing_class, **kwargs)
+        self._accel_setup(accel)
+
+    @staticmethod
+    def _default_collator(model, processing_class, accel: AccelArguments):
+        pad_id = getattr(processing_class, "pad_token_id", None)
+        if pad_id is None:
+            pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+        if not accel.packing:
+            return DataCollatorForPadding(pad_token_id=pad_id)
+        collator = DataCollatorForPacking(pad_token_id=pad_id)
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if not accel.patch and model_type == "falcon":
+            # stock Falcon builds its mask without position_ids: packed documents would attend to each other
+            collator.use_padding("stock (unpatched) Falcon cannot keep packed documents apart")
+        return collator
+
+    def get_train_dataloader(self) -> DataLoader:
+        if not (self.accel.packing and self.accel.max_tokens_per_batch and self._own_collator):
+            return super().get_train_dataloader()
+        dataset = self.train_dataset
+        sampler = TokenBudgetBatchSampler(
+            _example_lengths(dataset), self.accel.max_tokens_per_batch, shuffle=True, seed=self.args.data_seed
+            if self.args.data_seed is not None else self.args.seed, num_replicas=self.args.world_size,
+            rank=self.args.process_index,
+        )
+        dataset = self._remove_unused_columns(dataset, description="training") if hasattr(dataset, "column_names") \
+            else dataset
+        collator = self.data_collator if hasattr(dataset, "column_names") else \
+            self._get_collator_with_removed_columns(self.data_collator, description="training")
+        loader = DataLoader(
+            dataset, batch_sampler=sampler, collate_fn=collator, num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory, persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+        )
+        prepared = self.accelerator.prepare(loader)
+        # The sampler already shards by rank; make accelerate's BatchSamplerShard (multi-process) a passthrough.
+        shard = getattr(prepared, "batch_sampler", None)
+        if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return prepared
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self.accel.fused_ce or return_outputs or "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        from .fused_ce import causal_lm_loss_from_hidden
+        from .patching import base_model
+
+        hf_model = base_model(self.accelerator.unwrap_model(model))
+        body = getattr(hf_model, hf_model.base_model_prefix)
+        labels = inputs["labels"]
+        body_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        hidden_bsh = body(**body_inputs, use_cache=False).last_hidden_state
+        loss = causal_lm_loss_from_hidden(hf_model, hidden_bsh, labels, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            loss = loss * self.accelerator.num_processes  # as transformers does for the model's own loss
+        return loss
+
+
+def __getattr__(name: str):
+    if name == "SFTTrainer":  # TRL is optional: import it only when asked for
+        from .trl_trainer import SFTTrainer
+
+        return SFTTrainer
+    raise AttributeError(f"module 'hf_accel.trainer' has no attribute {name!r}")
+
