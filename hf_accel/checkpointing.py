@@ -41,7 +41,7 @@ _DEFAULT_SAVE_OP_NAMES = (
 
 
 def default_save_ops() -> frozenset:
-    """Op packets whose outputs op-level checkpointing keeps: matmuls, attention kernels, hf_accel.kernels.SAVEABLE_OPS."""
+    """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels, hf_accel.kernels.SAVEABLE_OPS."""
     packets = {getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
     try:  # read at apply time: the flash-attn-4 custom op registers itself when its backend module is imported
         from . import kernels

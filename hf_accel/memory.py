@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -220,11 +219,8 @@ def live_activation_bytes(model: nn.Module, batch: dict) -> int:
 
     with torch.enable_grad(), Track():
         out = model(**batch)
-    outputs = {t.untyped_storage().data_ptr() for t in out.values() if isinstance(t, torch.Tensor)}
     total = sum(n for ref, n in refs.values() if not ref.expired())
-    total -= sum(t.untyped_storage().nbytes() for t in out.values()
-                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in outputs)
-    return total
+    return total - sum(t.untyped_storage().nbytes() for t in out.values() if isinstance(t, torch.Tensor))
 
 
 # ----------------------------------------------------------------------------------------------- fixed costs

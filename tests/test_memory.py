@@ -13,7 +13,8 @@ from transformers import (FalconConfig, FalconForCausalLM, GPTNeoXConfig, GPTNeo
 from hf_accel.checkpointing import MemoryBudget, decoder_layers
 from hf_accel.errors import ConfigurationError
 from hf_accel.memory import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
-                             plan_checkpointing, plan_cost, plan_peak_bytes, probe_layer_activations, training_state_bytes)
+                             plan_checkpointing, plan_cost, plan_peak_bytes, probe_layer_activations,
+                             training_state_bytes)
 
 # The formula counts the big per-token tensors a decoder layer saves for a flash-style kernel; HF's CPU reference
 # path adds or drops a few (Falcon's broadcast K/V and its seq x seq mask, layout copies), which for these tiny
