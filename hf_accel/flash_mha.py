@@ -314,12 +314,13 @@ class FlashMHA(nn.Module):
             raise ConfigurationError(f"from_torch takes {fixed} from the nn.MultiheadAttention; drop them from kwargs.")
         if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
             raise ConfigurationError(
-                f"FlashMHA supports kdim == vdim == embed_dim without add_bias_kv / add_zero_attn; got kdim={mha.kdim}, "
-                f"vdim={mha.vdim}, embed_dim={mha.embed_dim}, add_bias_kv={mha.bias_k is not None}, "
+                "FlashMHA supports kdim == vdim == embed_dim without add_bias_kv / add_zero_attn; got "
+                f"kdim={mha.kdim}, vdim={mha.vdim}, embed_dim={mha.embed_dim}, add_bias_kv={mha.bias_k is not None}, "
                 f"add_zero_attn={mha.add_zero_attn}. Project keys/values to embed_dim before attention."
             )
         weight = mha.in_proj_weight
-        options = {"dropout": mha.dropout, "batch_first": mha.batch_first, "device": weight.device, "dtype": weight.dtype}
+        options = {"dropout": mha.dropout, "batch_first": mha.batch_first}
+        options.update(device=weight.device, dtype=weight.dtype)
         options.update(kwargs)
         new = cls(mha.embed_dim, mha.num_heads, bias=mha.in_proj_bias is not None, **options)
         with torch.no_grad():

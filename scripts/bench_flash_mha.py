@@ -119,8 +119,9 @@ def markdown(shape: Shape, rows: list[Row]) -> str:
     lines = ["| implementation | ms / step | tokens/s | attn TFLOP/s | peak GiB | speedup | status |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        speedup = "-" if r.speedup is None else f"{r.speedup:.2f}x"
         lines.append(f"| {r.name} | {fmt(r.ms, '.2f')} | {fmt(r.tokens_per_s, ',.0f')} | {fmt(r.attn_tflops, '.1f')} "
-                     f"| {fmt(r.peak_mem_gib, '.2f')} | {fmt(r.speedup, '.2f')}{'x' if r.speedup else ''} | {r.status} |")
+                     f"| {fmt(r.peak_mem_gib, '.2f')} | {speedup} | {r.status} |")
     return head + "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from hf_accel.errors import ConfigurationError, InvalidBatch
+from hf_accel.errors import BackendUnavailable, ConfigurationError, InvalidBatch
 from hf_accel.flash_mha import FlashMHA, alibi_slopes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,6 +239,17 @@ def test_dropout_is_unbiased_in_training_and_off_in_eval():
     assert not torch.allclose(samples[0], expected)
     # E[dropout(P)] = P and out_proj is linear, so the mean converges to the eval output (~1/sqrt(400) noise).
     assert (samples.mean(0) - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+def test_dropout_is_requested_from_the_backend_only_in_training():
+    torch.manual_seed(0)
+    ours = FlashMHA(E, H, dropout=0.1, backend="flex")  # flex has no dropout: training must refuse it
+    x = torch.randn(1, 6, E)
+    with pytest.raises(BackendUnavailable, match="dropout"):
+        with torch.no_grad():
+            ours.train()(x)
+    with torch.no_grad():
+        assert_close(ours.eval()(x)[0], reference_attention(ours, x))
 
 
 def test_state_dict_round_trip_reproduces_outputs():
