@@ -100,6 +100,9 @@ def run(shape: Shape, warmup: int, iters: int) -> list[Row]:
             why = str(err).split("tried ", 1)[-1].split(". ")[0]  # "fa4 (not installed)" etc.
             rows.append(Row(name, f"unavailable: {why}"))
             continue
+        except RuntimeError as err:  # a kernel that fails on this machine is a result, not a reason to stop
+            rows.append(Row(name, f"failed: {str(err).splitlines()[0][:200]}"))
+            continue
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         tokens = shape.batch * shape.seq
         rows.append(Row(name, "ok", ms, tokens / ms * 1000, _attention_flops(shape) / ms / 1e9, peak))
