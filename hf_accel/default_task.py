@@ -98,7 +98,7 @@ def exact_match(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict[
     return correct / len(examples)
 
 
-def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 128, layers: int = 3) -> torch.nn.Module:
+def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 128, layers: int = 2) -> torch.nn.Module:
     """A small random-init Llama (fp32) sized to learn the default task in about a minute on two CPU cores."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -170,7 +170,7 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
     from transformers import TrainingArguments
 
     lr = args.lr or (3e-3 if tiny_default else (2e-4 if args.lora_r else 2e-5))
-    max_steps = args.max_steps if args.max_steps is not None else (400 if tiny_default else -1)
+    max_steps = args.max_steps if args.max_steps is not None else (300 if tiny_default else -1)
     batch_size = args.batch_size or (32 if tiny_default else 8)
     return TrainingArguments(
         output_dir=args.output_dir, max_steps=max_steps, num_train_epochs=args.epochs, learning_rate=lr,
