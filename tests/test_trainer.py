@@ -23,6 +23,7 @@ PARAM_ATOL = 1e-4  # lr 0.05 times fp32 gradient round-off, over a few steps
 # Through TRL, LoRA A-matrices pick up more round-off: stock TRL padding-free vs stock TRL padded (NeoX, LoRA, same
 # settings) already differ by up to 4e-4 there, so ours is held to the same order.
 TRL_LORA_PARAM_ATOL = 1e-3
+TRL_LORA_LOSS_RTOL = 1e-3  # later steps' losses inherit that weight round-off (the first step is held to LOSS_RTOL)
 # Plain SGD: Adam's first steps divide by sqrt(g^2) and would blow fp32 round-off of near-zero grads up to ~lr.
 OPTIM = dict(optim="sgd", learning_rate=0.05)
 FAMILIES = ["llama-gqa", "neox-parallel", "falcon-40b-newarch"]
@@ -179,7 +180,8 @@ def test_sft_trainer_padding_free_matches_stock_padded(tmp_path, name, lora):
     ref = trl.SFTTrainer(model=model_for(name, lora), args=sft_config(tmp_path / "r"), train_dataset=sft_data(),
                          processing_class=build_tokenizer())
     ref.train()
-    torch.testing.assert_close(losses(ours), losses(ref), rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(losses(ours)[0], losses(ref)[0], rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(losses(ours), losses(ref), rtol=TRL_LORA_LOSS_RTOL if lora else LOSS_RTOL, atol=0)
     assert_same_params(ours.model, ref.model, TRL_LORA_PARAM_ATOL if lora else PARAM_ATOL)
 
 
