@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lo.add_argument("--lora-alpha", type=int, default=None, help="default: 2 * r")
     lo.add_argument("--lora-targets", default=None, help="comma-separated module names (default: the family's)")
     ev = p.add_argument_group("evaluation (default task and --smollm2)")
-    ev.add_argument("--eval-examples", type=int, default=200)
+    ev.add_argument("--eval-examples", type=int, default=200, help="0 skips the held-out evaluation")
     args = p.parse_args(argv)
     if args.model and (args.smollm2 or args.model_shape):
         p.error("--model cannot be combined with --smollm2 or --model-shape")
@@ -145,10 +145,10 @@ def load_data(args: argparse.Namespace) -> tuple[Any, list[dict] | None]:
                                          "jsonl or parquet.")
             return load_dataset(kind, data_files=args.dataset, split="train"), None
         return load_dataset(args.dataset, split="train"), None
-    train, heldout = default_task.train_and_heldout(n_eval=args.eval_examples, seed=args.seed)
+    train, heldout = default_task.train_and_heldout(n_eval=max(1, args.eval_examples), seed=args.seed)
     from datasets import Dataset
 
-    return Dataset.from_list(train), heldout
+    return Dataset.from_list(train), (heldout if args.eval_examples > 0 else None)
 
 
 def add_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
