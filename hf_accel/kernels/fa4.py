@@ -2,8 +2,9 @@
 
 flash-attn-4 launches its kernels outside PyTorch's dispatcher as a plain autograd.Function; as custom ops
 ``hf_accel::fa4_varlen_fwd`` / ``_bwd`` selective checkpoint policies can save its output and torch.compile sees one
-opaque node. Its ``score_mod`` backward is wrong on sm90 (4.0.0b36, measured on the H200), so ALiBi is offered for
-forward-only calls; the GPU test suite keeps that declaration honest.
+opaque node. ALiBi would go through flash-attn-4's ``score_mod``; its backward was reported wrong on sm90 (4.0.0b36),
+while a single-slope relative bias measured right on the H200 (2026-11-29, tests/gpu). Per-head slopes are not wired up
+yet, so ALiBi is not declared.
 """
 from __future__ import annotations
 
@@ -90,9 +91,9 @@ class FA4Backend(Backend):
         head_dim_multiple=8,
         window=True,
         softcap=True,
-        alibi=False,  # score_mod ALiBi: forward right, backward wrong on sm90 (4.0.0b36); not wired up yet
+        alibi=False,  # score_mod ALiBi not wired up (per-head slopes need aux tensors; see the module docstring)
         alibi_backward=False,
-        notes=("flash-attn-4 4.0.0b36; no dropout; ALiBi score_mod backward broken on sm90",),
+        notes=("flash-attn-4 4.0.0b36; no dropout; no ALiBi yet",),
     )
 
     def unavailable_reason(self) -> str | None:

@@ -85,10 +85,11 @@ def test_backend_matches_fp32_math(backend, case, head_dim):
         assert err <= 2 * base + FLOOR, f"{backend} {case} d={head_dim} {name}: err {err:.2e} vs bf16 math {base:.2e}"
 
 
-def test_fa4_alibi_capability_is_honest():
-    """flash-attn-4's score_mod backward was measured wrong on sm90 (4.0.0b36) for ALiBi-style biases. This test
-    computes a relative-position bias (ALiBi with one slope) through fa4's score_mod and through SDPA's float bias;
-    the declared capability must say what the measurement says. If it starts to fail, re-enable ALiBi for fa4."""
+def test_fa4_score_mod_relative_bias():
+    """Is flash-attn-4's score_mod path right, forward and backward, for a relative-position bias (ALiBi with one
+    slope)? Earlier notes said its backward is wrong on sm90 (4.0.0b36); on the H200 on 2026-11-29 this single-slope
+    case came out right. hf_accel does not route ALiBi to fa4 yet (per-head slopes need aux tensors, unmeasured), so
+    fa4 declares no ALiBi; this test records the kernel's behaviour for whoever wires it up."""
     if BACKENDS["fa4"].unavailable_reason():
         pytest.skip(BACKENDS["fa4"].unavailable_reason())
     import cutlass
@@ -126,7 +127,4 @@ def test_fa4_alibi_capability_is_honest():
         return ((got[i] - ref[i]).abs().max() / scale) <= 2 * ((low[i] - ref[i]).abs().max() / scale) + FLOOR
 
     assert ok(0), "fa4 score_mod forward disagrees with fp32 math: the test's score_mod is wrong, not the capability"
-    backward_ok = all(ok(i) for i in (1, 2, 3))
-    assert BACKENDS["fa4"].capabilities.alibi_backward == backward_ok, (
-        "fa4 score_mod backward is " + ("now right: re-enable ALiBi for fa4" if backward_ok else "wrong as declared")
-    )
+    assert all(ok(i) for i in (1, 2, 3)), "fa4 score_mod backward disagrees with fp32 math"

@@ -72,6 +72,12 @@ def test_patched_train_step_matches_unpatched(name):
             m.p = 0.0
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     ours = copy.deepcopy(ref16)
+    if getattr(ref32.config, "alibi", False):
+        # transformers computes Falcon's ALiBi bias in bf16 from absolute positions even in an fp32 model (up to
+        # ~0.25 logit error at 1k tokens), so the stock model is no reference here: the fp32 oracle is the patched
+        # model on the plain-math backend, whose ALiBi matches stock on the CPU tests (short sequences, exact bf16).
+        hf_accel.patch(ref32, backend="reference")
+        hf_accel.patch(ref16, backend="reference")
     report = hf_accel.patch(ours)
     vocab = ref32.config.vocab_size
     loss32, g32 = step(ref32, padded(vocab))
