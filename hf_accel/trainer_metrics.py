@@ -14,18 +14,12 @@ import torch
 
 from .bench.flops import FlopModel, doc_lengths_from_batch, peak_flops
 
-PEAK_BF16_FLOPS_EXTRA = {"A100": 312e12}  # beyond bench.flops' table (H100/H200)
-
 
 def device_peak_flops(device: torch.device) -> float | None:
     """bf16 dense peak of the training GPU, or None (CPU, unknown GPU: MFU is then not reported)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    found = peak_flops(name)
-    if found is None:
-        found = next((v for k, v in PEAK_BF16_FLOPS_EXTRA.items() if k in name), None)
-    return found
+    return peak_flops(torch.cuda.get_device_name(device))
 
 
 def batch_tokens(batch: Mapping[str, Any]) -> tuple[int, int]:

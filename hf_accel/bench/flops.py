@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 # bf16 dense tensor-core peak (no sparsity), from NVIDIA's H100/H200 SXM data sheets.
-PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
 @dataclass(frozen=True)
