@@ -34,6 +34,7 @@ class PatchReport:
     touches: str
     lora_targets: tuple[str, ...]
     checkpointing: str | None = None
+    fused_ops: bool = False
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -45,6 +46,8 @@ class PatchReport:
         ]
         if self.checkpointing:
             lines.append(f"  checkpointing: {self.checkpointing}")
+        if self.fused_ops:
+            lines.append("  fused ops: liger-kernel norms / SwiGLU bound to this instance")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -92,12 +95,15 @@ def _no_cache_in_training(module, args, kwargs):
     return args, kwargs
 
 
-def patch(model: torch.nn.Module, backend: str = "auto", checkpointing=None) -> PatchReport:
+def patch(
+    model: torch.nn.Module, backend: str = "auto", checkpointing=None, fused_ops: bool = False
+) -> PatchReport:
     """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
 
     Works on a plain transformers model or a PEFT model, before or after ``get_peft_model``. Idempotent: patching a
     patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
     takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.checkpointing).
+    ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
     """
     check_transformers_version()
     model_hf = base_model(model)
@@ -107,7 +113,11 @@ def patch(model: torch.nn.Module, backend: str = "auto", checkpointing=None) -> 
     family = _family(config.model_type)
     state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
     if state is not None:
-        same = state.report.backend_requested == backend and state.report.checkpointing == _describe(checkpointing)
+        same = (
+            state.report.backend_requested == backend
+            and state.report.checkpointing == _describe(checkpointing)
+            and state.report.fused_ops == fused_ops
+        )
         if same:
             return state.report
         unpatch(model)
@@ -115,12 +125,21 @@ def patch(model: torch.nn.Module, backend: str = "auto", checkpointing=None) -> 
     request = _training_request(model_hf, family, None)
     chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
     names, undo = family.apply(model_hf, backend)
+    if fused_ops:
+        from . import fused_ops as fused
+
+        try:
+            undo += fused.apply(model_hf)[1]
+        except Exception:
+            for action in reversed(undo):
+                action()
+            raise
     hook = model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
     undo.append(hook.remove)
     report = PatchReport(
         model_type=config.model_type, backend_requested=backend, backend=chosen.backend.name,
         selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,
-        lora_targets=family.LORA_TARGETS,
+        lora_targets=family.LORA_TARGETS, fused_ops=fused_ops,
     )
     if checkpointing is not None:
         from .checkpointing import policy_from_spec

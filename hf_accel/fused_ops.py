@@ -1,0 +1,68 @@
+"""Optional fused element-wise kernels (liger-kernel), bound to one model instance and undone exactly.
+
+``patch(model, fused_ops=True)`` swaps the forward of each RMSNorm / SwiGLU MLP (Llama) and LayerNorm (GPT-NeoX,
+Falcon) instance for liger-kernel's Triton implementation, through liger's own per-instance binders. Liger's public
+``apply_liger_kernel_to_*`` functions rebind classes module-wide (every model in the process) and rotary globally, so
+they are not used here. The MLP's projections are still called as modules, so LoRA keeps receiving its inputs.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .errors import BackendUnavailable
+
+
+def unavailable_reason(model: nn.Module) -> str | None:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install 'hf_accel[liger]')"
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return "liger-kernel's Triton kernels need the model on a CUDA device"
+    return None
+
+
+def _transaction(module: nn.Module, change: Callable[[nn.Module], None]) -> Callable[[], None]:
+    """Apply ``change`` to a module's instance attributes; return the action that restores them exactly."""
+    before = dict(module.__dict__)
+    change(module)
+    added = [k for k in module.__dict__ if k not in before]
+    changed = {k: v for k, v in before.items() if module.__dict__.get(k, v) is not v}
+
+    def undo() -> None:
+        for key in added:
+            module.__dict__.pop(key, None)
+        module.__dict__.update(changed)
+
+    return undo
+
+
+def apply(model: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
+    """Bind liger's fused norms / SwiGLU to this model's modules. Raises BackendUnavailable when it cannot."""
+    reason = unavailable_reason(model)
+    if reason:
+        raise BackendUnavailable(f"fused_ops=True needs liger-kernel on CUDA: {reason}. Pass fused_ops=False.")
+    from liger_kernel.transformers.monkey_patch import (
+        _patch_layer_norm_module,
+        _patch_rms_norm_module,
+        _patch_swiglu_module,
+    )
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    names, undo = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, LlamaRMSNorm):
+            undo.append(_transaction(module, lambda m: _patch_rms_norm_module(m, eps=m.variance_epsilon)))
+        elif isinstance(module, LlamaMLP) and module.config.hidden_act in ("silu", "swish"):
+            undo.append(_transaction(module, lambda m: _patch_swiglu_module(m, LigerSwiGLUMLP)))
+        elif isinstance(module, nn.LayerNorm) and module.elementwise_affine:
+            undo.append(_transaction(module, lambda m: _patch_layer_norm_module(m, eps=m.eps)))
+        else:
+            continue
+        names.append(name)
+    return names, undo
+
