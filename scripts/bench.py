@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ce-chunk-size", type=int, default=4096)
     p.add_argument("--best-backend", default="auto", help="hf_accel-best: backend passed to hf_accel.patch")
     p.add_argument("--best-checkpointing", default=None, help="hf_accel-best: checkpointing passed to hf_accel.patch")
+    p.add_argument("--best-fused-ops", choices=["auto", "on", "off"], default="auto",
+                   help="hf_accel-best: liger-kernel fused norms/SwiGLU via patch(fused_ops=...) (auto: when usable)")
     p.add_argument("--substitute-attn", default=None,
                    help="run flash_attention_4 configs with this attn_implementation instead (CPU smoke of TRL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: by GPU name)")
@@ -86,7 +88,8 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
 
 def options(args: argparse.Namespace) -> Options:
     return Options(fused_ce=args.fused_ce, backend=args.best_backend, checkpointing=args.best_checkpointing,
-                   ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn)
+                   ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn,
+                   fused_ops=args.best_fused_ops)
 
 
 def peak(args: argparse.Namespace) -> float | None:
@@ -125,7 +128,7 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--step-time-budget", str(args.step_time_budget), "--seed", str(args.seed),
             "--fused-ce", args.fused_ce, "--ce-chunk-size", str(args.ce_chunk_size),
-            "--best-backend", args.best_backend, "--child", str(out)]
+            "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops, "--child", str(out)]
     for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--best-checkpointing", args.best_checkpointing),
                         ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
         if value is not None:

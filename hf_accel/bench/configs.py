@@ -25,6 +25,7 @@ class Options:
     checkpointing: str | None = None  # passed to hf_accel.patch when set
     ce_chunk_size: int = 4096
     substitute_attn: str | None = None  # e.g. "sdpa": run FA4 configs with it (CPU smoke of the TRL path)
+    fused_ops: str = "auto"  # auto | on | off: hf_accel.patch(fused_ops=...) (liger norms / SwiGLU)
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,10 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
         kwargs: dict[str, Any] = {"backend": options.backend if best else "auto"}
         if best and options.checkpointing is not None:
             kwargs["checkpointing"] = options.checkpointing
+        if best and options.fused_ops != "off":
+            from hf_accel.fused_ops import unavailable_reason
+
+            kwargs["fused_ops"] = options.fused_ops == "on" or unavailable_reason(model) is None
         report = hf_accel.patch(model, **kwargs)
         timing.notes.append(f"patch: {report}")
         model = add_lora(model, settings.workload)

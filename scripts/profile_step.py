@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Where a training step's time goes: steady-state step time and GPU kernel time by category.
+
+Runs the benchmark's hf_accel configuration (same model shapes, data and optimizer as scripts/bench.py), warms up,
+times steps, then profiles a few with torch.profiler and groups CUDA kernel time into attention / matmul / loss /
+optimizer / norms+elementwise / other. Also times batch collation on the CPU alone. Prints a markdown table last.
+
+    python scripts/profile_step.py --workload llama-1b --out results/        # on a GPU
+    python scripts/profile_step.py --workload llama-1b --device cpu --tiny   # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import hf_accel  # noqa: E402
+from hf_accel.bench.configs import Options, _fused_loss, _hf_accel_steps  # noqa: E402
+from hf_accel.bench.train import RunSettings, Timing, build_model, hf_loss, run_loop  # noqa: E402
+from hf_accel.bench.workloads import WORKLOADS, DataSpec, make_data  # noqa: E402
+
+# Kernel-name fragments, checked in order: the first match decides a kernel's category.
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "attn", "fwd_sm90", "bwd_sm90", "cute")),
+    ("loss", ("cross_entropy", "log_softmax", "nll", "liger_cross", "softmax")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("matmul", ("gemm", "sm90_xmma", "nvjet", "cutlass", "matmul", "cublas")),
+    ("norms+elementwise", ("elementwise", "vectorized", "norm", "reduce", "silu", "mul", "add", "copy", "rope",
+                           "swiglu", "index", "cat", "fill")),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def profile(args) -> dict:
+    workload = WORKLOADS[args.workload]
+    settings = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=args.steps,
+                           warmup=args.warmup, step_time_budget=1e9)
+    model = build_model(settings, "sdpa")
+    report = hf_accel.patch(model, fused_ops=args.fused_ops)
+    spec = DataSpec.tiny() if args.tiny else DataSpec()
+    data = make_data(spec, model.config.vocab_size, args.warmup + args.steps + args.profile_steps + 4)
+    options = Options(fused_ce=args.fused_ce)
+    loss_fn = hf_loss if args.fused_ce == "off" else _fused_loss(options)
+
+    collate_start = time.perf_counter()
+    batches = list(itertools.islice(_hf_accel_steps(data, 0), args.warmup + args.steps + args.profile_steps))
+    collate_s = (time.perf_counter() - collate_start) / len(batches)
+
+    timing = Timing()
+    run_loop(model, iter(batches[: args.warmup + args.steps]), loss_fn, settings, timing)
+    steady = sorted(timing.step_seconds)[len(timing.step_seconds) // 2]  # median: robust to JIT-compile steps
+
+    kernel_us: dict[str, float] = defaultdict(float)
+    if args.device.startswith("cuda") and args.profile_steps:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        prof_settings = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=args.profile_steps,
+                                    warmup=0, step_time_budget=1e9)
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_loop(model, iter(batches[args.warmup + args.steps:]), loss_fn, prof_settings, Timing())
+        for event in prof.key_averages():
+            device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+            if device_us and event.key:
+                kernel_us[category(event.key)] += device_us / args.profile_steps
+    tokens = sum(mb["input_ids"].numel() for mb in batches[0])
+    return {
+        "workload": args.workload, "device": args.device, "fused_ce": args.fused_ce, "fused_ops": args.fused_ops,
+        "backend": report.backend, "steady_step_s": steady, "step_seconds": timing.step_seconds,
+        "tokens_per_step": tokens, "collate_s_per_step": collate_s,
+        "kernel_ms_per_step": {k: v / 1000 for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])},
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None,
+    }
+
+
+def table(result: dict) -> str:
+    total = sum(result["kernel_ms_per_step"].values()) or float("nan")
+    lines = [
+        f"## {result['workload']} step profile ({result['device']}, backend {result['backend']}, "
+        f"fused_ce={result['fused_ce']}, fused_ops={result['fused_ops']})",
+        f"steady step {result['steady_step_s'] * 1000:.1f} ms for {result['tokens_per_step']} tokens "
+        f"({result['tokens_per_step'] / result['steady_step_s']:,.0f} tokens/s); collation on the CPU "
+        f"{result['collate_s_per_step'] * 1000:.1f} ms/step",
+        "", "| category | GPU ms / step | share |", "|---|---:|---:|",
+    ]
+    for cat, ms in result["kernel_ms_per_step"].items():
+        lines.append(f"| {cat} | {ms:.1f} | {ms / total:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama-1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--fused-ce", choices=["auto", "chunked", "liger", "off"], default="off")
+    p.add_argument("--fused-ops", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    result = profile(args)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"profile_{args.workload}_{args.fused_ce}_{'fusedops' if args.fused_ops else 'plain'}.json"
+        (args.out / name).write_text(json.dumps(result, indent=1))
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
