@@ -1,0 +1,270 @@
+"""Multi-process readiness, on CPU: the accelerate configs in examples/accelerate load and say what the docs claim,
+the patch keeps what FSDP wraps and never reads weights (ZeRO-3 partitions them), checkpoint policies stand down
+under FSDP's own activation checkpointing, and a 2-process DDP run (gloo) trains exactly like 1 process over the same
+global batches. What needs GPUs (FSDP2 / ZeRO-3 runs, speed, memory) is listed in docs/MULTI_GPU.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import hf_accel
+from hf_accel.checkpointing import decoder_layers, policy_from_spec
+from hf_accel.errors import BackendUnavailable, ConfigurationError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_models  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "examples" / "accelerate"
+FAMILIES = ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi"]
+# Same samples per optimizer step, fp32: only the order of the gradient all-reduce (2 ranks) vs accumulation
+# (1 process) and, for a different grouping, the packed row layout differ, so results agree to fp32 rounding.
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ config files
+def _launch_env(config: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file <config>` gives its processes (accelerate's own parsing)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / config), "train.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        return prepare_deepspeed_cmd_env(args)[1]
+    return prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("config, distributed_type", [
+    ("fsdp2.yaml", "FSDP"), ("fsdp2_checkpointing.yaml", "FSDP"), ("deepspeed_zero3.yaml", "DEEPSPEED"),
+    ("ddp_cpu.yaml", "MULTI_GPU"),  # MULTI_GPU = torchrun launcher; the processes run on CPU (see the file)
+])
+def test_config_loads_with_accelerate(config, distributed_type):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cfg = ClusterConfig.from_yaml_file(str(CONFIGS / config))
+    assert cfg.distributed_type == distributed_type and cfg.num_processes == 2 and cfg.num_machines == 1
+
+
+@pytest.mark.parametrize("config, activation_checkpointing", [
+    ("fsdp2.yaml", False), ("fsdp2_checkpointing.yaml", True),
+])
+def test_fsdp2_plugin_from_config(monkeypatch, config, activation_checkpointing):
+    """accelerate builds an FSDP2 plugin from the file, with the activation-checkpointing env var that
+    hf_accel.checkpointing reads to stand down."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    env = _launch_env(config)
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+    assert env["FSDP_ACTIVATION_CHECKPOINTING"] == str(activation_checkpointing).lower()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.activation_checkpointing is activation_checkpointing
+    assert plugin.transformer_cls_names_to_wrap is None  # wrap the model's own _no_split_modules
+
+
+def test_deepspeed_zero3_config(monkeypatch):
+    """The yaml points at the json (relative to the repository root) and accelerate reads ZeRO stage 3 from it,
+    with every batch-size / accumulation field left "auto" for the Trainer to fill."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    env = _launch_env("deepspeed_zero3.yaml")
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert (ROOT / env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]).is_file()
+    monkeypatch.chdir(ROOT)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    plugin = DeepSpeedPlugin()
+    assert plugin.zero_stage == 3 and plugin.hf_ds_config.is_zero3() and not plugin.hf_ds_config.is_offload()
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        assert plugin.deepspeed_config[key] == "auto", key
+
+
+# ------------------------------------------------------------------------------------------------ patch vs sharding
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fsdp2_wraps_the_same_layers_after_patch(monkeypatch, name):
+    """FSDP2 finds its units by layer class; the patch rebinds attention methods and changes no class."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    for key, value in _launch_env("fsdp2.yaml").items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    model = tiny_models.make(name)
+    before = [n for n, m in model.named_modules() if fsdp2_prepare_auto_wrap_policy(plugin, model)(m)]
+    hf_accel.patch(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    after = [n for n, m in model.named_modules() if policy(m)]
+    assert after == before and len(after) == len(decoder_layers(model)) == model.config.num_hidden_layers
+
+
+class _ParameterReads(TorchDispatchMode):
+    """Records every op that receives a tensor sharing storage with one of the given parameters."""
+
+    def __init__(self, params) -> None:
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr() for p in params}
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages
+               for t in tree_leaves((args, kwargs))):
+            self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_patch_reads_no_parameter(name):
+    model = tiny_models.make(name)
+    params = list(model.parameters())
+    with _ParameterReads(params) as reads:
+        hf_accel.patch(model, checkpointing="every_2")
+    assert reads.ops == []
+    assert all(p is q for p, q in zip(params, model.parameters()))
+    with _ParameterReads(params) as reads:  # the recorder does see reads: a forward reads every weight
+        model(torch.randint(0, tiny_models.VOCAB, (1, 8)))
+    assert reads.ops
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_patch_under_zero3_style_partitioned_parameters(name):
+    """ZeRO-3 leaves each rank a 0-element placeholder per parameter until it gathers them for a forward: patching
+    then, and running with the full weights later, gives what patching a whole model gives."""
+    reference, model = tiny_models.make(name), tiny_models.make(name)
+    hf_accel.patch(reference)
+    full = {n: p.data for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype)
+    report = hf_accel.patch(model)
+    for n, p in model.named_parameters():
+        p.data = full[n]
+    assert report.backend == hf_accel.patch(reference).backend
+    input_ids = torch.randint(0, tiny_models.VOCAB, (1, 12))
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])  # two packed documents
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids, position_ids=position_ids).logits,
+                                   reference(input_ids, position_ids=position_ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.xfail(strict=True, raises=BackendUnavailable,
+                   reason="patch picks a kernel by the parameters' device; on meta (init_empty_weights, FSDP "
+                          "cpu_ram_efficient_loading on ranks > 0) no backend accepts it. See docs/MULTI_GPU.md.")
+def test_patch_on_meta_device():
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = tiny_models.VARIANTS["llama-gqa"]()
+    with _ParameterReads([]) as reads:
+        hf_accel.patch(model)
+    assert all(p.device.type == "meta" for p in model.parameters()) and reads.ops == []
+
+
+# ------------------------------------------------------------------------------------------------ checkpointing
+@pytest.mark.parametrize("config, stands_down", [("fsdp2_checkpointing.yaml", True), ("fsdp2.yaml", False)])
+def test_checkpoint_policy_under_fsdp_activation_checkpointing(monkeypatch, config, stands_down):
+    """With the env accelerate sets from fsdp2_checkpointing.yaml, an explicit policy raises (FSDP + model
+    checkpointing at once fail) and an implicit one stands down; with fsdp2.yaml both apply."""
+    for key, value in _launch_env(config).items():
+        monkeypatch.setenv(key, value)
+    model = tiny_models.make("llama-gqa")
+    if stands_down:
+        with pytest.raises(ConfigurationError, match="FSDP"):
+            hf_accel.patch(model, checkpointing="full")
+        hf_accel.unpatch(model)  # a no-op today: see test_patch_that_raises_leaves_the_model_as_it_was
+    else:
+        hf_accel.patch(model, checkpointing="full")
+        assert all(layer.gradient_checkpointing for layer in decoder_layers(model))
+        hf_accel.unpatch(model)
+    policy_from_spec("full", explicit=False).apply(model)
+    assert all(layer.gradient_checkpointing for layer in decoder_layers(model)) == (not stands_down)
+
+
+# ------------------------------------------------------------------------------------------------ 2-process DDP run
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sft_inputs(tmp_path_factory) -> Path:
+    """A small prompt/completion jsonl and a saved tiny Llama + tokenizer (offline)."""
+    from hf_accel.default_task import build_tokenizer, make_examples, tiny_llama
+
+    root = tmp_path_factory.mktemp("dist")
+    (root / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in make_examples(256, seed=3)))
+    tokenizer = build_tokenizer()
+    tiny_llama(len(tokenizer), seed=0).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    return root
+
+
+def _run_sft(root: Path, out: str, *args: str, processes: int = 1) -> tuple[dict, dict]:
+    """(metrics of rank 0, model state) of scripts/sft.py run through tests/dist_sft.py."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    common = ["--model", "model", "--dataset", "data.jsonl", "--lr", "3e-3", "--max-steps", "4",
+              "--logging-steps", "1", "--eval-examples", "0", "--output-dir", out, *args]
+    script = str(ROOT / "tests" / "dist_sft.py")
+    if processes == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp_cpu.yaml"),
+               "--num_processes", str(processes), "--main_process_port", str(_free_port()), script]
+    proc = subprocess.run(cmd + common, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    from safetensors.torch import load_file
+
+    metrics = [json.loads((root / out / f"rank{r}" / "metrics.json").read_text()) for r in range(processes)]
+    assert all(m["losses"] == metrics[0]["losses"] for m in metrics)  # every rank logs the global loss
+    return metrics[0], load_file(root / out / "rank0" / "model.safetensors")
+
+
+def _assert_same_training(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (metrics_a, weights_a), (metrics_b, weights_b) = a, b
+    assert metrics_a["steps"] == metrics_b["steps"] == 4
+    assert metrics_a["backend"] == metrics_b["backend"] != "stock"
+    torch.testing.assert_close(torch.tensor(metrics_a["losses"]), torch.tensor(metrics_b["losses"]),
+                               rtol=LOSS_RTOL, atol=0)
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process(sft_inputs):
+    """Token budget: the sampler deals global batch i to rank i % 2, and the Trainer takes grad_accum consecutive
+    batches per rank, so 2 ranks x grad_accum 2 cover the same 4 global batches per step as 1 process x
+    grad_accum 4; the loss divides by the step's target count summed over ranks. Fixed examples per micro-batch:
+    2 ranks x 4 examples = the same 8 samples as 1 process x 8 examples (packed into different rows)."""
+    budget = ["--max-tokens-per-batch", "160"]
+    _assert_same_training(_run_sft(sft_inputs, "budget-2p", *budget, "--grad-accum", "2", processes=2),
+                          _run_sft(sft_inputs, "budget-1p", *budget, "--grad-accum", "4"))
+    _assert_same_training(_run_sft(sft_inputs, "examples-2p", "--batch-size", "4", processes=2),
+                          _run_sft(sft_inputs, "examples-1p", "--batch-size", "8"))
+
+
+@pytest.mark.xfail(strict=True, reason="patch() binds the attention seam and the use_cache hook before it applies the "
+                   "checkpoint policy; when the policy raises, nothing records the undo, so the model stays half "
+                   "patched and unpatch() cannot restore it. See docs/MULTI_GPU.md (changes needed).")
+def test_patch_that_raises_leaves_the_model_as_it_was(monkeypatch):
+    for key, value in _launch_env("fsdp2_checkpointing.yaml").items():
+        monkeypatch.setenv(key, value)
+    model = tiny_models.make("llama-gqa")
+    with pytest.raises(ConfigurationError, match="FSDP"):
+        hf_accel.patch(model, checkpointing="full")
+    assert model.config._attn_implementation == "sdpa" and not model._forward_pre_hooks
