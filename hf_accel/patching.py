@@ -81,10 +81,9 @@ def _training_request(model, family, device: DeviceInfo | None) -> AttentionRequ
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     dtype = param.dtype if param is not None else torch.float32
     dev = device or DeviceInfo.of(param.device if param is not None else torch.device("cpu"))
-    alibi = bool(getattr(model.config, "alibi", False))
     return AttentionRequest(
         device=dev, dtype=dtype, head_dim=head_dim, num_heads_q=heads_q, num_heads_kv=heads_kv,
-        dropout=alibi and float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0, alibi=alibi,
+        dropout=family.training_dropout(model.config) > 0, alibi=bool(getattr(model.config, "alibi", False)),
     )
 
 

@@ -33,6 +33,11 @@ def head_shape(config) -> tuple[int, int, int]:
     return heads, kv, config.hidden_size // heads
 
 
+def training_dropout(config) -> float:
+    """Falcon applies attention dropout only on its ALiBi path (the rotary path never did)."""
+    return float(config.attention_dropout or 0.0) if config.alibi else 0.0
+
+
 def split_qkv(module: FalconAttention, fused_bsx: torch.Tensor):
     """Fused projection (B, S, X) -> q (B, S, Hq, D), k and v (B, S, Hkv, D), per the checkpoint's layout."""
     batch, seq, _ = fused_bsx.shape

@@ -19,3 +19,8 @@ def apply(model, backend: str):
 
 def head_shape(config) -> tuple[int, int, int]:
     return config.num_attention_heads, config.num_attention_heads, config.hidden_size // config.num_attention_heads
+
+
+def training_dropout(config) -> float:
+    """Attention dropout applied in training (transformers passes config.attention_dropout to the kernel)."""
+    return float(getattr(config, "attention_dropout", 0.0) or 0.0)

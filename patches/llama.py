@@ -21,3 +21,8 @@ def head_shape(config) -> tuple[int, int, int]:
     """(query heads, kv heads, head_dim) as the attention kernels will see them."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads, head_dim
+
+
+def training_dropout(config) -> float:
+    """Attention dropout applied in training (transformers passes config.attention_dropout to the kernel)."""
+    return float(getattr(config, "attention_dropout", 0.0) or 0.0)

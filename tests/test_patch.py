@@ -230,3 +230,20 @@ def test_lora_grads_equal_patch_before_or_after_peft(variant):
     for name, ref in unpatched.items():
         assert rel_err(before[name], ref) < GRAD_RTOL, name
         assert rel_err(after[name], ref) < GRAD_RTOL, name
+
+
+def test_report_predicts_the_backend_training_calls_use():
+    """Attention dropout in training rules out kernels without dropout; the report must say which serves."""
+    from hf_accel.kernels import DeviceInfo
+    from hf_accel.patching import _family, _training_request
+
+    model = make("llama-gqa")
+    model.config.attention_dropout = 0.1
+    request = _training_request(model, _family("llama"), DeviceInfo("cuda", (9, 0)))
+    assert request.dropout and request.device.capability == (9, 0)
+    rw = make("falcon-rw-alibi")
+    rw.config.attention_dropout = 0.1
+    assert _training_request(rw, _family("falcon"), None).dropout
+    rotary = make("falcon-mha")
+    rotary.config.attention_dropout = 0.1
+    assert not _training_request(rotary, _family("falcon"), None).dropout  # Falcon's rotary path has no dropout
