@@ -1,8 +1,11 @@
-"""``scripts/sft.py`` for one process of a multi-process launch, writing to ``<--output-dir>/rank<RANK>``.
+"""``scripts/sft.py`` for one process of a (multi-process) launch, writing to ``<--output-dir>/rank<RANK>``.
 
 sft.py writes metrics.json on every rank; a folder per rank keeps two processes from writing the same file (rank 0
-also holds the saved model). Used by tests/test_distributed.py.
+also holds the saved model). Each folder also gets ``logs.jsonl``: every log the Trainer made on that rank (the loss
+is global, the throughput fields are this rank's), for the per-step comparisons in docs/MULTI_GPU.md.
+Used by tests/test_distributed.py.
 """
+import json
 import os
 import sys
 from pathlib import Path
@@ -11,9 +14,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import sft  # noqa: E402
 
-if __name__ == "__main__":
-    argv = sys.argv[1:]
+from hf_accel.trainer import AccelMixin  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
     at = argv.index("--output-dir") + 1
     argv[at] = os.path.join(argv[at], f"rank{os.environ.get('RANK', '0')}")
     os.makedirs(argv[at], exist_ok=True)
+    records: list[dict] = []
+    log = AccelMixin.log
+
+    def recording_log(self, logs, *args, **kwargs):
+        log(self, logs, *args, **kwargs)  # fills in this rank's throughput fields first
+        records.append({"step": self.state.global_step, **logs})
+
+    AccelMixin.log = recording_log
     sft.main(argv)
+    with open(os.path.join(argv[at], "logs.jsonl"), "w") as f:
+        f.writelines(json.dumps(r, default=float) + "\n" for r in records)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
