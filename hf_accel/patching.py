@@ -80,7 +80,10 @@ def _training_request(model, family, device: DeviceInfo | None) -> AttentionRequ
     heads_q, heads_kv, head_dim = family.head_shape(model.config)
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     dtype = param.dtype if param is not None else torch.float32
-    dev = device or DeviceInfo.of(param.device if param is not None else torch.device("cpu"))
+    where = param.device if param is not None else torch.device("cpu")
+    if where.type == "meta":  # init_empty_weights / FSDP's cpu_ram_efficient_loading: weights arrive later
+        where = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = device or DeviceInfo.of(where)
     return AttentionRequest(
         device=dev, dtype=dtype, head_dim=head_dim, num_heads_q=heads_q, num_heads_kv=heads_kv,
         dropout=family.training_dropout(model.config) > 0, alibi=bool(getattr(model.config, "alibi", False)),
@@ -124,19 +127,26 @@ def patch(
     request = _training_request(model_hf, family, None)
     chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
     names, undo = family.apply(model_hf, backend)
+    try:
+        report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops)
+    except Exception:  # leave the model exactly as it was
+        for action in reversed(undo):
+            action()
+        raise
+    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo)
+    logger.info("%s", report)
+    return report
+
+
+def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops) -> PatchReport:
+    """Everything after the attention seam; appends its undo actions to ``undo``."""
     if fused_ops:
         from . import fused_ops as fused
 
-        try:
-            undo += fused.apply(model_hf)[1]
-        except Exception:
-            for action in reversed(undo):
-                action()
-            raise
-    hook = model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
-    undo.append(hook.remove)
+        undo += fused.apply(model_hf)[1]
+    undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
     report = PatchReport(
-        model_type=config.model_type, backend_requested=backend, backend=chosen.backend.name,
+        model_type=model_hf.config.model_type, backend_requested=backend, backend=chosen.backend.name,
         selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,
         lora_targets=family.LORA_TARGETS, fused_ops=fused_ops,
     )
@@ -147,8 +157,6 @@ def patch(
         policy.apply(model)
         undo.append(lambda: policy.remove(model))
         report.checkpointing = _describe(checkpointing)
-    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo)
-    logger.info("%s", report)
     return report
 
 

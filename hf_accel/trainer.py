@@ -105,6 +105,13 @@ class AccelMixin:
                 f"async_save=True with world_size={self.args.world_size}; background saves support one process only. "
                 "Pass async_save=False (saves are still atomic)."
             )
+        if self.accel.fused_ce and self.args.world_size > 1:
+            # compute_loss runs the unwrapped decoder body, outside DDP/FSDP's forward: gradients would not be
+            # reduced across ranks (measured: ranks drift apart under 2-process DDP).
+            raise ConfigurationError(
+                f"fused_ce=True with world_size={self.args.world_size} is not supported yet: the fused loss bypasses "
+                "the distributed wrapper's forward. Pass fused_ce=False for multi-process runs."
+            )
         self._writer = checkpoint_io.AsyncWriter()
         self._meter: ThroughputMeter | None = None
         self.throughput_summary: dict[str, float] | None = None

@@ -65,29 +65,37 @@ class ThroughputMeter:
         self.window.data_wait_s += seconds
         self.total.data_wait_s += seconds
 
-    @staticmethod
-    def _metrics(w: Window, now: float, peak: float | None) -> dict[str, float]:
+    def _metrics(self, w: Window, now: float) -> dict[str, float]:
+        """Metrics of a window, summed over every rank (each rank calls this at the same logging step)."""
         elapsed = max(now - w.start, 1e-9)
+        tokens, slots, flops, wait = float(w.tokens), float(w.slots), w.flops, w.data_wait_s
+        world = 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size()
+            device = self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+            totals = torch.tensor([tokens, slots, flops, wait], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(totals)
+            tokens, slots, flops, wait = totals.tolist()
         out = {
-            "tokens": float(w.tokens),
-            "tokens_per_s": w.tokens / elapsed,
-            "padding_fraction": 1.0 - w.tokens / w.slots if w.slots else 0.0,
-            "data_wait_fraction": min(1.0, w.data_wait_s / elapsed),
+            "tokens": tokens,
+            "tokens_per_s": tokens / elapsed,
+            "padding_fraction": 1.0 - tokens / slots if slots else 0.0,
+            "data_wait_fraction": min(1.0, wait / world / elapsed),
         }
-        if peak:
-            out["mfu"] = w.flops / elapsed / peak
+        if self.peak:
+            out["mfu"] = flops / elapsed / (self.peak * world)
         return out
 
     def pop(self) -> dict[str, float]:
         now = time.perf_counter()
-        out = self._metrics(self.window, now, self.peak)
+        out = self._metrics(self.window, now)
         if self.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.window = Window(start=now)
         return out
 
     def summary(self) -> dict[str, float]:
-        out = self._metrics(self.total, time.perf_counter(), self.peak)
+        out = self._metrics(self.total, time.perf_counter())
         out["seconds"] = time.perf_counter() - self.total.start
         if self.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -104,7 +104,7 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[torch.nn.Module,
             raise ConfigurationError("--model-shape llama-1b is the GPU speed check; it needs CUDA.")
         torch.manual_seed(args.seed)
         config = LlamaConfig(**LLAMA_1B_SHAPES, attn_implementation="sdpa", use_cache=False)
-        with torch.device("cuda"):
+        with torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))):  # this process's GPU under a launcher
             model = LlamaForCausalLM(config).to(torch.bfloat16)
         return model, None
     if args.smollm2:
@@ -180,6 +180,7 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         bf16=args.bf16 or args.model_shape is not None, use_cpu=not torch.cuda.is_available(), seed=args.seed,
         report_to="none", dataloader_num_workers=0, disable_tqdm=True,
+        ddp_find_unused_parameters=False,  # every parameter gets a gradient; finding unused ones costs a pass
     )
 
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_loss": result.training_loss, "losses": losses, "steps": trainer.state.global_step,
         "throughput": trainer.throughput_summary, "patched": not args.no_patch,
         "backend": trainer.patch_report.backend if trainer.patch_report else "stock",
-        "args": {k: v for k, v in vars(args).items()},
+        "args": {k: v for k, v in vars(args).items()}, "log_history": trainer.state.log_history,
     }
     if heldout is not None:
         after = default_task.exact_match(trainer.model, tok, heldout)
@@ -221,7 +222,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"(chance {chance:.3%}, {len(heldout)} unseen prompts)", flush=True)
     if losses:
         print(f"loss: {losses[0]:.3f} (first log) -> {losses[-1]:.3f} (last log)", flush=True)
-    with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
+    # One file per process: rank 0 writes metrics.json, other ranks metrics.rank<R>.json (no two writers per file).
+    rank = trainer.args.process_index
+    name = "metrics.json" if rank == 0 else f"metrics.rank{rank}.json"
+    with open(os.path.join(args.output_dir, name), "w") as f:
         json.dump(metrics, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
     return metrics
 

@@ -1,7 +1,7 @@
 """``scripts/sft.py`` for one process of a (multi-process) launch, writing to ``<--output-dir>/rank<RANK>``.
 
-sft.py writes metrics.json on every rank; a folder per rank keeps two processes from writing the same file (rank 0
-also holds the saved model). Each folder also gets ``logs.jsonl``: every log the Trainer made on that rank (the loss
+A folder per rank keeps each process's files apart (rank 0 writes metrics.json and the saved model, rank R
+metrics.rank<R>.json). Each folder also gets ``logs.jsonl``: every log the Trainer made on that rank (the loss
 is global, the throughput fields are this rank's), for the per-step comparisons in docs/MULTI_GPU.md.
 Used by tests/test_distributed.py.
 """
