@@ -156,14 +156,16 @@ _memo = _Memo()
 
 
 def key_padding_from_4d(mask_b1qk: torch.Tensor) -> torch.Tensor:
-    """(B, 1, S, S) causal mask (bool, or additive float) -> (B, S) bool of real keys.
+    """(B, 1, S, S) causal mask (bool, or additive float) -> (B, S) bool of real tokens.
 
-    Its last query row sees every real key (causal x padding), whether padding sits left or right.
+    Every real token sees itself and no padding token is seen, so the diagonal is the padding mask, whether padding
+    sits left or right and whether the mask is causal, windowed or block-diagonal over packed documents (transformers
+    5.24 builds Falcon's mask from position_ids; 5.17-5.23 did not).
     """
-    last_row = mask_b1qk[:, 0, -1, :]
-    if last_row.dtype == torch.bool:
-        return last_row
-    return last_row > torch.finfo(last_row.dtype).min / 2
+    diagonal = mask_b1qk[:, 0].diagonal(dim1=-2, dim2=-1)
+    if diagonal.dtype == torch.bool:
+        return diagonal
+    return diagonal > torch.finfo(diagonal.dtype).min / 2
 
 
 def varlen_batch(

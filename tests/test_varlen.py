@@ -67,6 +67,10 @@ def test_key_padding_from_4d_masks():
     assert torch.equal(varlen.key_padding_from_4d(mask4d), mask2d)
     additive = torch.zeros(2, 1, 4, 4).masked_fill(~mask4d, torch.finfo(torch.float32).min) + 0.3
     assert torch.equal(varlen.key_padding_from_4d(additive), mask2d)
+    # a block-diagonal (packed) causal mask, as transformers >= 5.24 builds for Falcon: documents [0, 1] and [2, 3]
+    doc = torch.tensor([0, 0, 1, 1])
+    packed4d = (causal & (doc[:, None] == doc[None, :]))[None, None].expand(2, 1, 4, 4) & mask2d[:, None, None, :]
+    assert torch.equal(varlen.key_padding_from_4d(packed4d), mask2d)
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "falcon-rw-alibi", "neox-parallel"])
