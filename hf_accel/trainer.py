@@ -48,6 +48,7 @@ class AccelArguments:
     checkpointing: a checkpoint policy or spec ("full", "every_2", "op", "budget:20GiB"); None leaves the model and
         ``TrainingArguments.gradient_checkpointing`` alone.
     fused_ce: chunked cross-entropy from hidden states (no full logits tensor), ``hf_accel.fused_ce``.
+    fused_ops: liger-kernel's fused norms / SwiGLU bound to this model (``patch(fused_ops=True)``; CUDA + liger).
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     print_summary: print a throughput table when training ends.
     """
@@ -58,6 +59,7 @@ class AccelArguments:
     max_tokens_per_batch: int | None = None
     checkpointing: Any = None
     fused_ce: bool = False
+    fused_ops: bool = False
     async_save: bool = False
     print_summary: bool = True
 
@@ -94,7 +96,8 @@ class AccelMixin:
         self.accel = accel or AccelArguments()
         self.patch_report = None
         if self.accel.patch:
-            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self.accel.checkpointing)
+            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self.accel.checkpointing,
+                                      fused_ops=self.accel.fused_ops)
             logger.info("%s", self.patch_report)
         elif self.accel.checkpointing is not None:
             from .checkpointing import policy_from_spec
