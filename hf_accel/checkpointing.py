@@ -14,105 +14,22 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .checkpoint_targets import (_as_packet, _hf_enable_function, _op_level_context_fn, base_model, decoder_layers,
+                                 default_save_ops, fsdp_activation_checkpointing_active)
 from .errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
 LayerChoice = str  # "none" | "op" | "full"
 _STATE_ATTR = "_hf_accel_checkpointing"
-
-_DEFAULT_SAVE_OP_NAMES = (
-    # matmuls (nn.Linear decomposes to mm / addmm under the dispatcher)
-    "mm", "addmm", "bmm", "baddbmm", "linear", "_addmm_activation",
-    # attention kernels: their outputs are the most expensive thing in a layer to recompute
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_flash_attention_forward", "_efficient_attention_forward",
-)
-
-
-def default_save_ops() -> frozenset:
-    """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels, hf_accel.kernels.SAVEABLE_OPS."""
-    packets = {getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
-    try:  # read at apply time: the flash-attn-4 custom op registers itself when its backend module is imported
-        from . import kernels
-
-        packets |= {_as_packet(op) for op in getattr(kernels, "SAVEABLE_OPS", ())}
-    except ImportError:
-        pass
-    return frozenset(packets)
-
-
-def _as_packet(op) -> torch._ops.OpOverloadPacket:
-    """Accept an OpOverloadPacket, an OpOverload, a `torch.library.custom_op` object or a "ns::name" string."""
-    if isinstance(op, str):
-        namespace, name = op.split("::")
-        return getattr(getattr(torch.ops, namespace), name.split(".")[0])
-    op = getattr(op, "_opoverload", op)
-    return getattr(op, "overloadpacket", op)
-
-
-def _op_level_context_fn(save_ops: frozenset) -> Callable:
-    def policy_fn(ctx, op, *args, **kwargs):
-        packet = getattr(op, "overloadpacket", op)
-        return CheckpointPolicy.MUST_SAVE if packet in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return functools.partial(create_selective_checkpoint_contexts, policy_fn)
-
-
-# ----------------------------------------------------------------------------------------------- model plumbing
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's GradientCheckpointingLayers (decoder layers) in forward order."""
-    return [m for m in base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def _hf_enable_function(model: nn.Module) -> Callable:
-    """transformers 5.23 names it activation_checkpointing_enable; 5.17 gradient_checkpointing_enable."""
-    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
-        fn = getattr(model, name, None)
-        if callable(fn):
-            return fn
-    raise ConfigurationError(
-        f"{type(model).__name__} has neither activation_checkpointing_enable nor gradient_checkpointing_enable; "
-        "hf_accel checkpointing needs a transformers PreTrainedModel (transformers >=5.17,<6)."
-    )
-
-
-def fsdp_activation_checkpointing_active(model: nn.Module) -> bool:
-    """Best effort: FSDP's own activation checkpointing is on (wrapped layers, accelerate state or its env var)."""
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-        if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
-            return True
-    except ImportError:
-        pass
-    try:
-        from accelerate.state import AcceleratorState, is_initialized
-
-        plugin = getattr(AcceleratorState(), "fsdp_plugin", None) if is_initialized() else None
-        if plugin is not None and getattr(plugin, "activation_checkpointing", False):
-            return True
-    except ImportError:
-        pass
-    env_true = ("1", "true", "yes")
-    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in env_true
-            and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() in env_true)
 
 
 @dataclass
@@ -361,8 +278,8 @@ class MemoryBudget(CheckpointingPolicy):
 
     apply() probes activation bytes per decoder layer with one forward on `sample_batch` (default: `batch_tokens`
     random tokens in one row), adds the fixed cost of weights, gradients and optimizer states
-    (`memory.training_state_bytes`) and the logits/loss, and applies `memory.plan_checkpointing`'s choice. The plan
-    is kept in `self.plan` and logged.
+    (`memory.training_state_bytes`) and the logits/loss, and applies `checkpoint_plan.plan_checkpointing`'s choice.
+    The plan is kept in `self.plan` and logged.
     """
 
     budget: int | float | str
@@ -373,7 +290,7 @@ class MemoryBudget(CheckpointingPolicy):
     plan: object = field(default=None, init=False, repr=False)
 
     def budget_bytes(self, device: torch.device) -> int:
-        from .memory import parse_bytes
+        from .checkpoint_plan import parse_bytes
 
         budget = parse_bytes(self.budget) if isinstance(self.budget, str) else self.budget
         if isinstance(budget, float) and 0 < budget <= 1:
@@ -391,7 +308,8 @@ class MemoryBudget(CheckpointingPolicy):
         return int(budget)
 
     def apply(self, model: nn.Module) -> None:
-        from .memory import loss_bytes, plan_checkpointing, probe_layer_activations, training_state_bytes
+        from .checkpoint_plan import plan_checkpointing, probe_layer_activations
+        from .memory import loss_bytes, training_state_bytes
 
         remove_checkpointing(model)
         device = next(model.parameters()).device
@@ -451,7 +369,7 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
         value = text[7:]
         try:
             budget = float(value) if value.replace(".", "", 1).isdigit() and "." in value else value
-            from .memory import parse_bytes
+            from .checkpoint_plan import parse_bytes
 
             parse_bytes(budget) if isinstance(budget, str) else None
         except ValueError:

@@ -1,226 +1,25 @@
-"""Training memory: an offline estimate from a config, a probe of real activation sizes, and the budget planner.
+"""Training memory: fixed costs (weights, gradients, optimizer states, logits/loss) and an offline estimate.
 
 - `estimate_training_memory(config_or_path, ...)`: parameters, gradients, optimizer states, activations per decoder
   layer (a per-family formula), logits/loss and the peak, without allocating the model (accelerate's
   `init_empty_weights`) and without the hub.
-- `probe_layer_activations(model, batch)`: one forward on a real batch, counting the bytes autograd saves per
-  decoder layer (`saved_tensors_hooks`) and what op-level / full checkpointing would keep instead.
-- `plan_checkpointing(layers, fixed_bytes=, budget_bytes=)`: a pure function choosing the least recompute that fits.
+- The activation probe and the budget planner live in `checkpoint_plan` (re-exported here).
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import nn
 
+# the probe and the planner live in checkpoint_plan; their names stay importable from here
+from .checkpoint_plan import (RECOMPUTE_COST, CheckpointPlan, LayerActivation, format_bytes,  # noqa: F401
+                              live_activation_bytes, parse_bytes, plan_checkpointing, plan_cost, plan_peak_bytes,
+                              probe_layer_activations)
 from .errors import ConfigurationError
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-_GIB = 1024**3
-
-# Recompute cost of one decoder layer, in units of that layer's forward. Op-level recomputes only element-wise ops
-# (norms, rotary, activation function): no FLOPs to speak of, memory-bound, roughly a tenth of a layer's forward.
-RECOMPUTE_COST = {"none": 0.0, "op": 0.1, "full": 1.0}
-
-
-def parse_bytes(text: str) -> int:
-    """'20GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    units = {"kib": 1024, "mib": 1024**2, "gib": _GIB, "tib": 1024**4, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-             "b": 1}
-    lowered = text.strip().lower()
-    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * scale)
-    return int(float(lowered))
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / _GIB:.2f} GiB" if abs(n) >= _GIB / 10 else f"{n / 1024**2:.1f} MiB"
-
-
-# ----------------------------------------------------------------------------------------------- the planner
-@dataclass(frozen=True)
-class LayerActivation:
-    """Bytes one decoder layer keeps from forward to backward under each choice (measured or estimated)."""
-
-    none_bytes: int
-    op_bytes: int
-    full_bytes: int
-
-    def retained(self, choice: str) -> int:
-        return {"none": self.none_bytes, "op": self.op_bytes, "full": self.full_bytes}[choice]
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """Per-layer choices with their predicted peak; `fits` is False when even full checkpointing is over budget."""
-
-    choices: tuple[str, ...]
-    predicted_peak_bytes: int
-    budget_bytes: int
-    fixed_bytes: int
-    recompute_cost: float
-    fits: bool
-
-    def table(self) -> str:
-        full = [i for i, c in enumerate(self.choices) if c == "full"]
-        op = [i for i, c in enumerate(self.choices) if c == "op"]
-        return "\n".join([
-            "| item | value |", "|---|---|",
-            f"| full checkpointing | {len(full)} layers {full} |",
-            f"| op-level checkpointing | {len(op)} layers {op} |",
-            f"| no checkpointing | {self.choices.count('none')} layers |",
-            f"| recompute (layer forwards) | {self.recompute_cost:.1f} |",
-            f"| fixed (params, grads, optimizer) | {format_bytes(self.fixed_bytes)} |",
-            f"| predicted peak | {format_bytes(self.predicted_peak_bytes)} |",
-            f"| budget | {format_bytes(self.budget_bytes)}{'' if self.fits else ' (does NOT fit)'} |",
-        ])
-
-
-def plan_peak_bytes(layers: Sequence[LayerActivation], choices: Sequence[str], fixed_bytes: int,
-                    extra_bytes: int = 0) -> int:
-    """Peak = fixed + every layer's retained activations + the largest one recomputed layer rebuilds in backward."""
-    retained = sum(layer.retained(c) for layer, c in zip(layers, choices))
-    rebuilt = max((layer.none_bytes - layer.retained(c) for layer, c in zip(layers, choices)), default=0)
-    return fixed_bytes + extra_bytes + retained + rebuilt
-
-
-def plan_cost(choices: Sequence[str]) -> float:
-    return sum(RECOMPUTE_COST[c] for c in choices)
-
-
-def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, budget_bytes: int,
-                       extra_bytes: int = 0) -> CheckpointPlan:
-    """The least-recompute per-layer choice whose predicted peak fits `budget_bytes` (pure function, exact).
-
-    For each cap on the bytes one recomputed layer rebuilds, a knapsack over layers (cost in tenths of a layer
-    forward) finds the least retained memory per total cost; the cheapest fitting plan wins, ties to the lower
-    peak. When nothing fits, the plan with the lowest peak is returned with fits=False.
-    """
-    units = {c: round(cost * 10) for c, cost in RECOMPUTE_COST.items()}
-    caps = sorted({layer.none_bytes - layer.retained(c) for layer in layers for c in units})
-    best_fit, best_any = None, None
-    for cap in caps or [0]:
-        table: dict[int, tuple[int, tuple[str, ...]]] = {0: (0, ())}  # total cost -> (least retained, choices)
-        for layer in layers:
-            grown: dict[int, tuple[int, tuple[str, ...]]] = {}
-            for cost, (retained, choices) in table.items():
-                for c, unit in units.items():
-                    if layer.none_bytes - layer.retained(c) > cap:
-                        continue
-                    entry = (retained + layer.retained(c), choices + (c,))
-                    if cost + unit not in grown or entry[0] < grown[cost + unit][0]:
-                        grown[cost + unit] = entry
-            table = grown
-        for cost, (_, choices) in table.items():
-            peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
-            if peak <= budget_bytes and (best_fit is None or (cost, peak) < best_fit[:2]):
-                best_fit = (cost, peak, choices)
-            if best_any is None or (peak, cost) < best_any[:2]:
-                best_any = (peak, cost, choices)
-    choices = best_fit[2] if best_fit else best_any[2]
-    peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
-    return CheckpointPlan(tuple(choices), peak, budget_bytes, fixed_bytes, plan_cost(choices), best_fit is not None)
-
-
-# ----------------------------------------------------------------------------------------------- measurement
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
-
-
-def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.Module] | None = None,
-                            save_ops: frozenset | None = None) -> list[LayerActivation]:
-    """One forward (train mode, no checkpointing) on `batch`; per decoder layer the bytes it would keep.
-
-    none: storages autograd saves inside the layer (`saved_tensors_hooks`, each storage counted once, parameters
-    excluded); op: the layer's input plus the outputs of the ops op-level checkpointing saves; full: its input.
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    from .checkpointing import decoder_layers, default_save_ops
-
-    layers = list(layers if layers is not None else decoder_layers(model))
-    save_ops = save_ops if save_ops is not None else default_save_ops()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set(params)
-    saved = [0] * len(layers)
-    op_out = [0] * len(layers)
-    inputs = [0] * len(layers)
-    current: list[int | None] = [None]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = _storage_key(t)
-        if current[0] is not None and ptr not in seen:
-            seen.add(ptr)
-            saved[current[0]] += nbytes
-        return t
-
-    class SaveableOutputs(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if current[0] is not None and func.overloadpacket in save_ops:
-                op_out[current[0]] += sum(_storage_key(t)[1] for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            return out
-
-    def enter(index):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            inputs[index] = hidden.untyped_storage().nbytes()
-            current[0] = index
-        return hook
-
-    def leave(module, args, output):
-        current[0] = None
-
-    flags = [layer.gradient_checkpointing for layer in layers]
-    handles = []
-    try:
-        for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = False
-            handles.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
-            handles.append(layer.register_forward_hook(leave))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), SaveableOutputs():
-            out = model(**batch)
-        del out
-    finally:
-        for handle in handles:
-            handle.remove()
-        for layer, flag in zip(layers, flags):
-            layer.gradient_checkpointing = flag
-    return [LayerActivation(s, i + o, i) for s, o, i in zip(saved, op_out, inputs)]
-
-
-def live_activation_bytes(model: nn.Module, batch: dict) -> int:
-    """Bytes of every storage created during `model(**batch)` and still alive after it, the output excluded.
-
-    Sees through checkpointing (inputs a checkpoint keeps, op-level caches), which saved-tensor hooks cannot: inside
-    a checkpoint torch's own hooks replace ours. The reference the policies' memory claims are tested against.
-    """
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    before = {p.untyped_storage().data_ptr() for p in itertools.chain(model.parameters(), model.buffers())}
-    refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in before:
-                    ref = StorageWeakRef(t.untyped_storage())
-                    refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
-            return out
-
-    with torch.enable_grad(), Track():
-        out = model(**batch)
-    total = sum(n for ref, n in refs.values() if not ref.expired())
-    return total - sum(t.untyped_storage().nbytes() for t in out.values() if isinstance(t, torch.Tensor))
 
 
 # ----------------------------------------------------------------------------------------------- fixed costs
