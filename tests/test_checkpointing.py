@@ -192,7 +192,7 @@ class OldNameLlama(LlamaForCausalLM):
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
         self.old_name_called_with = gradient_checkpointing_kwargs
-        self._activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)  # real on 5.17 and 5.23+
 
 
 def test_old_transformers_enable_name_is_used():
