@@ -11,6 +11,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_accel.checkpointing import (EveryN, FullCheckpointing, NoCheckpointing, OpLevel, SelectiveModules,
                                     applied_policy, decoder_layers, policy_from_spec, reapply_checkpointing)
+from hf_accel.checkpoint_targets import _hf_enable_function
 from hf_accel.errors import ConfigurationError
 from hf_accel.memory import live_activation_bytes
 
@@ -211,7 +212,7 @@ def test_old_transformers_enable_name_is_used():
 def test_reapply_after_transformers_overwrites_flags():
     model = tiny_llama()
     EveryN(n=2).apply(model)
-    model.activation_checkpointing_enable()  # what Trainer.train() does from its arguments
+    _hf_enable_function(model)()  # what Trainer.train() does from its arguments (named per transformers version)
     assert all(layer.gradient_checkpointing for layer in decoder_layers(model))
     reapply_checkpointing(model)
     assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, False, True, False]
