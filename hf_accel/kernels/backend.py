@@ -37,6 +37,11 @@ class Backend:
         return f"<attention backend {self.name}>"
 
 
+def no_cuda_reason() -> str | None:
+    """Why a CUDA-only backend cannot run in this process, or None."""
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
 def repeat_kv_heads(x_thd: torch.Tensor, num_heads_q: int) -> torch.Tensor:
     """(T, Hkv, D) -> (T, Hq, D) for kernels without native grouped-query support."""
     groups = num_heads_q // x_thd.shape[1]

@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from .backend import Backend
+from .backend import Backend, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
 
 
@@ -99,9 +99,7 @@ class FA4Backend(Backend):
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
             return "flash-attn-4 not installed (pip install 'hf_accel[flash]')"
-        if not torch.cuda.is_available():
-            return "no CUDA device"
-        return None
+        return no_cuda_reason()
 
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         left, right = opts.window

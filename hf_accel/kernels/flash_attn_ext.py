@@ -10,7 +10,7 @@ import importlib.util
 
 import torch
 
-from .backend import Backend
+from .backend import Backend, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
 
 
@@ -44,7 +44,7 @@ class FlashAttn2Backend(Backend):
             module, "flash_attn_varlen_func"
         ):
             return "installed flash_attn is not a 2.x release"
-        return None if torch.cuda.is_available() else "no CUDA device"
+        return no_cuda_reason()
 
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         from flash_attn import flash_attn_varlen_func
@@ -74,7 +74,7 @@ class FlashAttn3Backend(Backend):
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("flash_attn_interface") is None:
             return "flash-attn 3 not installed"
-        return None if torch.cuda.is_available() else "no CUDA device"
+        return no_cuda_reason()
 
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         from flash_attn_interface import flash_attn_varlen_func

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import Backend
+from .backend import Backend, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
 
 
@@ -24,8 +24,8 @@ class TorchFA2Backend(Backend):
     )
 
     def unavailable_reason(self) -> str | None:
-        if not torch.cuda.is_available():
-            return "no CUDA device"
+        if no_cuda_reason():
+            return no_cuda_reason()
         if not hasattr(torch.ops.aten, "_flash_attention_forward"):
             return "this torch build has no aten::_flash_attention_forward"
         return None
