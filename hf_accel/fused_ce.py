@@ -10,7 +10,10 @@ Three paths, chosen per call by `linear_cross_entropy`:
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
+import types
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -191,3 +194,44 @@ def causal_lm_loss_from_hidden(
     return linear_cross_entropy(
         hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, use_liger=use_liger
     )
+
+
+_STOCK_FORWARD = "_hf_accel_stock_forward"
+
+
+def bind_fused_loss(model: nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Callable[[], None]:
+    """Bind a ``forward`` on this ``*ForCausalLM`` instance that, in training with labels, returns the loss computed
+    from the decoder's hidden states by ``causal_lm_loss_from_hidden`` (no full logits; ``logits`` is None).
+
+    Because the loss is computed inside the model's own forward, DDP / FSDP wrappers see it like any forward
+    (gradients are reduced, root parameters gathered). Evaluation, generation and calls without labels run the stock
+    forward. Returns the action that restores the stock forward exactly.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    stock = model.forward
+
+    def forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
+        if labels is None or not self.training or args:
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return stock(*args, labels=labels, **kwargs)
+        kwargs.pop("logits_to_keep", None)
+        body = getattr(self, self.base_model_prefix)
+        out = body(**kwargs)
+        loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
+                                          chunk_size=chunk_size)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
+
+    # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.
+    stock_sig = inspect.signature(stock)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = stock_sig.replace(parameters=[self_param, *stock_sig.parameters.values()])
+    model.__dict__[_STOCK_FORWARD] = stock
+    model.forward = types.MethodType(forward, model)
+
+    def undo() -> None:
+        model.__dict__.pop("forward", None)
+        model.__dict__.pop(_STOCK_FORWARD, None)
+
+    return undo

@@ -35,6 +35,7 @@ class PatchReport:
     lora_targets: tuple[str, ...]
     checkpointing: str | None = None
     fused_ops: bool = False
+    fused_ce: bool = False
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -48,6 +49,8 @@ class PatchReport:
             lines.append(f"  checkpointing: {self.checkpointing}")
         if self.fused_ops:
             lines.append("  fused ops: liger-kernel norms / SwiGLU bound to this instance")
+        if self.fused_ce:
+            lines.append("  fused cross-entropy: training loss from hidden states, no full logits")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -98,7 +101,11 @@ def _no_cache_in_training(module, args, kwargs):
 
 
 def patch(
-    model: torch.nn.Module, backend: str = "auto", checkpointing=None, fused_ops: bool = False
+    model: torch.nn.Module,
+    backend: str = "auto",
+    checkpointing=None,
+    fused_ops: bool = False,
+    fused_ce: bool = False,
 ) -> PatchReport:
     """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
 
@@ -106,6 +113,8 @@ def patch(
     patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
     takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.checkpointing).
     ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
+    ``fused_ce=True`` makes training forwards with labels return the loss from a chunked (or Liger) linear
+    cross-entropy, never materialising the full logits (``logits`` is then None); eval and generate are unchanged.
     """
     check_transformers_version()
     model_hf = base_model(model)
@@ -119,6 +128,7 @@ def patch(
             state.report.backend_requested == backend
             and state.report.checkpointing == _describe(checkpointing)
             and state.report.fused_ops == fused_ops
+            and state.report.fused_ce == fused_ce
         )
         if same:
             return state.report
@@ -129,6 +139,11 @@ def patch(
     names, undo = family.apply(model_hf, backend)
     try:
         report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops)
+        if fused_ce:
+            from .fused_ce import bind_fused_loss
+
+            undo.append(bind_fused_loss(model_hf))
+            report.fused_ce = True
     except Exception:  # leave the model exactly as it was
         for action in reversed(undo):
             action()

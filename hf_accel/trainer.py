@@ -47,7 +47,8 @@ class AccelArguments:
         ``per_device_train_batch_size`` examples.
     checkpointing: a checkpoint policy or spec ("full", "every_2", "op", "budget:20GiB"); None leaves the model and
         ``TrainingArguments.gradient_checkpointing`` alone.
-    fused_ce: chunked cross-entropy from hidden states (no full logits tensor), ``hf_accel.fused_ce``.
+    fused_ce: training loss from hidden states by chunked (or Liger) cross-entropy, no full logits tensor
+        (``patch(fused_ce=True)``: computed inside the model's forward, so DDP/FSDP see it).
     fused_ops: liger-kernel's fused norms / SwiGLU bound to this model (``patch(fused_ops=True)``; CUDA + liger).
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     print_summary: print a throughput table when training ends.
@@ -97,7 +98,7 @@ class AccelMixin:
         self.patch_report = None
         if self.accel.patch:
             self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self.accel.checkpointing,
-                                      fused_ops=self.accel.fused_ops)
+                                      fused_ops=self.accel.fused_ops, fused_ce=self.accel.fused_ce)
             logger.info("%s", self.patch_report)
         elif self.accel.checkpointing is not None:
             from .checkpointing import policy_from_spec
@@ -108,13 +109,8 @@ class AccelMixin:
                 f"async_save=True with world_size={self.args.world_size}; background saves support one process only. "
                 "Pass async_save=False (saves are still atomic)."
             )
-        if self.accel.fused_ce and self.args.world_size > 1:
-            # compute_loss runs the unwrapped decoder body, outside DDP/FSDP's forward: gradients would not be
-            # reduced across ranks (measured: ranks drift apart under 2-process DDP).
-            raise ConfigurationError(
-                f"fused_ce=True with world_size={self.args.world_size} is not supported yet: the fused loss bypasses "
-                "the distributed wrapper's forward. Pass fused_ce=False for multi-process runs."
-            )
+        if self.accel.fused_ce and not self.accel.patch:
+            raise ConfigurationError("fused_ce=True works through hf_accel.patch; it needs AccelArguments(patch=True).")
         self._writer = checkpoint_io.AsyncWriter()
         self._meter: ThroughputMeter | None = None
         self.throughput_summary: dict[str, float] | None = None
@@ -328,23 +324,6 @@ class Trainer(AccelMixin, transformers.Trainer):
         if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
             shard.num_processes, shard.process_index = 1, 0
         return prepared
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self.accel.fused_ce or return_outputs or "labels" not in inputs:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
-        from .fused_ce import causal_lm_loss_from_hidden
-        from .patching import base_model
-
-        hf_model = base_model(self.accelerator.unwrap_model(model))
-        body = getattr(hf_model, hf_model.base_model_prefix)
-        labels = inputs["labels"]
-        body_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        hidden_bsh = body(**body_inputs, use_cache=False).last_hidden_state
-        loss = causal_lm_loss_from_hidden(hf_model, hidden_bsh, labels, num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
-            loss = loss * self.accelerator.num_processes  # as transformers does for the model's own loss
-        return loss
 
 
 def __getattr__(name: str):

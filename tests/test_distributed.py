@@ -265,14 +265,10 @@ def test_patch_that_raises_leaves_the_model_as_it_was(monkeypatch):
     assert model.config._attn_implementation == "sdpa" and not model._forward_pre_hooks
 
 
-def test_fused_ce_refused_for_multi_process_runs(monkeypatch, tmp_path):
-    """The fused loss runs the decoder body outside DDP/FSDP's forward, so ranks would not reduce gradients
-    (measured: weights drifted apart under 2-process DDP). Until it is routed through the wrapper, it is refused."""
-    from transformers import TrainingArguments
-
-    from hf_accel.trainer import AccelArguments, Trainer
-
-    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    with pytest.raises(ConfigurationError, match="fused_ce=True with world_size=2"):
-        Trainer(model=tiny_models.make("llama-gqa"), args=args, accel=AccelArguments(fused_ce=True))
+@pytest.mark.slow
+def test_two_process_ddp_fused_ce_matches_one_process(sft_inputs):
+    """fused_ce computes the loss inside the model's forward (patch(fused_ce=True)), so DDP reduces its gradients:
+    2 processes x grad-accum 1 train like 1 process x grad-accum 2. (It used to run outside the wrapper and drift.)"""
+    budget = ["--max-tokens-per-batch", "160", "--fused-ce"]
+    _assert_same_training(_run_sft(sft_inputs, "fused-2p", *budget, processes=2),
+                          _run_sft(sft_inputs, "fused-1p", *budget, "--grad-accum", "2"))

@@ -141,3 +141,41 @@ def test_all_ignored_mean_is_zero_not_nan():
     hidden, _ = _data()
     labels = torch.full((N,), -100)
     assert linear_cross_entropy(hidden, nn.Linear(H, V), labels).item() == 0.0
+
+
+# ---- patch(fused_ce=True): the loss inside the model's own forward ------------------------------------------------
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch"])
+def test_patch_fused_ce_equals_stock_loss_and_grads(variant):
+    import copy
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hf_accel
+    from tiny_models import VOCAB, make
+
+    stock = make(variant).train()
+    fused = copy.deepcopy(stock)
+    hf_accel.patch(stock)  # the reference: the model's own loss over full logits (patched: stock Falcon<5.24 leaks)
+    hf_accel.patch(fused, fused_ce=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, 17), generator=g)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    labels = ids.masked_fill(pos == 0, -100)
+    results = []
+    for model in (stock, fused):
+        out = model(input_ids=ids, position_ids=pos, labels=labels, num_items_in_batch=torch.tensor(40))
+        out.loss.backward()
+        results.append((out, {n: p.grad for n, p in model.named_parameters()}))
+    (stock_out, stock_grads), (fused_out, fused_grads) = results
+    assert fused_out.logits is None  # never materialised
+    torch.testing.assert_close(fused_out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
+    for name, grad in stock_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    fused.eval()  # evaluation takes the stock path: logits as before
+    assert fused(input_ids=ids, labels=labels).logits is not None
+    import inspect
+
+    assert list(inspect.signature(fused.forward).parameters) == list(inspect.signature(stock.forward).parameters)
+    hf_accel.unpatch(fused)
+    assert "forward" not in fused.__dict__

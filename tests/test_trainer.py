@@ -85,6 +85,22 @@ def test_trainer_matches_stock_trainer(tmp_path, name, lora):
     assert_same_params(ours.model, ref.model)
 
 
+def test_fused_ce_trains_like_the_model_loss(tmp_path):
+    """fused_ce=True (loss from hidden states inside the forward, no logits) gives the same steps as the full-logits
+    loss of the same patched, packed Trainer."""
+    data = examples()
+    runs = []
+    for fused in (False, True):
+        trainer = Trainer(model=model_for("llama-gqa", lora=True), args=targs(tmp_path / str(fused)),
+                          train_dataset=data, accel=AccelArguments(backend="reference", fused_ce=fused,
+                                                                   print_summary=False))
+        trainer.train()
+        runs.append(trainer)
+    assert runs[1].patch_report.fused_ce
+    torch.testing.assert_close(losses(runs[1]), losses(runs[0]), rtol=LOSS_RTOL, atol=0)
+    assert_same_params(runs[1].model, runs[0].model)
+
+
 def test_token_budget_sampler_steps_match_stock(tmp_path):
     """Token-budget micro-batches: the reference Trainer gets our sampler's groups as its (padded) batches."""
     data = examples(20)
