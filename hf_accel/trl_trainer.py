@@ -13,6 +13,7 @@ from typing import Any
 
 import trl
 
+from .errors import ConfigurationError
 from .trainer import AccelArguments, AccelMixin
 
 
@@ -25,6 +26,11 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
                  **kwargs) -> None:
         if args is None:
             args = trl.SFTConfig(output_dir="hf_accel-sft", packing=True, report_to="none")
+        if accel is not None and accel.fused_ce:
+            raise ConfigurationError(
+                "AccelArguments(fused_ce=True) is not available through TRL (it replaces model.forward with its own "
+                "LM-head forward); use SFTConfig(use_liger_kernel=True) or hf_accel.Trainer."
+            )
         if accel is not None and accel.checkpointing is not None:
             # our policy decides which layers recompute; keep TRL from enabling full checkpointing on top
             for name in ("gradient_checkpointing", "activation_checkpointing"):  # 5.23 renamed the field
