@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import trl
 
 from .errors import ConfigurationError
@@ -24,13 +25,15 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
 
     def __init__(self, model: Any, args: trl.SFTConfig | None = None, *pos, accel: AccelArguments | None = None,
                  **kwargs) -> None:
-        if args is None:
-            args = trl.SFTConfig(output_dir="hf_accel-sft", packing=True, report_to="none")
         if accel is not None and accel.fused_ce:
             raise ConfigurationError(
                 "AccelArguments(fused_ce=True) is not available through TRL (it replaces model.forward with its own "
                 "LM-head forward); use SFTConfig(use_liger_kernel=True) or hf_accel.Trainer."
             )
+        if args is None:
+            on_gpu = torch.cuda.is_available()
+            args = trl.SFTConfig(output_dir="hf_accel-sft", packing=True, report_to="none", bf16=on_gpu,
+                                 use_cpu=not on_gpu)
         if accel is not None and accel.checkpointing is not None:
             # our policy decides which layers recompute; keep TRL from enabling full checkpointing on top
             for name in ("gradient_checkpointing", "activation_checkpointing"):  # 5.23 renamed the field
