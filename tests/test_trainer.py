@@ -217,3 +217,11 @@ def test_sft_trainer_bfd_packing_falcon_keeps_documents_apart(tmp_path):
     ref.train()
     torch.testing.assert_close(losses(ours), losses(ref), rtol=LOSS_RTOL, atol=0)
     assert ours.throughput_summary["tokens"] == 3 * total
+
+
+def test_sft_trainer_refuses_fused_ce():
+    from hf_accel.errors import ConfigurationError
+    from hf_accel.trainer import SFTTrainer
+
+    with pytest.raises(ConfigurationError, match="not available through TRL"):
+        SFTTrainer(make("llama-gqa"), accel=AccelArguments(fused_ce=True))
