@@ -9,6 +9,7 @@ from position_ids, and ALiBi is passed to the kernel as slopes. Decoding steps b
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -53,11 +54,12 @@ def split_qkv(module: FalconAttention, fused_bsx: torch.Tensor):
     return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
 
 
-def alibi_slopes(module: FalconAttention, device: torch.device) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def alibi_slopes(num_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
     """Per-head slopes exactly as transformers builds them (bf16-rounded), scaled as Falcon scales its bias."""
     ones = torch.ones(1, 2, device=device)
-    slopes = build_alibi_tensor(ones, module.num_heads, torch.float32).reshape(module.num_heads, 2)[:, 1]
-    return slopes / math.sqrt(module.head_dim)
+    slopes = build_alibi_tensor(ones, num_heads, torch.float32).reshape(num_heads, 2)[:, 1]
+    return slopes / math.sqrt(head_dim)
 
 
 def _cache_layout(module: FalconAttention, k_bshd: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,7 @@ def patched_forward(
         scale=self.inv_norm_factor,
         causal=True,
         dropout_p=self.attention_dropout.p if (self.training and alibi is not None) else 0.0,
-        alibi_slopes=None if alibi is None else alibi_slopes(self, q.device),
+        alibi_slopes=None if alibi is None else alibi_slopes(self.num_heads, self.head_dim, q.device),
     )
     out = seam_attention(
         self, q, k, v, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
