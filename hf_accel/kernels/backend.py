@@ -42,6 +42,12 @@ def no_cuda_reason() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device"
 
 
+def document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) index of the document each packed token belongs to, from cumulative lengths (no host sync)."""
+    tokens = torch.arange(total, device=cu.device)
+    return torch.searchsorted(cu[1:].to(torch.long), tokens, right=True)
+
+
 def repeat_kv_heads(x_thd: torch.Tensor, num_heads_q: int) -> torch.Tensor:
     """(T, Hkv, D) -> (T, Hq, D) for kernels without native grouped-query support."""
     groups = num_heads_q // x_thd.shape[1]

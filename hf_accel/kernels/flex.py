@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from .backend import Backend
+from .backend import Backend, document_ids
 from .base import ALL_FLOAT_DTYPES, AttnOptions, Capabilities
 
 
@@ -19,11 +19,6 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True)
-
-
-def _document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
-    tokens = torch.arange(total, device=cu.device)
-    return torch.searchsorted(cu[1:].to(torch.long), tokens, right=True)
 
 
 class FlexBackend(Backend):
@@ -55,7 +50,7 @@ class FlexBackend(Backend):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         total_q, total_k = q_thd.shape[0], k_thd.shape[0]
-        doc_q, doc_k = _document_ids(cu_q, total_q), _document_ids(cu_k, total_k)
+        doc_q, doc_k = document_ids(cu_q, total_q), document_ids(cu_k, total_k)
         # Positions local to each document; queries are the last tokens of their document.
         seq_q, seq_k = (cu_q[1:] - cu_q[:-1]).to(torch.long), (cu_k[1:] - cu_k[:-1]).to(torch.long)
         pos_q = torch.arange(total_q, device=q_thd.device) - cu_q.to(torch.long)[doc_q] + (seq_k - seq_q)[doc_q]

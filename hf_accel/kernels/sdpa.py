@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import Backend, allowed_bias
+from .backend import Backend, allowed_bias, document_ids
 from .base import ALL_FLOAT_DTYPES, AttnOptions, Capabilities
 
 
@@ -24,9 +24,8 @@ def _regroup_index(cu: torch.Tensor, max_len: int, total: int):
 
 def _scatter_index(cu: torch.Tensor, max_len: int, total: int) -> torch.Tensor:
     """For each packed token, its slot in the flattened (docs * max_len) regrouped layout."""
-    tokens = torch.arange(total, device=cu.device)
-    doc = torch.searchsorted(cu[1:].to(torch.long), tokens, right=True)
-    return doc * max_len + (tokens - cu[:-1].to(torch.long)[doc])
+    doc = document_ids(cu, total)
+    return doc * max_len + (torch.arange(total, device=cu.device) - cu[:-1].to(torch.long)[doc])
 
 
 class SDPABackend(Backend):
