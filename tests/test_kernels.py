@@ -157,3 +157,24 @@ def test_list_backends_reports_this_machine():
     if not torch.cuda.is_available():
         assert not status["torch-fa2"].available and "CUDA" in status["torch-fa2"].reason
     assert "reference" in format_backends()
+
+
+def test_fa4_gets_a_jit_stable_max_seqlen_hint(monkeypatch):
+    """flash-attn-4 compiles extra kernel variants when max_seqlen fits one tile; the backend floors the hint (an upper
+    bound to flash-attn-4) so a step of short documents reuses the kernels compiled on the first step. The real kernel
+    with short documents is checked against fp32 math in tests/gpu/test_kernels_gpu.py."""
+    from hf_accel.kernels import fa4
+
+    seen = []
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, *rest):
+        seen.append((max_q, max_k))
+        return q, None
+
+    monkeypatch.setattr(fa4, "fa4_varlen_fwd", fake)
+    q = torch.zeros(10, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    fa4.FA4Backend().varlen(q, q, q, cu, cu, 6, 6, AttnOptions(scale=1.0))
+    fa4.FA4Backend().varlen(q, q, q, cu, cu, 3000, 3000, AttnOptions(scale=1.0))
+    assert seen == [(fa4.JIT_STABLE_MIN_SEQLEN,) * 2, (3000, 3000)]
+    assert fa4.JIT_STABLE_MIN_SEQLEN > 128  # above flash-attn-4's largest tile, so no one-tile variant is keyed

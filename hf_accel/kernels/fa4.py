@@ -16,6 +16,18 @@ from .backend import Backend, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
 
 
+# flash-attn-4 compiles a separate kernel variant when a batch's longest document fits one tile (<= 128 tokens: its
+# "single block" / "max_m_blocks_leq_one" keys). A packed step made only of short documents then stalls training for
+# seconds on a JIT compile. `max_seqlen` is an upper bound to flash-attn-4 (it sizes the grid and picks variants, never
+# the result), so passing at least this many tokens keeps every step on the variants compiled on the first step.
+JIT_STABLE_MIN_SEQLEN = 256
+
+
+def jit_stable_max_seqlen(n: int) -> int:
+    """The `max_seqlen` hint handed to flash-attn-4: the true maximum, floored at JIT_STABLE_MIN_SEQLEN."""
+    return max(int(n), JIT_STABLE_MIN_SEQLEN)
+
+
 def _window(left: int, right: int):
     return (None if left < 0 else left), (None if right < 0 else right)
 
@@ -104,7 +116,8 @@ class FA4Backend(Backend):
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         left, right = opts.window
         out, _ = fa4_varlen_fwd(
-            q_thd, k_thd, v_thd, cu_q, cu_k, int(max_q), int(max_k), float(opts.scale), bool(opts.causal),
+            q_thd, k_thd, v_thd, cu_q, cu_k, jit_stable_max_seqlen(max_q), jit_stable_max_seqlen(max_k),
+            float(opts.scale), bool(opts.causal),
             -1 if left is None else int(left), -1 if right is None else int(right), float(opts.softcap),
         )
         return out
