@@ -2,7 +2,7 @@
 """Checkpointing benchmark: peak memory and tokens/s per policy, next to the offline estimate.
 
 GPU (H200): `python scripts/bench_checkpointing.py --out bench_ckpt.json` runs Llama-1B shapes full fine-tuning and
-Llama-8B shapes LoRA r=16 on all linear layers, on packed SFT batches, for none / full / every_2 / op / budget at
+Llama-8B shapes LoRA r=16 on all linear layers, on packed SFT batches, for none / full / every_2 / every_4 / op / budget at
 three budgets (25/50/75% of the way from the estimated full-checkpointing peak to the no-checkpointing peak).
 CPU smoke: `--tiny` (tiny Llama, 2 steps). Writes JSON to --out and prints a markdown table last.
 """
@@ -17,10 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+import hf_accel  # noqa: E402
 from hf_accel.checkpointing import policy_from_spec, remove_checkpointing  # noqa: E402
+from hf_accel.checkpoint_plan import parse_bytes  # noqa: E402
 from hf_accel.memory import estimate_training_memory, load_config  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FIXED = ["none", "full", "every_2", "every_4", "op"]
 WORKLOADS = {  # name: (shape, lora rank, tokens per step, timed steps)
     "llama-1b-full": ("llama-3.2-1b", None, 16384, 6),
     "llama-8b-lora16": ("llama-3-8b", 16, 8192, 4),
@@ -64,28 +67,21 @@ def build_model(config, lora_rank, device, dtype):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
-    patched = False
-    try:
-        import hf_accel
-
-        hf_accel.patch(model)
-        patched = True
-    except Exception as err:  # stock sdpa handles packed position_ids with use_cache=False
-        print(f"hf_accel.patch unavailable ({type(err).__name__}: {err}); using stock sdpa")
+    hf_accel.patch(model)
     if lora_rank:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
                                                            lora_dropout=0.0, target_modules=LORA_TARGETS))
-    return model.train(), patched
+    return model.train()
 
 
 def run_policy(model, spec, batches, device) -> dict:
     policy = policy_from_spec(spec)
     policy.apply(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
     cuda = torch.device(device).type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=cuda)
     try:
         times = []
         for step, batch in enumerate(batches):
@@ -124,12 +120,12 @@ def budgets(config, lora, tokens, device_bytes) -> list[str]:
 
 
 def bench_workload(name, config, lora, tokens, steps, device, dtype) -> list[dict]:
-    model, patched = build_model(config, lora, device, dtype)
-    batches = [packed_batch(tokens, config.vocab_size, seed, device, patched) for seed in range(steps + 1)]
+    model = build_model(config, lora, device, dtype)
+    batches = [packed_batch(tokens, config.vocab_size, seed, device, True) for seed in range(steps + 1)]
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device == "cuda" else None
     dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     rows = []
-    for spec in ["none", "full", "every_2", "op"] + budgets(config, lora, tokens, device_bytes):
+    for spec in FIXED + budgets(config, lora, tokens, device_bytes):
         if spec.startswith("budget:"):
             policy = policy_from_spec(spec)
             policy.sample_batch = batches[0]
@@ -139,7 +135,7 @@ def bench_workload(name, config, lora, tokens, steps, device, dtype) -> list[dic
         result = run_policy(model, spec_to_run, batches, device)
         estimate = estimate_training_memory(config, dtype=dtype_name, lora_rank=lora, batch_tokens=tokens,
                                             checkpointing=spec, device_bytes=device_bytes)
-        result.update(workload=name, spec=spec, patched=patched, estimate_peak_gib=estimate.peak_bytes / 1024**3)
+        result.update(workload=name, spec=spec, estimate_peak_gib=estimate.peak_bytes / 1024**3)
         print(json.dumps(result), flush=True)
         rows.append(result)
     del model
@@ -147,13 +143,45 @@ def bench_workload(name, config, lora, tokens, steps, device, dtype) -> list[dic
     return rows
 
 
+def _measured(row) -> bool:
+    return isinstance(row["peak_gib"], float) and row["tokens_per_s"] is not None
+
+
+def best_fixed_within(rows, workload: str, budget_gib: float) -> dict | None:
+    """The fastest fixed policy of `workload` whose measured peak fits `budget_gib` (the budget mode's yardstick)."""
+    fits = [r for r in rows if r["workload"] == workload and r["spec"] in FIXED and _measured(r)
+            and r["peak_gib"] <= budget_gib]
+    return max(fits, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def annotate(rows) -> list[dict]:
+    """Add, per row, estimate/measured and, for budget rows, the best fixed policy within the same budget."""
+    for r in rows:
+        r["estimate_over_measured"] = r["estimate_peak_gib"] / r["peak_gib"] if _measured(r) else None
+        if r["spec"].startswith("budget:"):
+            budget = parse_bytes(r["spec"][7:]) / 1024**3
+            best = best_fixed_within(rows, r["workload"], budget)
+            r["budget_gib"] = budget
+            r["fits_budget"] = (r["peak_gib"] <= budget) if _measured(r) else None
+            r["best_fixed_within_budget"] = best["spec"] if best else None
+            r["vs_best_fixed"] = r["tokens_per_s"] / best["tokens_per_s"] if best and _measured(r) else None
+    return rows
+
+
 def markdown(rows) -> str:
     def fmt(v, spec="{:.1f}"):
         return "-" if v is None else (v if isinstance(v, str) else spec.format(v))
 
-    lines = ["| workload | policy | tokens/s | peak GiB | estimated peak GiB |", "|---|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['spec']} | {fmt(r['tokens_per_s'], '{:.0f}')} | {fmt(r['peak_gib'], '{:.2f}')}"
-              f" | {fmt(r['estimate_peak_gib'], '{:.2f}')} |" for r in rows]
+    lines = ["| workload | policy | tokens/s | peak GiB | estimated peak GiB | estimate / measured "
+             "| best fixed policy within the budget | budget mode vs it |", "|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        budget = r["spec"].startswith("budget:")
+        best = (r["best_fixed_within_budget"] or "none fits") if budget else ""
+        fits = {True: " (fits)", False: " (**over budget**)"}.get(r.get("fits_budget"), "")
+        lines.append(
+            f"| {r['workload']} | {r['spec']}{fits} | {fmt(r['tokens_per_s'], '{:.0f}')} | {fmt(r['peak_gib'], '{:.2f}')}"
+            f" | {fmt(r['estimate_peak_gib'], '{:.2f}')} | {fmt(r['estimate_over_measured'], '{:.2f}')} | {best}"
+            f" | {fmt(r.get('vs_best_fixed'), '{:.2f}x') if budget else ''} |")
     return "\n".join(lines)
 
 
@@ -173,6 +201,7 @@ def main() -> None:
         for name in args.workloads.split(","):
             shape, lora, tokens, steps = WORKLOADS[name]
             rows += bench_workload(name, load_config(shape), lora, tokens, steps, device, torch.bfloat16)
+    rows = annotate(rows)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print(markdown(rows))
