@@ -63,6 +63,7 @@ def profile(args) -> dict:
     steady = sorted(timing.step_seconds)[len(timing.step_seconds) // 2]  # median: robust to JIT-compile steps
 
     kernel_us: dict[str, float] = defaultdict(float)
+    top_kernels: list[tuple[str, float]] = []
     if args.device.startswith("cuda") and args.profile_steps:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -75,12 +76,15 @@ def profile(args) -> dict:
             device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
             if device_us and event.key:
                 kernel_us[category(event.key)] += device_us / args.profile_steps
-    tokens = sum(mb["input_ids"].numel() for mb in batches[0])
+                top_kernels.append((event.key[:120], device_us / args.profile_steps / 1000))
+    profiled = batches[args.warmup + args.steps:] or batches
+    tokens = sum(mb["input_ids"].numel() for step in profiled for mb in step) / len(profiled)
     return {
         "workload": args.workload, "device": args.device, "fused_ce": args.fused_ce, "fused_ops": args.fused_ops,
         "backend": report.backend, "steady_step_s": steady, "step_seconds": timing.step_seconds,
         "tokens_per_step": tokens, "collate_s_per_step": collate_s,
         "kernel_ms_per_step": {k: v / 1000 for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms_per_step": sorted(top_kernels, key=lambda kv: -kv[1])[:40],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None,
     }
 
@@ -90,7 +94,7 @@ def table(result: dict) -> str:
     lines = [
         f"## {result['workload']} step profile ({result['device']}, backend {result['backend']}, "
         f"fused_ce={result['fused_ce']}, fused_ops={result['fused_ops']})",
-        f"steady step {result['steady_step_s'] * 1000:.1f} ms for {result['tokens_per_step']} tokens "
+        f"steady step {result['steady_step_s'] * 1000:.1f} ms for {result['tokens_per_step']:,.0f} tokens "
         f"({result['tokens_per_step'] / result['steady_step_s']:,.0f} tokens/s); collation on the CPU "
         f"{result['collate_s_per_step'] * 1000:.1f} ms/step",
         "", "| category | GPU ms / step | share |", "|---|---:|---:|",

@@ -181,22 +181,37 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
     return loss_fn
 
 
+def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timing: Timing) -> None:
+    """The policy goes on after LoRA, so a memory budget counts only the adapters' gradients and optimizer states,
+    and probes a packed row of the step's real size (one micro-batch per step here)."""
+    from hf_accel.checkpointing import MemoryBudget, policy_from_spec
+
+    policy = policy_from_spec(spec)
+    if isinstance(policy, MemoryBudget) and policy.sample_batch is None:
+        policy.batch_tokens = tokens_per_step
+    policy.apply(model)
+    timing.notes.append(f"checkpointing: {policy.describe()}")
+
+
 def _hf_accel(best: bool) -> Callable[..., nn.Module]:
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         import hf_accel
 
         model = build_model(settings, "sdpa")
         kwargs: dict[str, Any] = {"backend": options.backend if best else "auto"}
-        if best and options.checkpointing is not None:
-            kwargs["checkpointing"] = options.checkpointing
         if best and options.fused_ops != "off":
             from hf_accel.fused_ops import unavailable_reason
 
             kwargs["fused_ops"] = options.fused_ops == "on" or unavailable_reason(model) is None
-        report = hf_accel.patch(model, **kwargs)
+        # fused_ce "auto" is the user's path: patch(fused_ce=True) computes the loss inside the model's forward
+        # (Liger's kernel on CUDA when installed, else chunked); "chunked" / "liger" force one kernel from outside.
+        in_forward = best and options.fused_ce == "auto"
+        report = hf_accel.patch(model, fused_ce=in_forward, **kwargs)
         timing.notes.append(f"patch: {report}")
         model = add_lora(model, settings.workload)
-        loss_fn = _fused_loss(options) if best and options.fused_ce != "off" else hf_loss
+        if best and options.checkpointing is not None:
+            _apply_checkpointing(model, options.checkpointing, data.spec.tokens_per_step, timing)
+        loss_fn = _fused_loss(options) if best and options.fused_ce in ("chunked", "liger") else hf_loss
         if best:
             timing.notes.append(f"fused_ce={options.fused_ce}")
         run_loop(model, _hf_accel_steps(data, settings.seed), loss_fn, settings, timing)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The H200 session's GPU work, one job per 10-minute device call. Each step runs under its own time limit, skips
+# itself when the call's deadline is too near, logs to $OUT/<step>.log and leaves its JSON under $OUT.
+#   bash scripts/gpu_jobs.sh ckpt-sft   # issue 4's frontier table, issue 5's sft.py speed check
+#   bash scripts/gpu_jobs.sh tests      # pytest -m gpu tests/gpu, then the Llama-1B benchmark and a profile
+#   bash scripts/gpu_jobs.sh bench      # GPT-NeoX 1.4B and Llama-8B LoRA benchmarks
+# (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+DEADLINE=$((SECONDS + ${JOB_SECONDS:-560}))
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    if ((SECONDS + limit > DEADLINE)); then
+        echo "SKIP $name (needs ${limit}s, $((DEADLINE - SECONDS))s left)" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    local start=$SECONDS
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
+    tail -n 25 "$OUT/$name.log"
+}
+
+sft() {  # sft NAME FLAGS...: scripts/sft.py on Llama-1B shapes, metrics.json copied to $OUT/NAME.json
+    local name=$1
+    shift
+    step "$name" 110 python scripts/sft.py --model-shape llama-1b --max-steps 60 --logging-steps 10 \
+        --eval-examples 0 --output-dir "/tmp/$name" "$@"
+    cp "/tmp/$name/metrics.json" "$OUT/$name.json" 2>/dev/null
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+
+case "${1:?job: ckpt-sft | tests | bench}" in
+ckpt-sft)
+    step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
+    sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
+    sft sft_nopatch_packed --max-tokens-per-batch 16384 --no-patch
+    sft sft_stock_padded --no-patch --no-packing --batch-size 8
+    python scripts/sft_speed_table.py "$OUT"/sft_*.json | tee "$OUT/sft_table.md"
+    ;;
+tests)
+    step gpu_tests 250 python -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider
+    step bench_llama1b 240 python scripts/bench.py --workload llama-1b --out "$OUT" \
+        --configs trl-fa4-packed-liger,hf_accel,hf_accel-best --steps 25 --warmup 5 --time-budget 225 \
+        --config-timeout 75
+    step profile 50 python scripts/profile_step.py --workload llama-1b --fused-ce auto --fused-ops \
+        --out "$OUT/profile_llama-1b.json"
+    ;;
+bench)
+    step bench_neox 230 python scripts/bench.py --workload neox-1.4b --out "$OUT" \
+        --configs trl-fa4-packed,hf_accel,hf_accel-best --steps 20 --warmup 4 --time-budget 215 --config-timeout 75
+    step bench_llama8b 300 python scripts/bench.py --workload llama-8b-lora --out "$OUT" \
+        --configs trl-fa4-packed,hf_accel-best,hf_accel --best-checkpointing budget:0.8 --steps 8 --warmup 2 \
+        --time-budget 285 --config-timeout 120
+    ;;
+*)
+    echo "unknown job $1" >&2
+    exit 2
+    ;;
+esac
+echo "== summary"
+cat "$OUT/summary.txt"
