@@ -153,7 +153,9 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
         if current[0] is not None and ptr not in seen:
             seen.add(ptr)
             saved[current[0]] += nbytes
-        return t
+        # A detached alias, never `t` itself: a saved output handed back as is holds its own grad_fn, a cycle through
+        # C++ that Python's collector cannot break, and the whole probe graph would stay allocated. (No backward runs.)
+        return t.detach()
 
     class SaveableOutputs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

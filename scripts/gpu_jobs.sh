@@ -4,6 +4,7 @@
 #   bash scripts/gpu_jobs.sh ckpt-sft   # issue 4's frontier table, issue 5's sft.py speed check
 #   bash scripts/gpu_jobs.sh tests      # pytest -m gpu tests/gpu, then the Llama-1B benchmark and a profile
 #   bash scripts/gpu_jobs.sh bench      # GPT-NeoX 1.4B and Llama-8B LoRA benchmarks
+#   bash scripts/gpu_jobs.sh final      # the re-runs after this session's fixes
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -37,7 +38,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench}" in
+case "${1:?job: ckpt-sft | tests | bench | final}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -59,6 +60,15 @@ bench)
     step bench_llama8b 300 python scripts/bench.py --workload llama-8b-lora --out "$OUT" \
         --configs trl-fa4-packed,hf_accel-best,hf_accel --best-checkpointing budget:0.8 --steps 8 --warmup 2 \
         --time-budget 285 --config-timeout 120
+    ;;
+final)  # re-runs after the fixes of the session's first runs (probe leak, many-document fa4 calls)
+    step ckpt 230 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
+    step gpu_tests 130 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+        tests/gpu/test_models_gpu.py -k "short or window or falcon"
+    sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
+    step bench_llama8b_budget 150 python scripts/bench.py --workload llama-8b-lora --out "$OUT" \
+        --configs hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 2 --time-budget 140 \
+        --config-timeout 130
     ;;
 *)
     echo "unknown job $1" >&2

@@ -178,3 +178,31 @@ def test_fa4_gets_a_jit_stable_max_seqlen_hint(monkeypatch):
     fa4.FA4Backend().varlen(q, q, q, cu, cu, 3000, 3000, AttnOptions(scale=1.0))
     assert seen == [(fa4.JIT_STABLE_MIN_SEQLEN,) * 2, (3000, 3000)]
     assert fa4.JIT_STABLE_MIN_SEQLEN > 128  # above flash-attn-4's largest tile, so no one-tile variant is keyed
+
+
+def test_fa4_splits_calls_with_many_documents(monkeypatch):
+    """Above MAX_DOCS_PER_CALL documents flash-attn-4 compiles another scheduler variant mid-training; the backend
+    splits such calls into consecutive groups of documents. Documents are independent, so the result must equal one
+    call over all of them (checked here with the plain-math kernel standing in for the CUDA one; the real kernel with
+    300 documents is checked against fp32 math in tests/gpu/test_kernels_gpu.py)."""
+    from hf_accel.kernels import BACKENDS, fa4
+
+    calls = []
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap):
+        calls.append(cu_q.shape[0] - 1)
+        assert int(cu_q[0]) == 0 and int(cu_q[-1]) <= q.shape[0]
+        opts = AttnOptions(scale=scale, causal=causal)
+        return BACKENDS["reference"].varlen(q, k, v, cu_q, cu_k, max_q, max_k, opts), None
+
+    monkeypatch.setattr(fa4, "fa4_varlen_fwd", fake)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 9, (fa4.MAX_DOCS_PER_CALL * 2 + 37,), generator=gen)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    total = int(cu[-1])
+    q, k, v = (torch.randn(total, h, 8, generator=gen) for h in (4, 2, 2))
+    opts = AttnOptions(scale=8 ** -0.5)
+    want = BACKENDS["reference"].varlen(q, k, v, cu, cu, int(lengths.max()), int(lengths.max()), opts)
+    got = fa4.FA4Backend().varlen(q, k, v, cu, cu, int(lengths.max()), int(lengths.max()), opts)
+    assert calls == [fa4.MAX_DOCS_PER_CALL, fa4.MAX_DOCS_PER_CALL, 37]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

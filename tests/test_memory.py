@@ -157,3 +157,25 @@ def test_estimate_cli_runs():
                              "budget:60GiB", "--batch-tokens", "8192"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| peak |" in result.stdout
+
+
+def test_probe_frees_its_forward():
+    """The probe's forward must leave nothing alive: a pack hook that hands autograd back the tensor itself ties each
+    saved output to its own grad_fn in a cycle Python cannot collect, and the whole probe graph (a full
+    no-checkpointing forward's activations) stayed allocated for the rest of training (seen on the H200)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "eager"  # its softmax output (returned as attn_weights) is saved by its own node
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (1, 24))
+    outputs = []
+    handle = model.model.layers[0].self_attn.register_forward_hook(
+        lambda m, a, out: outputs.append(weakref.ref(out[1])))
+    probe_layer_activations(model, {"input_ids": ids, "labels": ids})
+    handle.remove()
+    gc.collect()
+    assert outputs and outputs[0]() is None, "the probe's activations are still alive after it returned"

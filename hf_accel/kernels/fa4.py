@@ -9,6 +9,7 @@ yet, so ALiBi is not declared.
 from __future__ import annotations
 
 import importlib.util
+import weakref
 
 import torch
 
@@ -26,6 +27,29 @@ JIT_STABLE_MIN_SEQLEN = 256
 def jit_stable_max_seqlen(n: int) -> int:
     """The `max_seqlen` hint handed to flash-attn-4: the true maximum, floored at JIT_STABLE_MIN_SEQLEN."""
     return max(int(n), JIT_STABLE_MIN_SEQLEN)
+
+
+# Above this many documents in one call flash-attn-4 switches its varlen scheduler to a batch-lookup variant
+# (BIN_BATCH_SEARCH_THRESH), compiled on first use: a packed step of many short documents stalled training for seconds.
+# Documents are independent, so a larger call is split into consecutive groups of at most this many documents.
+MAX_DOCS_PER_CALL = 256
+
+_groups_memo: list = [None, None]  # (weakref to the cu_seqlens tensor, its groups): one host read per step, not layer
+
+
+def document_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int):
+    """[(first_doc, last_doc + 1, q_start, q_end, k_start, k_end)] in groups of at most MAX_DOCS_PER_CALL documents."""
+    ref, groups = _groups_memo
+    if ref is not None and ref() is cu_q and groups[0] is cu_k:
+        return groups[1]
+    docs = cu_q.shape[0] - 1
+    cuts = list(range(0, docs, MAX_DOCS_PER_CALL)) + [docs]
+    q_at = cu_q[cuts].tolist()
+    k_at = q_at if cu_k is cu_q else cu_k[cuts].tolist()
+    q_at[-1], k_at[-1] = total_q, total_k  # rows after the last document (if any) stay with the last group
+    out = [(a, b, q_at[i], q_at[i + 1], k_at[i], k_at[i + 1]) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    _groups_memo[:] = [weakref.ref(cu_q), (cu_k, out)]
+    return out
 
 
 def _window(left: int, right: int):
@@ -114,6 +138,16 @@ class FA4Backend(Backend):
         return no_cuda_reason()
 
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
+        if cu_q.shape[0] - 1 <= MAX_DOCS_PER_CALL:
+            return self._varlen(q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts)
+        outs = [
+            self._varlen(q_thd[q0:q1], k_thd[k0:k1], v_thd[k0:k1], cu_q[a : b + 1] - q0, cu_k[a : b + 1] - k0,
+                         max_q, max_k, opts)
+            for a, b, q0, q1, k0, k1 in document_groups(cu_q, cu_k, q_thd.shape[0], k_thd.shape[0])
+        ]
+        return torch.cat(outs)
+
+    def _varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         left, right = opts.window
         out, _ = fa4_varlen_fwd(
             q_thd, k_thd, v_thd, cu_q, cu_k, jit_stable_max_seqlen(max_q), jit_stable_max_seqlen(max_k),
