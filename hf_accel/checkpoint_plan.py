@@ -141,21 +141,29 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
 
     layers = list(layers if layers is not None else decoder_layers(model))
     save_ops = save_ops if save_ops is not None else default_save_ops()
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set(params)
+    seen: dict[int, StorageWeakRef] = {}  # storages counted so far; an address freed and reused counts again
     saved = [0] * len(layers)
     op_out = [0] * len(layers)
     inputs = [0] * len(layers)
     current: list[int | None] = [None]
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
         ptr, nbytes = _storage_key(t)
-        if current[0] is not None and ptr not in seen:
-            seen.add(ptr)
+        known = seen.get(ptr)
+        if current[0] is not None and ptr not in params and (known is None or known.expired()):
+            seen[ptr] = StorageWeakRef(t.untyped_storage())
             saved[current[0]] += nbytes
-        # A detached alias, never `t` itself: a saved output handed back as is holds its own grad_fn, a cycle through
-        # C++ that Python's collector cannot break, and the whole probe graph would stay allocated. (No backward runs.)
-        return t.detach()
+        # Only the size is kept: no backward runs on the probe, so autograd need not hold the tensor, and the probe's
+        # peak stays at about one layer's transient memory (a 16k-token Llama-8B forward keeping everything would
+        # not fit on an H200). Handing back `t` itself also tied saved outputs to their own grad_fn in a cycle
+        # Python's collector cannot break, so the whole probe graph stayed allocated for the rest of training.
+        return None
+
+    def unpack(_):
+        raise RuntimeError("probe_layer_activations runs a forward only; its graph cannot be back-propagated")
 
     class SaveableOutputs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -181,7 +189,7 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
             layer.gradient_checkpointing = False
             handles.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(leave))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), SaveableOutputs():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), SaveableOutputs():
             out = model(**batch)
         del out
     finally:
