@@ -120,10 +120,16 @@ def test_memory_budget_policy_applies_the_plan_and_keeps_grads():
     fixed = training_state_bytes(model)
     # what op-level on every layer needs: must not fit with no checkpointing, must fit with some
     budget = plan_peak_bytes(layers, ["op"] * len(layers), fixed, loss_bytes(TOKENS, 128, 4))
-    policy = MemoryBudget(budget=budget, sample_batch=batch)
+    policy = MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0)
     policy.apply(model)
     assert policy.plan.fits and policy.plan.predicted_peak_bytes <= budget
     assert 0 < policy.plan.recompute_cost <= plan_cost(["op"] * len(layers))
+    # the default keeps 3% of the budget free for what the probe cannot see, so it recomputes more than all-op
+    cautious = MemoryBudget(budget=budget, sample_batch=batch)
+    cautious.apply(model)
+    assert cautious.plan.fits and cautious.plan.predicted_peak_bytes <= 0.97 * budget
+    assert cautious.plan.recompute_cost > policy.plan.recompute_cost
+    policy.apply(model)
     assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == \
         [c != "none" for c in policy.plan.choices]
     model.zero_grad()
