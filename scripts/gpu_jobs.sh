@@ -5,6 +5,7 @@
 #   bash scripts/gpu_jobs.sh tests      # pytest -m gpu tests/gpu, then the Llama-1B benchmark and a profile
 #   bash scripts/gpu_jobs.sh bench      # GPT-NeoX 1.4B and Llama-8B LoRA benchmarks
 #   bash scripts/gpu_jobs.sh final      # the re-runs after this session's fixes
+#   bash scripts/gpu_jobs.sh last       # Llama-1B budget-mode re-run, sft.py's three runs
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -38,7 +39,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -69,6 +70,13 @@ final)  # re-runs after the fixes of the session's first runs (probe leak, many-
     step bench_llama8b_budget 150 python scripts/bench.py --workload llama-8b-lora --out "$OUT" \
         --configs hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 2 --time-budget 140 \
         --config-timeout 130
+    ;;
+last)  # the budget mode's headroom on Llama-1B, and sft.py's three runs in one call (same-run baselines)
+    step ckpt 90 python scripts/bench_checkpointing.py --workloads llama-1b-full --out "$OUT/bench_checkpointing_1b.json"
+    sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
+    sft sft_nopatch_packed --max-tokens-per-batch 16384 --no-patch
+    sft sft_stock_padded --no-patch --no-packing --batch-size 8
+    python scripts/sft_speed_table.py "$OUT"/sft_*.json | tee "$OUT/sft_table.md"
     ;;
 *)
     echo "unknown job $1" >&2
