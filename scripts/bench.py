@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         "workload": args.workload, "workload_notes": workload.notes, "tiny": args.tiny, "device": args.device,
         "date": dt.datetime.now().isoformat(timespec="seconds"), "versions": versions(),
         "model_config": build_config(workload, args.tiny).to_dict(), "data": asdict(spec),
-        "precision": "bf16 weights, no fp32 master copy" if args.device.startswith("cuda") else "fp32",
+        "precision": ("bf16 weights, no fp32 master copy" + ("; fp32 LoRA adapters, forwards under bf16 autocast "
+                      "(as Trainer/TRL with bf16=True)" if workload.lora else "")) if args.device.startswith("cuda")
+        else "fp32",
         "optimizer": "torch.optim.AdamW(fused=True), lr 1e-5", "peak_flops": peak(args),
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,

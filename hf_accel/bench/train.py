@@ -1,6 +1,7 @@
 """Model construction and the timed training loops (a plain loop, and TRL's SFTTrainer with a timing callback)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import math
@@ -112,6 +113,14 @@ def _to_device(batch: Mapping[str, Any], device: str) -> Batch:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def forward_autocast(settings: RunSettings):
+    """bf16 autocast around LoRA forwards on CUDA, as Trainer / TRL run them with bf16=True (accelerate wraps the
+    forward): PEFT keeps adapters in fp32, and without autocast every adapted linear casts its input to fp32."""
+    if settings.workload.lora and settings.device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def run_loop(
     model: nn.Module, steps: Iterator[list[Batch]], loss_fn: LossFn, settings: RunSettings, timing: Timing
 ) -> None:
@@ -127,7 +136,8 @@ def run_loop(
         step_targets = sum(target_count(mb) for mb in micro)
         step_loss = 0.0
         for mb in micro:
-            loss = loss_fn(model, _to_device(mb, settings.device), step_targets)
+            with forward_autocast(settings):
+                loss = loss_fn(model, _to_device(mb, settings.device), step_targets)
             loss.backward()
             step_loss += loss.detach()
         optimizer.step()
