@@ -37,3 +37,62 @@ def test_transaction_restores_instance_attributes_exactly():
     undo()
     assert norm.__dict__.keys() == original.keys()
     assert all(norm.__dict__[k] is original[k] for k in original)
+
+
+def _plain_rope(calls):
+    """A stand-in for liger's Triton RoPE kernel (which cannot run on CPU): the same math, counting its calls.
+    The real kernel is checked against fp32 math on the GPU in tests/gpu/test_fused_ops_gpu.py."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    def rope(q, k, cos, sin):
+        calls.append(q.shape)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    return rope
+
+
+def test_fused_rope_is_scoped_to_the_bound_instances_and_undone_exactly():
+    from transformers.models.llama import modeling_llama
+
+    stock = modeling_llama.apply_rotary_pos_emb
+    torch.manual_seed(0)
+    bound, other = make("llama-gqa"), make("llama-gqa")
+    other.load_state_dict(bound.state_dict())
+    ids = torch.randint(0, bound.config.vocab_size, (2, 12))
+    want = bound(input_ids=ids).logits
+    calls = []
+    undos = [fused_ops.bind_fused_rope(m, _plain_rope(calls)) for m in bound.modules()
+             if fused_ops._is_stock_llama_attention(m)]
+    layers = bound.config.num_hidden_layers
+    assert len(undos) == layers
+    torch.testing.assert_close(bound(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == layers  # every layer's RoPE went through the bound kernel
+    torch.testing.assert_close(other(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == layers  # ... and the other model in the process never did
+    extra = fused_ops.bind_fused_rope(other.model.layers[0].self_attn, _plain_rope(calls))
+    for undo in undos:
+        undo()
+    assert modeling_llama.apply_rotary_pos_emb is not stock  # `other` still uses it
+    extra()
+    assert modeling_llama.apply_rotary_pos_emb is stock
+    assert all("forward" not in m.__dict__ for m in list(bound.modules()) + list(other.modules())
+               if fused_ops._is_stock_llama_attention(m))
+    bound(input_ids=ids)
+    assert len(calls) == layers
+
+
+def test_fused_rope_backward_matches_stock():
+    torch.manual_seed(0)
+    model = make("llama-gqa")
+    ids = torch.randint(0, model.config.vocab_size, (1, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    undos = [fused_ops.bind_fused_rope(m, _plain_rope([])) for m in model.modules()
+             if fused_ops._is_stock_llama_attention(m)]
+    model(input_ids=ids, labels=ids).loss.backward()
+    for undo in undos:
+        undo()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
