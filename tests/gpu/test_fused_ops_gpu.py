@@ -22,13 +22,8 @@ def test_fused_ops_train_step(name):
     fused = copy.deepcopy(ref16)
     hf_accel.patch(ref32)
     hf_accel.patch(ref16)
-    from transformers.models.llama import modeling_llama
-
-    stock_rope = modeling_llama.apply_rotary_pos_emb
     report = hf_accel.patch(fused, fused_ops=True)
     assert report.fused_ops
-    # Llama's RoPE goes through liger's fused kernel for this instance (the dispatcher is installed while it is bound)
-    assert (modeling_llama.apply_rotary_pos_emb is not stock_rope) == (name == "llama-1b")
     batch = packed(ref32.config.vocab_size)
     loss32, g32 = step(ref32, batch)
     loss16, g16 = step(ref16, batch)
@@ -37,7 +32,6 @@ def test_fused_ops_train_step(name):
     assert abs(lossf - loss32) <= 2 * abs(loss16 - loss32) + 5e-3
     assert ((gf - g32).norm() / g32.norm()).item() <= 2 * base_grad + 1e-2
     hf_accel.unpatch(fused)
-    assert modeling_llama.apply_rotary_pos_emb is stock_rope
     hf_accel.patch(fused)
     loss_again, _ = step(fused, batch)
     assert loss_again == pytest.approx(loss16, rel=1e-6, abs=1e-6)
