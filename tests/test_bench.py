@@ -143,3 +143,18 @@ def test_script_tiny_cpu_runs_configs(tmp_path):
     assert results["hf-sdpa-padded"]["real_tokens"] == results["hf-sdpa-packed"]["real_tokens"]
     best = results["hf_accel-best"]["status"]
     assert best.startswith("ok") or "not importable" in best, results["hf_accel-best"]
+
+
+def test_table_compares_losses_at_a_step_every_config_reached():
+    """A config stopped early by the step-time budget must not have its loss compared with another's later step."""
+    from hf_accel.bench.report import markdown_table
+
+    results = [
+        {"config": "a", "status": "ok", "tokens_per_s": 1.0, "losses": [3.0, 2.0, 1.0], "loss": 1.0},
+        {"config": "b", "status": "ok", "tokens_per_s": 1.0, "losses": [3.5, 2.5], "loss": 2.5},
+        {"config": "c", "status": "failed", "tokens_per_s": None, "losses": [9.0], "loss": 9.0},
+    ]
+    table = markdown_table(results, None)
+    assert "loss at timed step 2" in table
+    rows = {line.split("|")[1].strip(): line.split("|")[6].strip() for line in table.splitlines()[4:]}
+    assert rows["a"] == "2.0000" and rows["b"] == "2.5000"

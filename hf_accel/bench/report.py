@@ -55,20 +55,30 @@ def add_ratios(results: list[dict[str, Any]], stock: Iterable[str]) -> str | Non
     return best["config"]
 
 
+def common_loss_step(results: list[dict[str, Any]]) -> int | None:
+    """The last timed step every finished config reached (configs stopped by the step-time budget run fewer)."""
+    counts = [len(r["losses"]) for r in results if _ok(r) and r.get("losses")]
+    return min(counts) if counts else None
+
+
 def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str:
-    """config | tokens/s | x best stock | MFU | peak GiB | loss | status."""
+    """config | tokens/s | x best stock | MFU | peak GiB | loss at a step every config reached | status."""
+    step = common_loss_step(results)
     lines = [
-        f"ratio = tokens/s / tokens/s of the best stock config ({best_stock or 'none ran'})",
+        f"ratio = tokens/s / tokens/s of the best stock config ({best_stock or 'none ran'}); loss at timed step "
+        f"{step or '-'} (the last one every config reached; TRL packs other batches, so compare its loss loosely)",
         "",
         "| config | real tokens/s | vs best stock | MFU | peak GiB | loss | status |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         mfu = r.get("mfu")
+        losses = r.get("losses") or []
+        loss = losses[step - 1] if step and len(losses) >= step else r.get("loss")
         lines.append(
             f"| {r['config']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('ratio_to_best_stock'), '.2f')}"
             f" | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')}"
-            f" | {_fmt(r.get('loss'), '.4f')} | {r.get('status', '?')} |"
+            f" | {_fmt(loss, '.4f')} | {r.get('status', '?')} |"
         )
     return "\n".join(lines)
 

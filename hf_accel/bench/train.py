@@ -237,7 +237,7 @@ def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str)
         "timed_steps": len(timing.step_seconds), "timed_seconds": seconds, "real_tokens": tokens,
         "tokens_per_s": tokens / seconds, "model_flops_per_s": flops / seconds,
         "mfu": flops / seconds / peak if peak else None,
-        "loss": timing.losses[-1] if timing.losses else None,
+        "loss": timing.losses[-1] if timing.losses else None, "losses": timing.losses,
         "loss_finite": bool(timing.losses) and all(math.isfinite(x) for x in timing.losses),
         "step_seconds": timing.step_seconds, "flop_model": flop_model.__dict__, "notes": timing.notes,
     }
