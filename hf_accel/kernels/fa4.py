@@ -38,14 +38,18 @@ _groups_memo: list = [None, None]  # (weakref to the cu_seqlens tensor, its grou
 
 
 def document_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int):
-    """[(first_doc, last_doc + 1, q_start, q_end, k_start, k_end)] in groups of at most MAX_DOCS_PER_CALL documents."""
+    """[(first_doc, last_doc + 1, q_start, q_end, k_start, k_end)] in groups of at most MAX_DOCS_PER_CALL documents.
+
+    cu_q, cu_k: (num_docs + 1,) int32 on the device. Memoised on the tensors' identity: every layer of a step passes
+    the same cu_seqlens (built once per step by hf_accel.varlen), so only the first layer reads them back.
+    """
     ref, groups = _groups_memo
     if ref is not None and ref() is cu_q and groups[0] is cu_k:
         return groups[1]
     docs = cu_q.shape[0] - 1
     cuts = list(range(0, docs, MAX_DOCS_PER_CALL)) + [docs]
-    q_at = cu_q[cuts].tolist()
-    k_at = q_at if cu_k is cu_q else cu_k[cuts].tolist()
+    q_at = cu_q[cuts].tolist()  # host sync: only for steps of more than MAX_DOCS_PER_CALL documents, once per step
+    k_at = list(q_at) if cu_k is cu_q else cu_k[cuts].tolist()
     q_at[-1], k_at[-1] = total_q, total_k  # rows after the last document (if any) stay with the last group
     out = [(a, b, q_at[i], q_at[i + 1], k_at[i], k_at[i + 1]) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
     _groups_memo[:] = [weakref.ref(cu_q), (cu_k, out)]
