@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -125,7 +126,7 @@ def from_mask_and_positions(
     )
 
 
-class _Memo:
+class IdentityMemo:
     """Single-entry memo keyed by the identity of the tensors a forward pass hands to every layer.
 
     Weak references make a stale entry (a freed tensor whose id was reused) a miss, never a wrong hit.
@@ -133,13 +134,13 @@ class _Memo:
 
     def __init__(self) -> None:
         self._refs: tuple = ()
-        self._value: VarlenBatch | None = None
+        self._value: Any = None
 
     @staticmethod
     def _ref(t):
         return None if t is None else weakref.ref(t)
 
-    def get(self, key: tuple) -> VarlenBatch | None:
+    def get(self, key: tuple) -> Any:
         if self._value is None or len(key) != len(self._refs):
             return None
         for tensor, ref in zip(key, self._refs):
@@ -147,12 +148,12 @@ class _Memo:
                 return None
         return self._value
 
-    def put(self, key: tuple, value: VarlenBatch) -> None:
+    def put(self, key: tuple, value: Any) -> None:
         self._refs = tuple(self._ref(t) for t in key)
         self._value = value
 
 
-_memo = _Memo()
+_memo = IdentityMemo()
 
 
 def key_padding_from_4d(mask_b1qk: torch.Tensor) -> torch.Tensor:

@@ -206,3 +206,7 @@ def test_fa4_splits_calls_with_many_documents(monkeypatch):
     got = fa4.FA4Backend().varlen(q, k, v, cu, cu, int(lengths.max()), int(lengths.max()), opts)
     assert calls == [fa4.MAX_DOCS_PER_CALL, fa4.MAX_DOCS_PER_CALL, 37]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # every layer of a step passes the same cu_seqlens: the groups are read back from the device once
+    groups = fa4.document_groups(cu, cu, total, total)
+    assert fa4.document_groups(cu, cu, total, total) is groups
+    assert fa4.document_groups(cu.clone(), cu.clone(), total, total) == groups

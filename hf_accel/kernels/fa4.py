@@ -9,10 +9,10 @@ yet, so ALiBi is not declared.
 from __future__ import annotations
 
 import importlib.util
-import weakref
 
 import torch
 
+from ..varlen import IdentityMemo
 from .backend import Backend, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
 
@@ -34,7 +34,7 @@ def jit_stable_max_seqlen(n: int) -> int:
 # Documents are independent, so a larger call is split into consecutive groups of at most this many documents.
 MAX_DOCS_PER_CALL = 256
 
-_groups_memo: list = [None, None]  # (weakref to the cu_seqlens tensor, its groups): one host read per step, not layer
+_groups_memo = IdentityMemo()  # every layer of a step passes the same cu_seqlens: one host read per step
 
 
 def document_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int):
@@ -43,16 +43,16 @@ def document_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_
     cu_q, cu_k: (num_docs + 1,) int32 on the device. Memoised on the tensors' identity: every layer of a step passes
     the same cu_seqlens (built once per step by hf_accel.varlen), so only the first layer reads them back.
     """
-    ref, groups = _groups_memo
-    if ref is not None and ref() is cu_q and groups[0] is cu_k:
-        return groups[1]
+    hit = _groups_memo.get((cu_q, cu_k))
+    if hit is not None:
+        return hit
     docs = cu_q.shape[0] - 1
     cuts = list(range(0, docs, MAX_DOCS_PER_CALL)) + [docs]
     q_at = cu_q[cuts].tolist()  # host sync: only for steps of more than MAX_DOCS_PER_CALL documents, once per step
     k_at = list(q_at) if cu_k is cu_q else cu_k[cuts].tolist()
     q_at[-1], k_at[-1] = total_q, total_k  # rows after the last document (if any) stay with the last group
     out = [(a, b, q_at[i], q_at[i + 1], k_at[i], k_at[i + 1]) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
-    _groups_memo[:] = [weakref.ref(cu_q), (cu_k, out)]
+    _groups_memo.put((cu_q, cu_k), out)
     return out
 
 
