@@ -42,6 +42,12 @@ def no_cuda_reason() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device"
 
 
+def flash_window(opts: AttnOptions) -> tuple[int, int]:
+    """(left, right) in the flash-attention convention: -1 is unbounded; causal means right = 0."""
+    left, right = opts.window
+    return (-1 if left is None else left, (0 if opts.causal else -1) if right is None else right)
+
+
 def document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
     """(total,) index of the document each packed token belongs to, from cumulative lengths (no host sync)."""
     tokens = torch.arange(total, device=cu.device)

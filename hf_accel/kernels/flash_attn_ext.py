@@ -10,13 +10,8 @@ import importlib.util
 
 import torch
 
-from .backend import Backend, no_cuda_reason
+from .backend import Backend, flash_window, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
-
-
-def _fa_window(opts: AttnOptions) -> tuple[int, int]:
-    left, right = opts.window
-    return (-1 if left is None else left, (0 if opts.causal else -1) if right is None else right)
 
 
 class FlashAttn2Backend(Backend):
@@ -52,7 +47,7 @@ class FlashAttn2Backend(Backend):
         return flash_attn_varlen_func(
             q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k,
             dropout_p=opts.dropout_p, softmax_scale=opts.scale, causal=opts.causal,
-            window_size=_fa_window(opts), softcap=opts.softcap,
+            window_size=flash_window(opts), softcap=opts.softcap,
             alibi_slopes=None if opts.alibi_slopes is None else opts.alibi_slopes.to(torch.float32).contiguous(),
         )
 
@@ -81,6 +76,6 @@ class FlashAttn3Backend(Backend):
 
         out = flash_attn_varlen_func(
             q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k,
-            softmax_scale=opts.scale, causal=opts.causal, window_size=_fa_window(opts), softcap=opts.softcap,
+            softmax_scale=opts.scale, causal=opts.causal, window_size=flash_window(opts), softcap=opts.softcap,
         )
         return out[0] if isinstance(out, tuple) else out  # some releases return (out, lse)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import Backend, no_cuda_reason
+from .backend import Backend, flash_window, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
 
 
@@ -31,12 +31,10 @@ class TorchFA2Backend(Backend):
         return None
 
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
-        left, right = opts.window
+        left, right = flash_window(opts)
         out = torch.ops.aten._flash_attention_forward(
             q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k,
             opts.dropout_p, opts.causal, False,
-            scale=opts.scale,
-            window_size_left=-1 if left is None else left,
-            window_size_right=(0 if opts.causal else -1) if right is None else right,
+            scale=opts.scale, window_size_left=left, window_size_right=right,
         )[0]
         return out
