@@ -134,6 +134,7 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
     none: storages autograd saves inside the layer (`saved_tensors_hooks`, each storage counted once, parameters
     excluded); op: the layer's input plus the outputs of the ops op-level checkpointing saves; full: its input.
     """
+    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -141,8 +142,6 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
 
     layers = list(layers if layers is not None else decoder_layers(model))
     save_ops = save_ops if save_ops is not None else default_save_ops()
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, StorageWeakRef] = {}  # storages counted so far; an address freed and reused counts again
     saved = [0] * len(layers)

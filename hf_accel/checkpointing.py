@@ -277,8 +277,9 @@ class MemoryBudget(CheckpointingPolicy):
     """The least recompute that fits `budget`: bytes, "20GiB", or a fraction (0, 1] of the device's memory.
 
     apply() probes activation bytes per decoder layer with one forward on `sample_batch` (default: `batch_tokens`
-    random tokens in one row), plans to `1 - headroom` of the budget, adds the fixed cost of weights, gradients and optimizer states
-    (`memory.training_state_bytes`) and the logits/loss, and applies `checkpoint_plan.plan_checkpointing`'s choice.
+    random tokens in one row), adds the fixed cost of weights, gradients and optimizer states
+    (`memory.training_state_bytes`) and the logits/loss, and applies `checkpoint_plan.plan_checkpointing`'s choice
+    for `1 - headroom` of the budget.
     The plan is kept in `self.plan` and logged.
     """
 

@@ -2,8 +2,8 @@
 """Checkpointing benchmark: peak memory and tokens/s per policy, next to the offline estimate.
 
 GPU (H200): `python scripts/bench_checkpointing.py --out bench_ckpt.json` runs Llama-1B shapes full fine-tuning and
-Llama-8B shapes LoRA r=16 on all linear layers, on packed SFT batches, for none / full / every_2 / every_4 / op / budget at
-three budgets (25/50/75% of the way from the estimated full-checkpointing peak to the no-checkpointing peak).
+Llama-8B shapes LoRA r=16 on all linear layers, on packed SFT batches, for none / full / every_2 / every_4 / op /
+budget at three budgets (25/50/75% of the way from the estimated full-checkpointing peak to the no-checkpointing peak).
 CPU smoke: `--tiny` (tiny Llama, 2 steps). Writes JSON to --out and prints a markdown table last.
 """
 import argparse
@@ -39,7 +39,7 @@ def sft_lengths(n: int, seed: int) -> list[int]:
         return torch.exp(5.86 + torch.randn(n, generator=gen)).round().clamp(16, 4096).long().tolist()
 
 
-def packed_batch(tokens: int, vocab: int, seed: int, device, flash_kwargs: bool) -> dict:
+def packed_batch(tokens: int, vocab: int, seed: int, device) -> dict:
     """One row of `tokens` tokens: documents cut from SFT lengths, position_ids restarting, first labels -100."""
     lengths, total = [], 0
     for n in sft_lengths(4 * tokens // 16, seed):
@@ -53,13 +53,11 @@ def packed_batch(tokens: int, vocab: int, seed: int, device, flash_kwargs: bool)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = input_ids.clone()
     labels[position_ids == 0] = -100
-    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
-    if flash_kwargs:
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "cu_seq_lens_q": cu,
+             "cu_seq_lens_k": cu}
     batch = {k: v.to(device) for k, v in batch.items()}
-    if flash_kwargs:
-        batch.update(max_length_q=max(lengths), max_length_k=max(lengths))
+    batch.update(max_length_q=max(lengths), max_length_k=max(lengths))
     return batch
 
 
@@ -121,7 +119,7 @@ def budgets(config, lora, tokens, device_bytes) -> list[str]:
 
 def bench_workload(name, config, lora, tokens, steps, device, dtype) -> list[dict]:
     model = build_model(config, lora, device, dtype)
-    batches = [packed_batch(tokens, config.vocab_size, seed, device, True) for seed in range(steps + 1)]
+    batches = [packed_batch(tokens, config.vocab_size, seed, device) for seed in range(steps + 1)]
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device == "cuda" else None
     dtype_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     rows = []
