@@ -45,6 +45,14 @@ def run(fn, q, k, v, dout):
     return [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
 
+def assert_within_bf16_rule(got, low, ref, label: str) -> None:
+    """out, dq, dk, dv of the kernel: error vs fp32 math at most twice bf16 math's own error, plus FLOOR."""
+    for name, g, lo, r in zip(("out", "dq", "dk", "dv"), got, low, ref):
+        scale = r.abs().max()
+        err, base = ((g - r).abs().max() / scale).item(), ((lo - r).abs().max() / scale).item()
+        assert err <= 2 * base + FLOOR, f"{label} {name}: err {err:.2e} vs bf16 math {base:.2e}"
+
+
 CASES = {
     "causal": dict(),
     "window": dict(window=(256, None)),
@@ -80,10 +88,7 @@ def test_backend_matches_fp32_math(backend, case, head_dim):
     low = run(lambda a, b, c: naive(a, b, c, cu, opts, torch.bfloat16), q, k, v, dout)
     got = run(lambda a, b, c: varlen_attention(a, b, c, cu, cu, max(LENGTHS), max(LENGTHS), opts, backend),
               q, k, v, dout)
-    for name, g, lo, r in zip(("out", "dq", "dk", "dv"), got, low, ref):
-        scale = r.abs().max()
-        err, base = ((g - r).abs().max() / scale).item(), ((lo - r).abs().max() / scale).item()
-        assert err <= 2 * base + FLOOR, f"{backend} {case} d={head_dim} {name}: err {err:.2e} vs bf16 math {base:.2e}"
+    assert_within_bf16_rule(got, low, ref, f"{backend} {case} d={head_dim}")
 
 
 def test_fa4_score_mod_relative_bias():
@@ -168,7 +173,4 @@ def test_fa4_short_documents_match_fp32_math_and_compile_nothing_new():
     low = run(lambda a, b, c: naive(a, b, c, cu, opts, torch.bfloat16), q, k, v, dout)
     got = run(lambda a, b, c: varlen_attention(a, b, c, cu, cu, longest, longest, opts, "fa4"), q, k, v, dout)
     assert compiled_kernels() == compiled
-    for name, g, lo, r in zip(("out", "dq", "dk", "dv"), got, low, ref):
-        scale = r.abs().max()
-        err, base = ((g - r).abs().max() / scale).item(), ((lo - r).abs().max() / scale).item()
-        assert err <= 2 * base + FLOOR, f"fa4 short docs {name}: err {err:.2e} vs bf16 math {base:.2e}"
+    assert_within_bf16_rule(got, low, ref, "fa4 short docs")
