@@ -95,8 +95,10 @@ class CheckpointingPolicy:
                     "op-level checkpointing needs non-reentrant checkpointing (torch's selective checkpoint "
                     "contexts); got use_reentrant=True. Use 'full' or 'every_N' with reentrant checkpointing."
                 )
-            return functools.partial(checkpoint, use_reentrant=False,
+            func = functools.partial(checkpoint, use_reentrant=False,
                                      context_fn=_op_level_context_fn(default_save_ops_for(self)))
+            func._hf_accel_op_level = True  # compiled layers run eagerly under it (compiling.OP_LEVEL_ATTR)
+            return func
         return functools.partial(checkpoint, use_reentrant=self.use_reentrant)
 
     def _set_layers(self, model: nn.Module, applied: _Applied, snapshot: bool) -> None:

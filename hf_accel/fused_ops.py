@@ -40,8 +40,9 @@ def _transaction(module: nn.Module, change: Callable[[nn.Module], None]) -> Call
     return undo
 
 
-def apply(model: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
-    """Bind liger's fused norms / SwiGLU to this model's modules. Raises BackendUnavailable when it cannot."""
+def apply(model: nn.Module, outside_decoder_layers: bool = False) -> tuple[list[str], list[Callable[[], None]]]:
+    """Bind liger's fused norms / SwiGLU to this model's modules (only those outside the decoder layers when
+    ``outside_decoder_layers``: compiled layers fuse their own). Raises BackendUnavailable when it cannot."""
     reason = unavailable_reason(model)
     if reason:
         raise BackendUnavailable(f"fused_ops=True needs liger-kernel on CUDA: {reason}. Pass fused_ops=False.")
@@ -53,8 +54,13 @@ def apply(model: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+    from .checkpoint_targets import decoder_layers
+
+    skip = {id(m) for layer in decoder_layers(model) for m in layer.modules()} if outside_decoder_layers else set()
     names, undo = [], []
     for name, module in model.named_modules():
+        if id(module) in skip:
+            continue
         if isinstance(module, LlamaRMSNorm):
             undo.append(_transaction(module, lambda m: _patch_rms_norm_module(m, eps=m.variance_epsilon)))
         elif isinstance(module, LlamaMLP) and module.config.hidden_act in ("silu", "swish"):

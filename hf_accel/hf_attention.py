@@ -32,6 +32,7 @@ def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, atte
     )
 
 
+@torch.compiler.disable  # compiled decoder layers (patch(compile=True)) break here: metadata and kernel run eagerly
 def seam_attention(
     module: torch.nn.Module,
     q_bshd: torch.Tensor,

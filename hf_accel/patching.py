@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._compat import check_transformers_version
-from .errors import UnsupportedModel
+from .errors import ConfigurationError, UnsupportedModel
 from .kernels import AttentionRequest, DeviceInfo, select
 
 logger = logging.getLogger("hf_accel")
@@ -36,6 +36,7 @@ class PatchReport:
     checkpointing: str | None = None
     fused_ops: bool = False
     fused_ce: bool = False
+    compiled_layers: int = 0
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -51,6 +52,9 @@ class PatchReport:
             lines.append("  fused ops: liger-kernel norms / SwiGLU bound to this instance")
         if self.fused_ce:
             lines.append("  fused cross-entropy: training loss from hidden states, no full logits")
+        if self.compiled_layers:
+            lines.append(f"  compiled: {self.compiled_layers} decoder layers' training forwards (torch.compile, "
+                         "attention left to the kernel above)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -59,6 +63,21 @@ class PatchReport:
 class _PatchState:
     report: PatchReport
     undo: list[Callable[[], None]]
+    compile_options: dict | None = None
+
+
+def _compile_options(compile: bool | dict) -> dict | None:
+    """patch()'s ``compile`` argument as torch.compile options (None: no compilation)."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if isinstance(compile, dict):
+        return dict(compile)
+    raise ConfigurationError(
+        f"compile must be True, False or a dict of torch.compile options (e.g. {{'mode': 'max-autotune'}}); "
+        f"got {compile!r}."
+    )
 
 
 def _family(model_type: str):
@@ -106,6 +125,7 @@ def patch(
     checkpointing=None,
     fused_ops: bool = False,
     fused_ce: bool = False,
+    compile: bool | dict = False,
 ) -> PatchReport:
     """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
 
@@ -115,6 +135,8 @@ def patch(
     ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
     ``fused_ce=True`` makes training forwards with labels return the loss from a chunked (or Liger) linear
     cross-entropy, never materialising the full logits (``logits`` is then None); eval and generate are unchanged.
+    ``compile=True`` (or a dict of ``torch.compile`` options) compiles each decoder layer's training forward with
+    inductor, attention excluded (see hf_accel.compiling); it takes over the layers' norms / MLP from ``fused_ops``.
     """
     check_transformers_version()
     model_hf = base_model(model)
@@ -129,6 +151,7 @@ def patch(
             and state.report.checkpointing == _describe(checkpointing)
             and state.report.fused_ops == fused_ops
             and state.report.fused_ce == fused_ce
+            and state.compile_options == _compile_options(compile)
         )
         if same:
             return state.report
@@ -138,7 +161,15 @@ def patch(
     chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
     names, undo = family.apply(model_hf, backend)
     try:
-        report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops)
+        compile_options = _compile_options(compile)
+        report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
+                               compiled=compile_options is not None)
+        if compile_options is not None:
+            from . import compiling
+
+            layers, compile_undo = compiling.apply(model_hf, compile_options)
+            undo += compile_undo
+            report.compiled_layers = len(layers)
         if fused_ce:
             from .fused_ce import bind_fused_loss
 
@@ -148,17 +179,19 @@ def patch(
         for action in reversed(undo):
             action()
         raise
-    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo)
+    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo, _compile_options(compile))
     logger.info("%s", report)
     return report
 
 
-def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops) -> PatchReport:
+def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
+                  compiled: bool) -> PatchReport:
     """Everything after the attention seam; appends its undo actions to ``undo``."""
     if fused_ops:
         from . import fused_ops as fused
 
-        undo += fused.apply(model_hf)[1]
+        # compiled layers fuse their own norms / MLP; liger's kernels then serve only the modules outside them
+        undo += fused.apply(model_hf, outside_decoder_layers=compiled)[1]
     undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
     report = PatchReport(
         model_type=model_hf.config.model_type, backend_requested=backend, backend=chosen.backend.name,

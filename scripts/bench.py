@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--best-checkpointing", default=None, help="hf_accel-best: checkpointing passed to hf_accel.patch")
     p.add_argument("--best-fused-ops", choices=["auto", "on", "off"], default="auto",
                    help="hf_accel-best: liger-kernel fused norms/SwiGLU via patch(fused_ops=...) (auto: when usable)")
+    p.add_argument("--best-compile", choices=["on", "off"], default="off",
+                   help="hf_accel-best: patch(compile=True), the decoder layers' training forwards through inductor")
     p.add_argument("--substitute-attn", default=None,
                    help="run flash_attention_4 configs with this attn_implementation instead (CPU smoke of TRL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: by GPU name)")
@@ -89,7 +91,7 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
 def options(args: argparse.Namespace) -> Options:
     return Options(fused_ce=args.fused_ce, backend=args.best_backend, checkpointing=args.best_checkpointing,
                    ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn,
-                   fused_ops=args.best_fused_ops)
+                   fused_ops=args.best_fused_ops, compile=args.best_compile == "on")
 
 
 def peak(args: argparse.Namespace) -> float | None:
@@ -128,7 +130,8 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--step-time-budget", str(args.step_time_budget), "--seed", str(args.seed),
             "--fused-ce", args.fused_ce, "--ce-chunk-size", str(args.ce_chunk_size),
-            "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops, "--child", str(out)]
+            "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops,
+            "--best-compile", args.best_compile, "--child", str(out)]
     for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--best-checkpointing", args.best_checkpointing),
                         ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
         if value is not None:

@@ -6,6 +6,7 @@
 #   bash scripts/gpu_jobs.sh bench      # GPT-NeoX 1.4B and Llama-8B LoRA benchmarks
 #   bash scripts/gpu_jobs.sh final      # the re-runs after this session's fixes
 #   bash scripts/gpu_jobs.sh last       # Llama-1B budget-mode re-run, sft.py's three runs
+#   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -39,7 +40,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -77,6 +78,12 @@ last)  # the budget mode's headroom on Llama-1B, and sft.py's three runs in one 
     sft sft_nopatch_packed --max-tokens-per-batch 16384 --no-patch
     sft sft_stock_padded --no-patch --no-packing --batch-size 8
     python scripts/sft_speed_table.py "$OUT"/sft_*.json | tee "$OUT/sft_table.md"
+    ;;
+compile)  # patch(compile=True) against the same settings eager and TRL + FA4 + Liger, Llama-1B shapes
+    step bench_llama1b_compiled 200 python scripts/bench.py --workload llama-1b --out "$OUT" \
+        --configs hf_accel-best --best-compile on --steps 25 --warmup 5 --time-budget 190 --config-timeout 190
+    step bench_llama1b 230 python scripts/bench.py --workload llama-1b --out "$OUT" \
+        --configs trl-fa4-packed-liger,hf_accel-best --steps 25 --warmup 5 --time-budget 220 --config-timeout 100
     ;;
 *)
     echo "unknown job $1" >&2

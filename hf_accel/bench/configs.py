@@ -26,6 +26,7 @@ class Options:
     ce_chunk_size: int = 4096
     substitute_attn: str | None = None  # e.g. "sdpa": run FA4 configs with it (CPU smoke of the TRL path)
     fused_ops: str = "auto"  # auto | on | off: hf_accel.patch(fused_ops=...) (liger norms / SwiGLU)
+    compile: bool = False  # hf_accel.patch(compile=True): decoder layers' training forwards through inductor
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
         # fused_ce "auto" is the user's path: patch(fused_ce=True) computes the loss inside the model's forward
         # (Liger's kernel on CUDA when installed, else chunked); "chunked" / "liger" force one kernel from outside.
         in_forward = best and options.fused_ce == "auto"
-        report = hf_accel.patch(model, fused_ce=in_forward, **kwargs)
+        report = hf_accel.patch(model, fused_ce=in_forward, compile=best and options.compile, **kwargs)
         timing.notes.append(f"patch: {report}")
         model = add_lora(model, settings.workload)
         if best and options.checkpointing is not None:

@@ -1,0 +1,106 @@
+"""Regional compilation: each decoder layer's training forward through ``torch.compile``, bound to this instance.
+
+``patch(model, compile=True)`` compiles every decoder layer (transformers' ``GradientCheckpointingLayer``s) with
+inductor, so the element-wise work around the matmuls (RoPE, residual adds, norms, the gated MLP's activation, the
+q/k/v layout copies) runs as a few fused kernels in forward and backward. Attention stays hf_accel's kernel: the seam
+is excluded from compilation (one graph break per layer), so packing metadata and the kernel choice work as before.
+
+Only training calls take the compiled path (module in train mode, grad enabled, no KV cache, and no op-level
+checkpointing on that layer, whose selective-checkpoint policy must see each op). Evaluation and generation run the
+layer's own eager forward, exactly what the unpatched model computes. The sequence dimension is marked dynamic up
+front, so packed steps of different token counts share one compiled graph instead of recompiling per length.
+
+The binding is the layer's ``_compiled_call_impl`` slot (what ``nn.Module.compile`` sets), so transformers'
+checkpointing wrapper around ``__call__`` keeps working and ``unpatch`` restores the slot exactly.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint_targets import decoder_layers
+
+SLOT = "_compiled_call_impl"
+OP_LEVEL_ATTR = "_hf_accel_op_level"  # set by checkpointing on op-level checkpoint functions
+
+
+def _mark_dynamic(value: Any, seq_len: int) -> None:
+    """Mark the token dimension of every tensor argument dynamic (dim 1 of (B, S, ...) tensors, dim 0 of 1-D ones:
+    positions, cu_seqlens), so a new step length or document count reuses the compiled graph."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _mark_dynamic(item, seq_len)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _mark_dynamic(item, seq_len)
+    elif isinstance(value, torch.Tensor):
+        if value.ndim >= 2 and value.shape[1] == seq_len:
+            torch._dynamo.maybe_mark_dynamic(value, 1)
+        elif value.ndim == 1:
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+
+
+class TrainingCompiled:
+    """A decoder layer's call: compiled for training calls, the layer's own eager call for everything else."""
+
+    def __init__(self, layer: nn.Module, options: dict[str, Any]):
+        self.layer = layer
+        self.options = dict(options)
+        self.compiled = torch.compile(layer._call_impl, **self.options)
+
+    def takes_compiled_path(self, kwargs: dict[str, Any]) -> bool:
+        layer = self.layer
+        if not (layer.training and torch.is_grad_enabled()):
+            return False
+        if kwargs.get("past_key_values") is not None or kwargs.get("layer_past") is not None:
+            return False
+        if kwargs.get("use_cache"):
+            return False
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        op_level = bool(getattr(layer, "gradient_checkpointing", False) and getattr(func, OP_LEVEL_ATTR, False))
+        return not op_level
+
+    def __call__(self, *args, **kwargs):
+        if not self.takes_compiled_path(kwargs):
+            return self.layer._call_impl(*args, **kwargs)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.ndim >= 2:
+            _mark_dynamic(args, hidden.shape[1])
+            _mark_dynamic(kwargs, hidden.shape[1])
+        return self.compiled(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # A copied model (a reference model, EMA) gets the eager call; compile it again with patch() if wanted.
+        return None
+
+    def __getstate__(self):
+        raise TypeError("a compiled hf_accel layer cannot be pickled; unpatch(model) first or save its state_dict")
+
+
+def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list[str], list[Callable[[], None]]]:
+    """Compile each decoder layer's training forward; return the layer names and the undo actions."""
+    options = {"fullgraph": False, **(options or {})}
+    names = {id(m): n for n, m in model.named_modules()}
+    bound, undo = [], []
+    for layer in decoder_layers(model):
+        had_own = SLOT in layer.__dict__
+        previous = layer.__dict__.get(SLOT)
+        layer.__dict__[SLOT] = TrainingCompiled(layer, options)
+
+        def restore(layer=layer, had_own=had_own, previous=previous) -> None:
+            if had_own:
+                layer.__dict__[SLOT] = previous
+            else:
+                layer.__dict__.pop(SLOT, None)
+
+        undo.append(restore)
+        bound.append(names.get(id(layer), type(layer).__name__))
+    return bound, undo
+
+
+def compiled_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers currently bound to a compiled training call."""
+    return [layer for layer in decoder_layers(model) if isinstance(layer.__dict__.get(SLOT), TrainingCompiled)]
