@@ -6,6 +6,7 @@
 #   bash scripts/gpu_jobs.sh bench      # GPT-NeoX 1.4B and Llama-8B LoRA benchmarks
 #   bash scripts/gpu_jobs.sh final      # the re-runs after this session's fixes
 #   bash scripts/gpu_jobs.sh last       # Llama-1B budget-mode re-run, sft.py's three runs
+#   bash scripts/gpu_jobs.sh compile-check  # compiled layers' GPU tests, profile, GPT-NeoX same-run bench
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -40,7 +41,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -84,6 +85,14 @@ compile)  # patch(compile=True) against the same settings eager and TRL + FA4 + 
         --configs hf_accel-best --best-compile on --steps 25 --warmup 5 --time-budget 190 --config-timeout 190
     step bench_llama1b 230 python scripts/bench.py --workload llama-1b --out "$OUT" \
         --configs trl-fa4-packed-liger,hf_accel-best --steps 25 --warmup 5 --time-budget 220 --config-timeout 100
+    ;;
+compile-check)  # compiled layers' GPU tests (+ fused ops x op-level), a compiled profile, GPT-NeoX same-run bench
+    step gpu_tests 230 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_compile_gpu.py \
+        tests/gpu/test_fused_ops_gpu.py
+    step profile 70 python scripts/profile_step.py --workload llama-1b --fused-ce auto --fused-ops --compile \
+        --out "$OUT"
+    step bench_neox 230 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed,hf_accel-best --steps 20 --warmup 5 --time-budget 215 --config-timeout 120
     ;;
 *)
     echo "unknown job $1" >&2
