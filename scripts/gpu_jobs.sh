@@ -7,6 +7,8 @@
 #   bash scripts/gpu_jobs.sh final      # the re-runs after this session's fixes
 #   bash scripts/gpu_jobs.sh last       # Llama-1B budget-mode re-run, sft.py's three runs
 #   bash scripts/gpu_jobs.sh compile-check  # compiled layers' GPU tests, profile, GPT-NeoX same-run bench
+#   bash scripts/gpu_jobs.sh compile-1b     # compiled Llama-1B: kernel gaps, same-run bench; fused-op GPU tests
+#   bash scripts/gpu_jobs.sh compile-8b     # compiled Llama-8B LoRA with a budget plan vs TRL, same run
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -41,7 +43,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -93,6 +95,20 @@ compile-check)  # compiled layers' GPU tests (+ fused ops x op-level), a compile
         --out "$OUT"
     step bench_neox 230 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
         --configs trl-fa4-packed,hf_accel-best --steps 20 --warmup 5 --time-budget 215 --config-timeout 120
+    ;;
+compile-1b)  # where the compiled step still waits (kernel gaps, recompiles), Llama-1B same-run bench, fused-op tests
+    step profile 80 env TORCH_LOGS=recompiles python scripts/profile_step.py --workload llama-1b --fused-ce auto \
+        --fused-ops --compile --out "$OUT"
+    grep -c "Recompiling function" "$OUT/profile.log"
+    step bench_llama1b 250 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed-liger,hf_accel,hf_accel-best --steps 25 --warmup 6 --time-budget 240 \
+        --config-timeout 110
+    step gpu_tests 150 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py
+    ;;
+compile-8b)  # Llama-8B LoRA + checkpointing, same run: TRL + FA4 against compiled hf_accel-best with a budget plan
+    step bench_llama8b 330 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed,hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 3 \
+        --time-budget 320 --config-timeout 165
     ;;
 *)
     echo "unknown job $1" >&2

@@ -43,6 +43,27 @@ def category(kernel: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
 
 
+def kernel_gaps(events, steps: int, top: int = 12) -> dict:
+    """Idle time between consecutive GPU kernels, grouped by the kernels on either side: where the GPU waits for
+    the host (syncs, Python between launches, collation between steps)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.key) for e in events
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > 0)
+    sites: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    busy_until, prev, idle_us = None, None, 0.0
+    for start, end, key in spans:
+        if busy_until is not None and start - busy_until > 20:  # µs: ignore launch-queue jitter
+            site = sites[(prev[:60], key[:60])]
+            site[0] += 1
+            site[1] += start - busy_until
+            idle_us += start - busy_until
+        if busy_until is None or end > busy_until:
+            busy_until, prev = end, key
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"idle_ms_per_step": idle_us / 1000 / steps,
+            "sites": [{"after": a, "before": b, "count_per_step": n / steps, "ms_per_step": us / 1000 / steps}
+                      for (a, b), (n, us) in ranked]}
+
+
 def profile(args) -> dict:
     workload = WORKLOADS[args.workload]
     settings = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=args.steps,
@@ -64,6 +85,7 @@ def profile(args) -> dict:
 
     kernel_us: dict[str, float] = defaultdict(float)
     top_kernels: list[tuple[str, float]] = []
+    gaps: dict = {}
     if args.device.startswith("cuda") and args.profile_steps:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -72,6 +94,7 @@ def profile(args) -> dict:
                                     warmup=0, step_time_budget=1e9)
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             run_loop(model, iter(batches[args.warmup + args.steps:]), loss_fn, prof_settings, Timing())
+        gaps = kernel_gaps(prof.events(), args.profile_steps)
         for event in prof.key_averages():
             device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
             if device_us and event.key:
@@ -86,6 +109,7 @@ def profile(args) -> dict:
         "tokens_per_step": tokens, "collate_s_per_step": collate_s,
         "kernel_ms_per_step": {k: v / 1000 for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": sorted(top_kernels, key=lambda kv: -kv[1])[:40],
+        "kernel_gaps": gaps,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None,
     }
 
@@ -105,6 +129,12 @@ def table(result: dict) -> str:
     if result["kernel_ms_per_step"]:
         idle = result["steady_step_s"] * 1000 - total
         lines.append(f"| (step time not covered by kernels: host work, launch gaps) | {idle:.1f} | - |")
+    gaps = result.get("kernel_gaps") or {}
+    if gaps.get("sites"):
+        lines += ["", f"GPU idle between kernels: {gaps['idle_ms_per_step']:.1f} ms/step; largest sites:", "",
+                  "| after kernel | before kernel | gaps/step | ms/step |", "|---|---|---:|---:|"]
+        lines += [f"| {g['after'][:50]} | {g['before'][:50]} | {g['count_per_step']:.1f} | {g['ms_per_step']:.2f} |"
+                  for g in gaps["sites"][:8]]
     return "\n".join(lines)
 
 

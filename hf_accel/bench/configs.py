@@ -125,16 +125,21 @@ def _flattened_steps(data: BenchData) -> Iterator[list[Batch]]:
 
 
 def _hf_accel_steps(data: BenchData, seed: int) -> Iterator[list[Batch]]:
-    """hf_accel packing: token-budget best-fit bins, packed into one row each by DataCollatorForPacking."""
+    """hf_accel's data path: token-budget best-fit bins packed into one row each by DataCollatorForPacking, through a
+    DataLoader with hf_accel.data.dataloader_kwargs() (collating in worker processes, pinned memory on CUDA)."""
+    from torch.utils.data import DataLoader
+
     from hf_accel.collators import DataCollatorForPacking
+    from hf_accel.data import dataloader_kwargs
     from hf_accel.sampling import TokenBudgetBatchSampler
 
     sampler = TokenBudgetBatchSampler(data.lengths, max_tokens=data.spec.tokens_per_step, shuffle=True, seed=seed)
-    collate = DataCollatorForPacking(pad_token_id=0, max_tokens=None)
+    loader = DataLoader([{"input_ids": s} for s in data.samples], batch_sampler=sampler,
+                        collate_fn=DataCollatorForPacking(pad_token_id=0, max_tokens=None), **dataloader_kwargs())
     for epoch in itertools.count():
         sampler.set_epoch(epoch)
-        for indices in sampler:
-            yield [collate([{"input_ids": data.samples[i]} for i in indices])]
+        for batch in loader:
+            yield [batch]
 
 
 def _stock(attn: str, packed: bool) -> Callable[..., nn.Module]:
