@@ -90,7 +90,7 @@ compile)  # patch(compile=True) against the same settings eager and TRL + FA4 + 
     ;;
 compile-check)  # compiled layers' GPU tests (+ fused ops x op-level), a compiled profile, GPT-NeoX same-run bench
     step gpu_tests 230 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_compile_gpu.py \
-        tests/gpu/test_fused_ops_gpu.py
+        tests/gpu/test_fused_ops_gpu.py -k op
     step profile 70 python scripts/profile_step.py --workload llama-1b --fused-ce auto --fused-ops --compile \
         --out "$OUT"
     step bench_neox 230 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
@@ -103,7 +103,7 @@ compile-1b)  # where the compiled step still waits (kernel gaps, recompiles), Ll
     step bench_llama1b 250 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
         --configs trl-fa4-packed-liger,hf_accel,hf_accel-best --steps 25 --warmup 6 --time-budget 240 \
         --config-timeout 110
-    step gpu_tests 150 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py
+    step gpu_tests 120 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py -k op -k op
     ;;
 compile-8b)  # Llama-8B LoRA + checkpointing, same run: TRL + FA4 against compiled hf_accel-best with a budget plan
     step bench_llama8b 330 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
