@@ -103,7 +103,7 @@ compile-1b)  # where the compiled step still waits (kernel gaps, recompiles), Ll
     step bench_llama1b 250 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
         --configs trl-fa4-packed-liger,hf_accel,hf_accel-best --steps 25 --warmup 6 --time-budget 240 \
         --config-timeout 110
-    step gpu_tests 120 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py -k op -k op
+    step gpu_tests 120 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py -k op
     ;;
 compile-8b)  # Llama-8B LoRA + checkpointing, same run: TRL + FA4 against compiled hf_accel-best with a budget plan
     step bench_llama8b 330 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
