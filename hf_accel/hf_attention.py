@@ -59,6 +59,7 @@ def seam_attention(
     return meta.pad(out_thd)
 
 
+@torch.compiler.disable  # compiled layers break here: no guards on the per-step kwargs (max_length_q, cu_seq_lens_q)
 def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
     decoding = query.shape[2] != key.shape[2] or (attention_mask is not None and attention_mask.ndim == 4)

@@ -50,6 +50,8 @@ class AccelArguments:
     fused_ce: training loss from hidden states by chunked (or Liger) cross-entropy, no full logits tensor
         (``patch(fused_ce=True)``: computed inside the model's forward, so DDP/FSDP see it).
     fused_ops: liger-kernel's fused norms / SwiGLU bound to this model (``patch(fused_ops=True)``; CUDA + liger).
+    compile: each decoder layer's training forward through torch.compile, attention excluded (``patch(compile=...)``:
+        True or a dict of torch.compile options). Costs a compile at the first steps; eval / generate stay eager.
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     print_summary: print a throughput table when training ends.
     """
@@ -61,6 +63,7 @@ class AccelArguments:
     checkpointing: Any = None
     fused_ce: bool = False
     fused_ops: bool = False
+    compile: Any = False
     async_save: bool = False
     print_summary: bool = True
 
@@ -98,7 +101,8 @@ class AccelMixin:
         self.patch_report = None
         if self.accel.patch:
             self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self.accel.checkpointing,
-                                      fused_ops=self.accel.fused_ops, fused_ce=self.accel.fused_ce)
+                                      fused_ops=self.accel.fused_ops, fused_ce=self.accel.fused_ce,
+                                      compile=self.accel.compile)
             logger.info("%s", self.patch_report)
         elif self.accel.checkpointing is not None:
             from .checkpointing import policy_from_spec
@@ -111,6 +115,13 @@ class AccelMixin:
             )
         if self.accel.fused_ce and not self.accel.patch:
             raise ConfigurationError("fused_ce=True works through hf_accel.patch; it needs AccelArguments(patch=True).")
+        if self.accel.compile and not self.accel.patch:
+            raise ConfigurationError("compile=True works through hf_accel.patch; it needs AccelArguments(patch=True).")
+        if self.accel.compile and getattr(self.args, "torch_compile", False):
+            raise ConfigurationError(
+                "AccelArguments(compile=...) compiles the decoder layers and TrainingArguments(torch_compile=True) the "
+                "whole model; use one. AccelArguments(compile=True) keeps attention on hf_accel's kernel."
+            )
         self._writer = checkpoint_io.AsyncWriter()
         self._meter: ThroughputMeter | None = None
         self.throughput_summary: dict[str, float] | None = None

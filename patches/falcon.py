@@ -69,6 +69,17 @@ def _cache_layout(module: FalconAttention, k_bshd: torch.Tensor) -> torch.Tensor
     return k_bshd.repeat_interleave(groups, dim=2).transpose(1, 2) if groups > 1 else k_bshd.transpose(1, 2)
 
 
+@torch.compiler.disable  # compiled layers break here, as at the shared seam (the slopes memo stays eager)
+def _attend(self: FalconAttention, q, k, v, attention_mask, position_ids, with_alibi: bool) -> torch.Tensor:
+    opts = AttnOptions(
+        scale=self.inv_norm_factor,
+        causal=True,
+        dropout_p=self.attention_dropout.p if (self.training and with_alibi) else 0.0,
+        alibi_slopes=alibi_slopes(self.num_heads, self.head_dim, q.device) if with_alibi else None,
+    )
+    return seam_attention(self, q, k, v, attention_mask=attention_mask, position_ids=position_ids, opts=opts)
+
+
 def patched_forward(
     self: FalconAttention, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
     use_cache=False, output_attentions=False, position_embeddings=None, **kwargs,
@@ -86,15 +97,7 @@ def patched_forward(
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
     if layer_past is not None:  # a prefill that starts a cache: store it the way the stock decode steps read it
         layer_past.update(_cache_layout(self, k), _cache_layout(self, v), self.layer_idx)
-    opts = AttnOptions(
-        scale=self.inv_norm_factor,
-        causal=True,
-        dropout_p=self.attention_dropout.p if (self.training and alibi is not None) else 0.0,
-        alibi_slopes=None if alibi is None else alibi_slopes(self.num_heads, self.head_dim, q.device),
-    )
-    out = seam_attention(
-        self, q, k, v, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
-    )
+    out = _attend(self, q, k, v, attention_mask, position_ids, with_alibi=alibi is not None)
     return self.dense(out.reshape(*out.shape[:2], -1)), None
 
 

@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     acc.add_argument("--no-patch", action="store_true", help="stock transformers attention (speed baseline)")
     acc.add_argument("--fused-ce", action="store_true", help="chunked cross-entropy (no full logits tensor)")
     acc.add_argument("--fused-ops", action="store_true", help="liger-kernel fused norms / SwiGLU (CUDA + liger)")
+    acc.add_argument("--compile", action="store_true",
+                     help="decoder layers' training forwards through torch.compile (attention stays on the kernel)")
     lo = p.add_argument_group("LoRA (PEFT)")
     lo.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = full fine-tuning")
     lo.add_argument("--lora-alpha", type=int, default=None, help="default: 2 * r")
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accel = AccelArguments(
         patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
         max_tokens_per_batch=args.max_tokens_per_batch, fused_ce=args.fused_ce, async_save=args.async_save,
-        fused_ops=args.fused_ops,
+        fused_ops=args.fused_ops, compile=args.compile,
     )
     if heldout is not None:
         before = default_task.exact_match(model, tok, heldout)

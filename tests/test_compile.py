@@ -1,0 +1,145 @@
+"""patch(compile=...) against live references on the CPU: the eager patched model and the unpatched transformers model
+(fp32). Inductor itself runs for Llama (C++ code on the CPU); the other families use the aot_eager backend, which
+captures the same graphs (dynamo + AOTAutograd, graph break at the attention seam, dynamic token dimension) without
+code generation. The GPU run (tests/gpu/test_compile_gpu.py) covers inductor's Triton code in bf16."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import hf_accel
+from hf_accel.compiling import compiled_layers
+from hf_accel.errors import ConfigurationError
+from tiny_models import VOCAB, make
+
+GRAD_RTOL = 1e-4  # fp32 both sides: only summation order differs
+AOT_EAGER = {"backend": "aot_eager"}
+STEPS = ([5, 9, 3], [7, 11], [4, 4, 6, 10, 2], [13])  # new token and document counts every step
+
+
+def packed(lengths: list[int], seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
+
+
+def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(ours, ref, batch) -> None:
+    loss, grads = loss_and_grads(ours, batch)
+    ref_loss, ref_grads = loss_and_grads(ref, batch)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+        assert err < GRAD_RTOL, (name, err)
+
+
+def pair(variant: str, compile_options, **patch_kwargs):
+    ref = make(variant).train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ref, backend="reference", **patch_kwargs)
+    report = hf_accel.patch(ours, backend="reference", compile=compile_options, **patch_kwargs)
+    assert report.compiled_layers == ref.config.num_hidden_layers
+    return ours, ref
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_inductor_llama_matches_unpatched_and_reuses_graphs():
+    ref = make("llama-gqa").train()  # unpatched transformers, SDPA, fp32
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours, backend="reference", compile=True)
+    graphs = []
+    for seed, lengths in enumerate(STEPS):
+        assert_same_step(ours, ref, packed(lengths, seed))
+        graphs.append(counters["stats"]["unique_graphs"])
+    # the second step may turn the graph pieces after the attention break dynamic; later steps must reuse them
+    assert graphs[1] == graphs[2] == graphs[3], graphs
+
+
+@pytest.mark.parametrize("variant", ["neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi",
+                                     "falcon-40b-newarch", "llama-rope-llama3"])
+def test_compiled_graphs_match_eager(variant):
+    ours, ref = pair(variant, AOT_EAGER)
+    for seed, lengths in enumerate(STEPS[:3]):
+        assert_same_step(ours, ref, packed(lengths, seed))
+
+
+@pytest.mark.parametrize("spec", ["full", "every_2", "op"])
+def test_compiled_layers_under_checkpointing(spec):
+    ours, ref = pair("llama-gqa", AOT_EAGER, checkpointing=spec)
+    calls = []
+    for layer in compiled_layers(ours):
+        compiled = layer._compiled_call_impl.compiled
+        layer._compiled_call_impl.compiled = lambda *a, _c=compiled, **k: calls.append(1) or _c(*a, **k)
+    for seed, lengths in enumerate(STEPS[:2]):
+        assert_same_step(ours, ref, packed(lengths, seed))
+    # op-level layers run eagerly (their selective-checkpoint policy must see every op); the others compiled
+    assert (len(calls) == 0) if spec == "op" else (len(calls) > 0)
+
+
+def test_lora_adapters_get_the_same_gradients():
+    peft = pytest.importorskip("peft")
+    base = make("llama-gqa").train()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    ref = peft.get_peft_model(base, lora)
+    for module in ref.modules():  # non-zero B, so A's gradient is non-zero too
+        if hasattr(module, "lora_B"):
+            for b in module.lora_B.values():
+                torch.nn.init.normal_(b.weight, std=0.1)
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ref, backend="reference")
+    hf_accel.patch(ours, backend="reference", compile=AOT_EAGER)
+    batch = packed([6, 9, 4], 0)
+    _, grads = loss_and_grads(ours, batch)
+    assert grads and all("lora_" in name for name in grads)
+    assert_same_step(ours, ref, batch)
+
+
+def test_eval_and_generate_run_the_eager_layers():
+    ref = make("llama-gqa")
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours, backend="reference", compile=AOT_EAGER)
+    ours.train()
+    loss_and_grads(ours, packed([5, 7], 0))  # compiled training step first, as mid-training evaluation would follow
+    before = counters["stats"]["unique_graphs"]
+    ours.eval()
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(ours(input_ids=prompt).logits, ref.eval()(input_ids=prompt).logits, atol=1e-5, rtol=1e-4)
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, **kwargs), ref.generate(prompt, **kwargs))
+    assert counters["stats"]["unique_graphs"] == before  # nothing compiled for eval or decoding
+
+
+def test_unpatch_deepcopy_and_options():
+    model = make("llama-gqa")
+    report = hf_accel.patch(model, backend="reference", compile=AOT_EAGER)
+    assert "compiled: 2 decoder layers" in str(report)
+    assert hf_accel.patch(model, backend="reference", compile=AOT_EAGER) is report  # same settings: idempotent
+    copied = copy.deepcopy(model)  # a reference / EMA copy: eager layers, still patched attention
+    assert not compiled_layers(copied)
+    hf_accel.patch(model, backend="reference", compile=False)  # other settings re-patch
+    assert not compiled_layers(model)
+    hf_accel.patch(model, backend="reference", compile=AOT_EAGER)
+    hf_accel.unpatch(model)
+    assert not compiled_layers(model)
+    assert all(layer.__dict__.get("_compiled_call_impl") is None for layer in model.model.layers)
+    with pytest.raises(ConfigurationError, match="compile must be True, False or a dict"):
+        hf_accel.patch(model, backend="reference", compile="yes")
