@@ -9,6 +9,7 @@
 #   bash scripts/gpu_jobs.sh compile-check  # compiled layers' GPU tests, profile, GPT-NeoX same-run bench
 #   bash scripts/gpu_jobs.sh compile-1b     # compiled Llama-1B: kernel gaps, same-run bench; fused-op GPU tests
 #   bash scripts/gpu_jobs.sh compile-8b     # compiled Llama-8B LoRA with a budget plan vs TRL, same run
+#   bash scripts/gpu_jobs.sh compile-final  # final same-run Llama-1B and Falcon benches, last GPU tests
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -43,7 +44,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -109,6 +110,15 @@ compile-8b)  # Llama-8B LoRA + checkpointing, same run: TRL + FA4 against compil
     step bench_llama8b 330 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
         --configs trl-fa4-packed,hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 3 \
         --time-budget 320 --config-timeout 165
+    ;;
+compile-final)  # after moving the compile break to the registry function: GPU tests, Llama-1B and Falcon same-run
+    step gpu_tests 130 python -m pytest -m gpu -q -rA -p no:cacheprovider \
+        "tests/gpu/test_compile_gpu.py::test_compiled_train_steps_match_eager[llama-1b]" \
+        "tests/gpu/test_fused_ops_gpu.py::test_fused_ops_train_step[neox-1.4b-op]"
+    step bench_llama1b 210 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed-liger,hf_accel-best --steps 25 --warmup 6 --time-budget 200 --config-timeout 100
+    step bench_falcon 170 python scripts/bench.py --workload falcon-1b --out "$OUT" --best-compile on \
+        --configs hf-sdpa-padded,hf_accel-best --steps 15 --warmup 6 --time-budget 160 --config-timeout 80
     ;;
 *)
     echo "unknown job $1" >&2
