@@ -14,6 +14,7 @@ import transformers
 
 from hf_accel.checkpointing import decoder_layers
 from hf_accel.collators import DataCollatorForPadding
+from hf_accel.errors import ConfigurationError
 from hf_accel.sampling import TokenBudgetBatchSampler
 from hf_accel.trainer import AccelArguments, Trainer
 from tests.tiny_models import VOCAB, make
@@ -225,3 +226,26 @@ def test_sft_trainer_refuses_fused_ce():
 
     with pytest.raises(ConfigurationError, match="not available through TRL"):
         SFTTrainer(make("llama-gqa"), accel=AccelArguments(fused_ce=True))
+
+
+def test_compiled_layers_train_like_the_stock_trainer(tmp_path):
+    """AccelArguments(compile=...) through the Trainer: the same steps as stock transformers on padded fp32 batches
+    (aot_eager captures the same graphs as inductor without generating code; tests/test_compile.py runs inductor)."""
+    torch._dynamo.reset()
+    data = examples()
+    ours = Trainer(model=model_for("llama-gqa", False), args=targs(tmp_path / "ours"), train_dataset=data,
+                   accel=AccelArguments(backend="reference", compile={"backend": "aot_eager"}, print_summary=False))
+    ours.train()
+    ref = transformers.Trainer(model=model_for("llama-gqa", False), args=targs(tmp_path / "ref"), train_dataset=data,
+                               data_collator=DataCollatorForPadding(pad_token_id=0))
+    ref.train()
+    assert ours.patch_report.compiled_layers == 2
+    torch.testing.assert_close(losses(ours), losses(ref), rtol=LOSS_RTOL, atol=0)
+    assert_same_params(ours.model, ref.model)
+    with pytest.raises(ConfigurationError, match="use one"):
+        Trainer(model=model_for("llama-gqa", False), args=targs(tmp_path / "both", torch_compile=True),
+                train_dataset=data, accel=AccelArguments(backend="reference", compile=True))
+    import gc
+
+    gc.unfreeze()
+    torch._dynamo.reset()
