@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--best-checkpointing", default=None, help="hf_accel-best: checkpointing passed to hf_accel.patch")
     p.add_argument("--best-fused-ops", choices=["auto", "on", "off"], default="auto",
                    help="hf_accel-best: liger-kernel fused norms/SwiGLU via patch(fused_ops=...) (auto: when usable)")
-    p.add_argument("--best-compile", choices=["on", "off"], default="off",
-                   help="hf_accel-best: patch(compile=True), the decoder layers' training forwards through inductor")
+    p.add_argument("--best-compile", choices=["auto", "on", "off"], default="auto",
+                   help="hf_accel-best: patch(compile=True), the decoder layers' training forwards through inductor "
+                        "(auto: on CUDA)")
     p.add_argument("--substitute-attn", default=None,
                    help="run flash_attention_4 configs with this attn_implementation instead (CPU smoke of TRL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: by GPU name)")
@@ -91,7 +92,8 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
 def options(args: argparse.Namespace) -> Options:
     return Options(fused_ce=args.fused_ce, backend=args.best_backend, checkpointing=args.best_checkpointing,
                    ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn,
-                   fused_ops=args.best_fused_ops, compile=args.best_compile == "on")
+                   fused_ops=args.best_fused_ops,
+                   compile=args.best_compile == "on" or (args.best_compile == "auto" and args.device.startswith("cuda")))
 
 
 def peak(args: argparse.Namespace) -> float | None:
