@@ -47,6 +47,11 @@ def _as_packet(op) -> torch._ops.OpOverloadPacket:
     return getattr(op, "overloadpacket", op)
 
 
+# Marks the checkpoint functions of op-level layers: compiled layers (hf_accel.compiling) run eagerly under them, since
+# the selective-checkpoint policy must see every op.
+OP_LEVEL_ATTR = "_hf_accel_op_level"
+
+
 def _op_level_context_fn(save_ops: frozenset) -> Callable:
     def policy_fn(ctx, op, *args, **kwargs):
         packet = getattr(op, "overloadpacket", op)

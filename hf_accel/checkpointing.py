@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .checkpoint_targets import (_as_packet, _hf_enable_function, _op_level_context_fn, base_model, decoder_layers,
-                                 default_save_ops, fsdp_activation_checkpointing_active)
+from .checkpoint_targets import (OP_LEVEL_ATTR, _as_packet, _hf_enable_function, _op_level_context_fn, base_model,
+                                 decoder_layers, default_save_ops, fsdp_activation_checkpointing_active)
 from .errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class CheckpointingPolicy:
                 )
             func = functools.partial(checkpoint, use_reentrant=False,
                                      context_fn=_op_level_context_fn(default_save_ops_for(self)))
-            func._hf_accel_op_level = True  # compiled layers run eagerly under it (compiling.OP_LEVEL_ATTR)
+            setattr(func, OP_LEVEL_ATTR, True)
             return func
         return functools.partial(checkpoint, use_reentrant=self.use_reentrant)
 

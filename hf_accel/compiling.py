@@ -27,10 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint_targets import decoder_layers
+from .checkpoint_targets import OP_LEVEL_ATTR, decoder_layers
 
-SLOT = "_compiled_call_impl"
-OP_LEVEL_ATTR = "_hf_accel_op_level"  # set by checkpointing on op-level checkpoint functions
+SLOT = "_compiled_call_impl"  # what nn.Module.compile sets and nn.Module.__call__ prefers
 
 
 def _mark_dynamic(value: Any, seq_len: int) -> None:
