@@ -162,3 +162,24 @@ def test_unpatch_deepcopy_and_options():
     assert all(layer.__dict__.get("_compiled_call_impl") is None for layer in model.model.layers)
     with pytest.raises(ConfigurationError, match="compile must be True, False or a dict"):
         hf_accel.patch(model, backend="reference", compile="yes")
+
+
+@pytest.mark.parametrize("family", ["llama", "neox", "falcon"])
+def test_layers_share_their_compiled_graphs(family):
+    """Every decoder layer runs the same code: one set of graphs whatever the depth (a per-layer guard such as
+    layer_idx would compile each layer and, past dynamo's recompile limit, leave the deeper layers eager)."""
+    import tiny_models
+
+    build = {"llama": tiny_models._llama, "neox": tiny_models._neox, "falcon": tiny_models._falcon}[family]
+    graphs = []
+    for depth in (2, 6):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = build(num_hidden_layers=depth).train()
+        model.config.use_cache = False
+        hf_accel.patch(model, backend="reference", compile=AOT_EAGER)
+        for seed, lengths in enumerate(STEPS[:3]):
+            loss_and_grads(model, packed(lengths, seed))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1], graphs
