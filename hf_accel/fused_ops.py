@@ -40,6 +40,27 @@ def _transaction(module: nn.Module, change: Callable[[nn.Module], None]) -> Call
     return undo
 
 
+def fusable_modules(model: nn.Module, outside_decoder_layers: bool = False) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, kind) for each module liger can fuse: kind "rms_norm" (Llama RMSNorm), "swiglu" (a Llama MLP
+    with a SiLU gate) or "layer_norm" (affine nn.LayerNorm); only those outside the decoder layers when asked."""
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from .checkpoint_targets import decoder_layers
+
+    skip = {id(m) for layer in decoder_layers(model) for m in layer.modules()} if outside_decoder_layers else set()
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in skip:
+            continue
+        if isinstance(module, LlamaRMSNorm):
+            found.append((name, module, "rms_norm"))
+        elif isinstance(module, LlamaMLP) and module.config.hidden_act in ("silu", "swish"):
+            found.append((name, module, "swiglu"))
+        elif isinstance(module, nn.LayerNorm) and module.elementwise_affine:
+            found.append((name, module, "layer_norm"))
+    return found
+
+
 def apply(model: nn.Module, outside_decoder_layers: bool = False) -> tuple[list[str], list[Callable[[], None]]]:
     """Bind liger's fused norms / SwiGLU to this model's modules (only those outside the decoder layers when
     ``outside_decoder_layers``: compiled layers fuse their own). Raises BackendUnavailable when it cannot."""
@@ -52,23 +73,11 @@ def apply(model: nn.Module, outside_decoder_layers: bool = False) -> tuple[list[
         _patch_swiglu_module,
     )
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-    from .checkpoint_targets import decoder_layers
-
-    skip = {id(m) for layer in decoder_layers(model) for m in layer.modules()} if outside_decoder_layers else set()
-    names, undo = [], []
-    for name, module in model.named_modules():
-        if id(module) in skip:
-            continue
-        if isinstance(module, LlamaRMSNorm):
-            undo.append(_transaction(module, lambda m: _patch_rms_norm_module(m, eps=m.variance_epsilon)))
-        elif isinstance(module, LlamaMLP) and module.config.hidden_act in ("silu", "swish"):
-            undo.append(_transaction(module, lambda m: _patch_swiglu_module(m, LigerSwiGLUMLP)))
-        elif isinstance(module, nn.LayerNorm) and module.elementwise_affine:
-            undo.append(_transaction(module, lambda m: _patch_layer_norm_module(m, eps=m.eps)))
-        else:
-            continue
-        names.append(name)
-    return names, undo
-
+    binders = {
+        "rms_norm": lambda m: _patch_rms_norm_module(m, eps=m.variance_epsilon),
+        "swiglu": lambda m: _patch_swiglu_module(m, LigerSwiGLUMLP),
+        "layer_norm": lambda m: _patch_layer_norm_module(m, eps=m.eps),
+    }
+    found = fusable_modules(model, outside_decoder_layers)
+    return [name for name, _, _ in found], [_transaction(module, binders[kind]) for _, module, kind in found]

@@ -187,16 +187,21 @@ def patch(
 def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
                   compiled: bool) -> PatchReport:
     """Everything after the attention seam; appends its undo actions to ``undo``."""
+    notes = []
     if fused_ops:
         from . import fused_ops as fused
 
         # compiled layers fuse their own norms / MLP; liger's kernels then serve only the modules outside them
-        undo += fused.apply(model_hf, outside_decoder_layers=compiled)[1]
+        fused_names, fused_undo = fused.apply(model_hf, outside_decoder_layers=compiled)
+        undo += fused_undo
+        if compiled:
+            notes.append(f"fused_ops with compile: liger serves the {len(fused_names)} fusable modules outside the "
+                         f"decoder layers ({', '.join(fused_names) or 'none'}); inductor fuses the layers' own")
     undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
     report = PatchReport(
         model_type=model_hf.config.model_type, backend_requested=backend, backend=chosen.backend.name,
         selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,
-        lora_targets=family.LORA_TARGETS, fused_ops=fused_ops,
+        lora_targets=family.LORA_TARGETS, fused_ops=fused_ops, notes=notes,
     )
     if checkpointing is not None:
         from .checkpointing import policy_from_spec

@@ -37,3 +37,13 @@ def test_transaction_restores_instance_attributes_exactly():
     undo()
     assert norm.__dict__.keys() == original.keys()
     assert all(norm.__dict__[k] is original[k] for k in original)
+
+
+@pytest.mark.parametrize("variant, outside", [("llama-gqa", ["model.norm"]),
+                                              ("neox-parallel", ["gpt_neox.final_layer_norm"]),
+                                              ("falcon-mha", ["transformer.ln_f"])])
+def test_compiled_layers_leave_liger_only_the_modules_outside_them(variant, outside):
+    model = make(variant)
+    every = fused_ops.fusable_modules(model)
+    assert len(every) > len(outside)  # the layers' own norms (and Llama's MLPs) are fusable too
+    assert [name for name, _, _ in fused_ops.fusable_modules(model, outside_decoder_layers=True)] == outside
