@@ -1,17 +1,18 @@
 """Regional compilation: each decoder layer's training forward through ``torch.compile``, bound to this instance.
 
 ``patch(model, compile=True)`` compiles every decoder layer (transformers' ``GradientCheckpointingLayer``s) with
-inductor, so the element-wise work around the matmuls (RoPE, residual adds, norms, the gated MLP's activation, the
-q/k/v layout copies) runs as a few fused kernels in forward and backward. Attention stays hf_accel's kernel: the seam
+inductor, so the element-wise work around the matmuls (RoPE, residual adds, norms, the gated MLP's activation) runs
+as a few fused kernels in forward and backward. Attention stays hf_accel's kernel: the seam
 is excluded from compilation (one graph break per layer), so packing metadata and the kernel choice work as before.
 
 Only training calls take the compiled path (module in train mode, grad enabled, no KV cache, and no op-level
 checkpointing on that layer, whose selective-checkpoint policy must see each op). Evaluation and generation run the
-layer's own eager forward, exactly what the unpatched model computes. The sequence dimension is marked dynamic up
-front, so packed steps of different token counts share one compiled graph instead of recompiling per length.
+layer's own eager forward, exactly what the unpatched model computes. The token dimension of the layer's inputs is
+marked dynamic up front, so steps of different token counts share the compiled graphs (the pieces after the attention
+break turn dynamic at the first new length: one recompile, in the first steps). All layers share one set of graphs.
 
-Compilation leaves hundreds of thousands of long-lived Python objects (graphs, guards, generated code) that every later
-full garbage collection scans: on the H200 such collections grew to 200-400 ms stalls mid-training. After a training
+Compilation leaves many long-lived Python objects (graphs, guards, generated code) that every later full garbage
+collection scans: on the H200 such collections grew to 200-400 ms stalls mid-training. After a training
 call that compiled new graphs, everything alive is collected once and frozen out of the cyclic collector's scans
 (``gc.freeze``); frozen objects are still freed by reference counting as usual.
 
