@@ -145,6 +145,22 @@ def test_script_tiny_cpu_runs_configs(tmp_path):
     assert best.startswith("ok") or "not importable" in best, results["hf_accel-best"]
 
 
+def test_steady_rate_is_the_median_steps_and_ignores_one_stall():
+    from hf_accel.bench.train import Timing, summarize
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    timing = Timing(step_seconds=[1.0, 1.0, 9.0, 0.5], step_docs=[[60, 40], [100], [100], [50]], losses=[1.0] * 4)
+    result = summarize(model, timing, None, "cpu")
+    assert result["tokens_per_s"] == pytest.approx(350 / 11.5)
+    assert result["steady_tokens_per_s"] == pytest.approx(100.0)  # rates 100, 100, 11.1, 100 -> median 100
+    stock = {"config": "s", "status": "ok", "tokens_per_s": 50.0, "steady_tokens_per_s": 80.0, "step_seconds": [1.0]}
+    mine = {"config": "m", "status": "ok", **result}
+    add_ratios([stock, mine], ["s"])
+    assert mine["steady_ratio_to_best_stock"] == pytest.approx(1.25)
+    assert "| 100 | 1.25 | 9,000 ms | ok |" in markdown_table([stock, mine], "s")
+
+
 def test_table_compares_losses_at_a_step_every_config_reached():
     """A config stopped early by the step-time budget must not have its loss compared with another's later step."""
     from hf_accel.bench.report import markdown_table

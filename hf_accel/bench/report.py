@@ -52,6 +52,8 @@ def add_ratios(results: list[dict[str, Any]], stock: Iterable[str]) -> str | Non
     for r in results:
         if _ok(r):
             r["ratio_to_best_stock"] = r["tokens_per_s"] / best["tokens_per_s"]
+            if r.get("steady_tokens_per_s") and best.get("steady_tokens_per_s"):
+                r["steady_ratio_to_best_stock"] = r["steady_tokens_per_s"] / best["steady_tokens_per_s"]
     return best["config"]
 
 
@@ -62,14 +64,18 @@ def common_loss_step(results: list[dict[str, Any]]) -> int | None:
 
 
 def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str:
-    """config | tokens/s | x best stock | MFU | peak GiB | loss at a step every config reached | status."""
+    """config | tokens/s | x best stock | MFU | peak GiB | loss at a step every config reached | steady tokens/s |
+    steady x best stock | slowest step | status."""
     step = common_loss_step(results)
     lines = [
         f"ratio = tokens/s / tokens/s of the best stock config ({best_stock or 'none ran'}); loss at timed step "
-        f"{step or '-'} (the last one every config reached; TRL packs other batches, so compare its loss loosely)",
+        f"{step or '-'} (the last one every config reached; TRL packs other batches, so compare its loss loosely); "
+        "steady = the median step's tokens/s (one slow step, e.g. a compile or a garbage-collector pause, moves the "
+        "mean but not this)",
         "",
-        "| config | real tokens/s | vs best stock | MFU | peak GiB | loss | status |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| config | real tokens/s | vs best stock | MFU | peak GiB | loss | steady tokens/s | steady vs best stock "
+        "| slowest step | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         mfu = r.get("mfu")
@@ -78,9 +84,15 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
         lines.append(
             f"| {r['config']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('ratio_to_best_stock'), '.2f')}"
             f" | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')}"
-            f" | {_fmt(loss, '.4f')} | {r.get('status', '?')} |"
+            f" | {_fmt(loss, '.4f')} | {_fmt(r.get('steady_tokens_per_s'), ',.0f')}"
+            f" | {_fmt(r.get('steady_ratio_to_best_stock'), '.2f')} | {_slowest(r)} | {r.get('status', '?')} |"
         )
     return "\n".join(lines)
+
+
+def _slowest(result: dict[str, Any]) -> str:
+    steps = result.get("step_seconds") or []
+    return f"{1000 * max(steps):,.0f} ms" if steps else "-"
 
 
 def write_outputs(out_dir: Path, stem: str, record: dict[str, Any], table: str) -> tuple[Path, Path]:

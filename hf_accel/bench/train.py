@@ -231,11 +231,14 @@ def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str)
     flop_model = FlopModel.from_model(model)
     seconds = sum(timing.step_seconds)
     docs = timing.step_docs[: len(timing.step_seconds)]
-    tokens = sum(sum(d) for d in docs)
+    step_tokens = [sum(d) for d in docs]
+    tokens = sum(step_tokens)
     flops = sum(flop_model.step_flops(d) for d in docs)
+    step_rates = sorted(n / s for n, s in zip(step_tokens, timing.step_seconds))
     result = {
         "timed_steps": len(timing.step_seconds), "timed_seconds": seconds, "real_tokens": tokens,
         "tokens_per_s": tokens / seconds, "model_flops_per_s": flops / seconds,
+        "steady_tokens_per_s": step_rates[len(step_rates) // 2], "step_tokens": step_tokens,
         "mfu": flops / seconds / peak if peak else None,
         "loss": timing.losses[-1] if timing.losses else None, "losses": timing.losses,
         "loss_finite": bool(timing.losses) and all(math.isfinite(x) for x in timing.losses),
