@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .checkpoint_targets import OP_LEVEL_ATTR, decoder_layers
+from .errors import BackendUnavailable
 
 SLOT = "_compiled_call_impl"  # what nn.Module.compile sets and nn.Module.__call__ prefers
 
@@ -106,6 +107,13 @@ class TrainingCompiled:
 
 def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list[str], list[Callable[[], None]]]:
     """Compile each decoder layer's training forward; return the layer names and the undo actions."""
+    if not torch._dynamo.is_dynamo_supported():
+        import sys
+
+        raise BackendUnavailable(
+            f"compile=True needs torch.compile, which torch {torch.__version__} does not support on Python "
+            f"{sys.version.split()[0]} here. Pass compile=False (hf_accel's other speed-ups do not need it)."
+        )
     options = {"fullgraph": False, **(options or {})}
     names = {id(m): n for n, m in model.named_modules()}
     bound, undo = [], []

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import hf_accel
 from hf_accel.compiling import compiled_layers
-from hf_accel.errors import ConfigurationError
+from hf_accel.errors import BackendUnavailable, ConfigurationError
 from tiny_models import VOCAB, make
 
 GRAD_RTOL = 1e-4  # fp32 both sides: only summation order differs
@@ -162,6 +162,15 @@ def test_unpatch_deepcopy_and_options():
     assert all(layer.__dict__.get("_compiled_call_impl") is None for layer in model.model.layers)
     with pytest.raises(ConfigurationError, match="compile must be True, False or a dict"):
         hf_accel.patch(model, backend="reference", compile="yes")
+
+
+def test_refused_clearly_where_torch_compile_cannot_run(monkeypatch):
+    model = make("llama-gqa")
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    with pytest.raises(BackendUnavailable, match="compile=True needs torch.compile.*Pass compile=False"):
+        hf_accel.patch(model, backend="reference", compile=True)
+    assert hf_accel.patch_report(model) is None and not compiled_layers(model)
+    assert model.config._attn_implementation == "sdpa"  # the attention seam was undone too
 
 
 @pytest.mark.parametrize("family", ["llama", "neox", "falcon"])
