@@ -2,8 +2,9 @@
 
 ``patch(model, compile=True)`` compiles every decoder layer (transformers' ``GradientCheckpointingLayer``s) with
 inductor, so the element-wise work around the matmuls (RoPE, residual adds, norms, the gated MLP's activation) runs
-as a few fused kernels in forward and backward. Attention stays hf_accel's kernel: the seam
-is excluded from compilation (one graph break per layer), so packing metadata and the kernel choice work as before.
+as a few fused kernels in forward and backward. Attention stays hf_accel's kernel: the attention
+function is excluded from compilation (one graph break per layer), so packing metadata and the kernel choice work as
+before.
 
 Only training calls take the compiled path (module in train mode, grad enabled, no KV cache, and no op-level
 checkpointing on that layer, whose selective-checkpoint policy must see each op). Evaluation and generation run the
@@ -69,8 +70,7 @@ class TrainingCompiled:
 
     def __init__(self, layer: nn.Module, options: dict[str, Any]):
         self.layer = layer
-        self.options = dict(options)
-        self.compiled = torch.compile(layer._call_impl, **self.options)
+        self.compiled = torch.compile(layer._call_impl, **options)
 
     def takes_compiled_path(self, kwargs: dict[str, Any]) -> bool:
         layer = self.layer

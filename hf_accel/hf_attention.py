@@ -32,7 +32,6 @@ def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, atte
     )
 
 
-@torch.compiler.disable  # compiled decoder layers (patch(compile=True)) break here: metadata and kernel run eagerly
 def seam_attention(
     module: torch.nn.Module,
     q_bshd: torch.Tensor,
@@ -59,7 +58,9 @@ def seam_attention(
     return meta.pad(out_thd)
 
 
-@torch.compiler.disable  # compiled layers break here: no guards on the per-step kwargs (max_length_q, cu_seq_lens_q)
+# Compiled decoder layers (patch(compile=True)) break here, before the seam: metadata and kernel run eagerly, and no
+# guard specialises on the per-step kwargs (max_length_q, cu_seq_lens_q). Falcon's seam caller breaks the same way.
+@torch.compiler.disable
 def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
     decoding = query.shape[2] != key.shape[2] or (attention_mask is not None and attention_mask.ndim == 4)

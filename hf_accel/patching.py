@@ -144,6 +144,7 @@ def patch(
     if config is None:
         raise UnsupportedModel(f"expected a transformers PreTrainedModel (or PEFT model), got {type(model).__name__}.")
     family = _family(config.model_type)
+    compile_options = _compile_options(compile)
     state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
     if state is not None:
         same = (
@@ -151,7 +152,7 @@ def patch(
             and state.report.checkpointing == _describe(checkpointing)
             and state.report.fused_ops == fused_ops
             and state.report.fused_ce == fused_ce
-            and state.compile_options == _compile_options(compile)
+            and state.compile_options == compile_options
         )
         if same:
             return state.report
@@ -161,7 +162,6 @@ def patch(
     chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
     names, undo = family.apply(model_hf, backend)
     try:
-        compile_options = _compile_options(compile)
         report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
                                compiled=compile_options is not None)
         if compile_options is not None:
@@ -179,7 +179,7 @@ def patch(
         for action in reversed(undo):
             action()
         raise
-    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo, _compile_options(compile))
+    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo, compile_options)
     logger.info("%s", report)
     return report
 

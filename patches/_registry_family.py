@@ -23,3 +23,7 @@ def patch_registry_family(model, attention_cls: type, backend: str) -> tuple[lis
     undo.append(lambda: model.set_attn_implementation(previous))
     return names, undo
 
+
+def training_dropout(config) -> float:
+    """Attention dropout applied in training (transformers passes config.attention_dropout to the kernel)."""
+    return float(getattr(config, "attention_dropout", 0.0) or 0.0)

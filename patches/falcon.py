@@ -69,7 +69,7 @@ def _cache_layout(module: FalconAttention, k_bshd: torch.Tensor) -> torch.Tensor
     return k_bshd.repeat_interleave(groups, dim=2).transpose(1, 2) if groups > 1 else k_bshd.transpose(1, 2)
 
 
-@torch.compiler.disable  # compiled layers break here, as at the shared seam (the slopes memo stays eager)
+@torch.compiler.disable  # compiled layers break here, as at hf_accel_attention (the slopes memo stays eager)
 def _attend(self: FalconAttention, q, k, v, attention_mask, position_ids, with_alibi: bool) -> torch.Tensor:
     opts = AttnOptions(
         scale=self.inv_norm_factor,

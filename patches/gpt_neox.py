@@ -6,7 +6,7 @@ transformers' own, so LoRA on ``query_key_value`` / ``dense`` works unchanged.
 """
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 
-from ._registry_family import patch_registry_family
+from ._registry_family import patch_registry_family, training_dropout  # noqa: F401 (family API)
 
 MODEL_TYPES = ("gpt_neox",)
 LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
@@ -19,8 +19,3 @@ def apply(model, backend: str):
 
 def head_shape(config) -> tuple[int, int, int]:
     return config.num_attention_heads, config.num_attention_heads, config.hidden_size // config.num_attention_heads
-
-
-def training_dropout(config) -> float:
-    """Attention dropout applied in training (transformers passes config.attention_dropout to the kernel)."""
-    return float(getattr(config, "attention_dropout", 0.0) or 0.0)

@@ -6,7 +6,7 @@ so LoRA on any projection works unchanged.
 """
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from ._registry_family import patch_registry_family
+from ._registry_family import patch_registry_family, training_dropout  # noqa: F401 (family API)
 
 MODEL_TYPES = ("llama",)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -21,8 +21,3 @@ def head_shape(config) -> tuple[int, int, int]:
     """(query heads, kv heads, head_dim) as the attention kernels will see them."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads, head_dim
-
-
-def training_dropout(config) -> float:
-    """Attention dropout applied in training (transformers passes config.attention_dropout to the kernel)."""
-    return float(getattr(config, "attention_dropout", 0.0) or 0.0)

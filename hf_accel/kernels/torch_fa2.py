@@ -24,8 +24,9 @@ class TorchFA2Backend(Backend):
     )
 
     def unavailable_reason(self) -> str | None:
-        if no_cuda_reason():
-            return no_cuda_reason()
+        reason = no_cuda_reason()
+        if reason:
+            return reason
         if not hasattr(torch.ops.aten, "_flash_attention_forward"):
             return "this torch build has no aten::_flash_attention_forward"
         return None
