@@ -1,11 +1,14 @@
 """Chunked (fused) linear cross-entropy: the LM-head matmul and the loss without the full (N, V) logits.
 
-Three paths, chosen per call by `linear_cross_entropy`:
-- Liger's fused kernel (`liger_kernel`, CUDA, plain `nn.Linear` head);
-- `_ChunkedLinearCE`, a pure-torch autograd Function for a plain `nn.Linear` head: the forward keeps only the
-  per-token log-sum-exp (N floats), the backward recomputes each chunk's logits;
-- a module path for any other head (e.g. a PEFT LoRA layer): the head *module* is called per chunk under
-  non-reentrant activation checkpointing, so adapters get their gradients and chunk logits are not kept.
+Four paths, chosen per call by `linear_cross_entropy` (`method`):
+- "inline", `_GradInForwardLinearCE` (the default for a plain ``nn.Linear`` head): each chunk's logits, loss and
+  gradients are computed in the forward (on CUDA the softmax/gradient step is hf_accel's Triton kernel),
+  weight gradients accumulate in fp32; no recomputation, no host sync;
+- "recompute", `_ChunkedLinearCE`: the forward keeps only the per-token log-sum-exp (N floats), the backward
+  recomputes each chunk's logits (least memory; also what a no-grad forward of "inline" runs);
+- "liger": liger-kernel's fused kernel (CUDA, plain head; it synchronises with the host once per call);
+- "module", for any other head (e.g. a PEFT LoRA layer): the head *module* is called per chunk under non-reentrant
+  activation checkpointing, so adapters get their gradients and chunk logits are not kept.
 """
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ from .errors import ConfigurationError, InvalidBatch
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_SIZE = 4096
+CHUNK_BYTES = 512 * 2**20  # automatic chunks: one chunk's logits take about this much
 Reduction = Literal["sum", "mean"]
+Method = Literal["auto", "inline", "recompute", "liger", "module"]
+METHODS = ("auto", "inline", "recompute", "liger", "module")
 _warned: set[str] = set()
 
 
@@ -96,6 +101,92 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None
 
 
+def ce_grad_(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
+    """Summed token CE of one chunk; overwrites `logits_cv` with d(sum CE)/d logits (softmax - onehot, 0 on ignored
+    rows). Math in fp32 whatever the logits' dtype. The pure-torch form of `ce_kernel.ce_grad_triton_` (used on
+    CUDA), run where Triton is not."""
+    x = logits_cv.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    valid = (labels_c != IGNORE_INDEX).unsqueeze(1)
+    target = torch.where(valid, labels_c.unsqueeze(1), 0)
+    loss = ((lse - x.gather(1, target)) * valid).sum()
+    vocab = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    grad = (torch.exp(x - lse) - (vocab == target).to(x.dtype)) * valid
+    logits_cv.copy_(grad)
+    return loss
+
+
+def _ce_grad_kernel(device: torch.device) -> Callable:
+    """hf_accel's Triton kernel on CUDA (one read pass, one in-place write pass per row); `ce_grad_` elsewhere."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from .ce_kernel import ce_grad_triton_
+
+        return ce_grad_triton_
+    return ce_grad_
+
+
+def _add_grad_weight_(grad_weight_f32: torch.Tensor, dlogits_cv: torch.Tensor, h_ch: torch.Tensor) -> None:
+    """grad_weight_f32 += dlogits^T @ h, low-precision operands, fp32 accumulation and result."""
+    if grad_weight_f32.is_cuda:
+        torch.addmm(grad_weight_f32, dlogits_cv.t(), h_ch, out_dtype=torch.float32, out=grad_weight_f32)
+    else:
+        grad_weight_f32.addmm_(dlogits_cv.t().float(), h_ch.float())
+
+
+class _GradInForwardLinearCE(torch.autograd.Function):
+    """Sum of token CE of `hidden_nh @ weight_vh.T + bias_v`, gradients computed chunk by chunk in the forward.
+
+    Three matmuls per chunk (logits, grad of hidden, grad of weight) as in an unfused head, no recomputation, no host
+    sync (the loss is a sum: the 1/N scale arrives as the backward's grad_output). Weight and bias gradients
+    accumulate in fp32 across chunks and are rounded once. Holds one chunk's logits at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int):
+        ce_grad = _ce_grad_kernel(hidden_nh.device)
+        want_hidden, want_weight = hidden_nh.requires_grad, weight_vh.requires_grad
+        want_bias = bias_v is not None and bias_v.requires_grad
+        grad_hidden = torch.empty_like(hidden_nh) if want_hidden else None
+        grad_weight = torch.zeros_like(weight_vh, dtype=torch.float32) if want_weight else None
+        grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden_nh.device)
+        for start in range(0, hidden_nh.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            h_ch = hidden_nh[sl]
+            logits_cv = F.linear(h_ch, weight_vh, bias_v)
+            total += ce_grad(logits_cv, labels_n[sl])
+            dlogits_cv = logits_cv  # overwritten in place
+            if grad_hidden is not None:
+                torch.mm(dlogits_cv, weight_vh, out=grad_hidden[sl])
+            if grad_weight is not None:
+                _add_grad_weight_(grad_weight, dlogits_cv, h_ch)
+            if grad_bias is not None:
+                grad_bias += dlogits_cv.sum(0, dtype=torch.float32)
+        del logits_cv, dlogits_cv  # free the last chunk before the fp32 -> weight-dtype copy below (peak memory)
+        ctx.save_for_backward(
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight_vh.dtype),
+            None if grad_bias is None else grad_bias.to(bias_v.dtype),
+        )
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grads = tuple(None if g is None else _scale_(g, grad_total) for g in ctx.saved_tensors)
+        return (*grads, None, None)
+
+
+def _scale_(grad: torch.Tensor, scale: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
+    """grad *= scale in place, the product taken in fp32 (a bf16 multiply would round `scale`, e.g. 1/N, first);
+    low-precision grads go in blocks so the fp32 temporary stays small."""
+    scale = scale.float()
+    if grad.dtype in (torch.float32, torch.float64):
+        return grad.mul_(scale)
+    for part in grad.view(-1).split(block):
+        part.copy_(part.float().mul_(scale))
+    return grad
+
+
 def _module_chunked_sum(hidden_nh: torch.Tensor, head: nn.Module, labels_n: torch.Tensor, chunk_size: int):
     """Call `head` per chunk under checkpointing: LoRA adapters get gradients, chunk logits are recomputed."""
 
@@ -117,19 +208,27 @@ def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor)
     )
 
 
-def _pick_path(hidden_nh: torch.Tensor, head: nn.Module, use_liger: bool | None) -> str:
-    plain = _is_plain_linear(head)
-    liger_ok = liger_available() and hidden_nh.is_cuda and plain
-    if use_liger and not liger_ok:
-        if liger_available() and hidden_nh.is_cuda and not plain:
-            _warn_once("liger-peft", f"Liger fused CE needs a plain nn.Linear head, got {type(head).__name__} "
-                       "(e.g. LoRA on lm_head); using the chunked module path, which trains the adapters.")
-        else:
-            _warn_once("liger-missing", "Liger fused CE requested but liger-kernel is not installed or the device "
-                       "is not CUDA; using the pure-torch chunked path.")
-    if liger_ok and use_liger is not False:
-        return "liger"
-    return "function" if plain else "module"
+def _pick_method(hidden_nh: torch.Tensor, head: nn.Module, method: Method) -> str:
+    if method not in METHODS:
+        raise ConfigurationError(f"method={method!r} is not one of {METHODS}.")
+    if not _is_plain_linear(head):
+        if method not in ("auto", "module"):
+            _warn_once(f"{method}-not-plain", f"fused CE method {method!r} needs a plain nn.Linear head, got "
+                       f"{type(head).__name__} (e.g. LoRA on lm_head); using the chunked module path, which trains "
+                       "the adapters.")
+        return "module"
+    if method == "liger" and not (liger_available() and hidden_nh.is_cuda):
+        _warn_once("liger-missing", "Liger fused CE requested but liger-kernel is not installed or the device is not "
+                   "CUDA; using hf_accel's inline path.")
+        return "inline"
+    return "inline" if method == "auto" else method
+
+
+def auto_chunk_size(num_tokens: int, vocab: int, element_size: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    """The largest power-of-two token chunk whose (chunk, vocab) logits fit in `budget_bytes` (at least 128)."""
+    fit = max(1, budget_bytes // max(1, vocab * element_size))
+    chunk = max(128, 1 << (fit.bit_length() - 1))
+    return min(chunk, max(1, num_tokens))
 
 
 def linear_cross_entropy(
@@ -139,15 +238,20 @@ def linear_cross_entropy(
     *,
     reduction: Reduction = "mean",
     num_items_in_batch: int | torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    use_liger: bool | None = None,
+    chunk_size: int | None = None,
+    method: Method = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of `lm_head(hidden_nh)` against `labels_n` (-100 ignored), never building full (N, V) logits.
 
     hidden_nh: (N, H) already shifted and flattened; labels_n: (N,) long. The result is the summed token loss
     divided by `num_items_in_batch` when given (the transformers Trainer convention), else reduced by `reduction`
-    ("mean" over non-ignored tokens; 0 when there are none). `use_liger`: None = use Liger when it can run,
-    True = prefer it (warns once when it cannot), False = never.
+    ("mean" over non-ignored tokens; 0 when there are none).
+
+    `method`: "inline" computes the gradients chunk by chunk during the forward (three matmuls per chunk, no host
+    sync; the default for a plain ``nn.Linear`` head), "recompute" keeps only per-token log-sum-exp and recomputes
+    the logits in the backward (least memory, a fourth matmul), "liger" uses liger-kernel's fused kernel (CUDA), and
+    any other head (e.g. LoRA on lm_head) takes the "module" path: the head module per chunk under checkpointing.
+    `chunk_size`: tokens per chunk; None sizes chunks so one chunk's logits take about 512 MiB.
     """
     if hidden_nh.dim() != 2 or labels_n.shape != hidden_nh.shape[:1]:
         raise InvalidBatch(
@@ -156,12 +260,19 @@ def linear_cross_entropy(
         )
     if reduction not in ("sum", "mean"):
         raise ConfigurationError(f"reduction={reduction!r} is not supported; use 'sum' or 'mean'.")
-    if chunk_size < 1:
-        raise ConfigurationError(f"chunk_size must be a positive int, got {chunk_size}.")
-    path = _pick_path(hidden_nh, lm_head, use_liger)
+    if chunk_size is not None and chunk_size < 1:
+        raise ConfigurationError(f"chunk_size must be a positive int (or None for automatic), got {chunk_size}.")
+    path = _pick_method(hidden_nh, lm_head, method)
+    if chunk_size is None:
+        # the recompute path upcasts a chunk's logits to fp32; the others keep them in the head's dtype
+        element = 4 if path in ("recompute", "module") else hidden_nh.element_size()
+        vocab = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]
+        chunk_size = auto_chunk_size(hidden_nh.shape[0], vocab, element)
     if path == "liger":
         total = _liger_sum(hidden_nh, lm_head, labels_n)
-    elif path == "function":
+    elif path == "inline" and torch.is_grad_enabled():
+        total = _GradInForwardLinearCE.apply(hidden_nh, lm_head.weight, lm_head.bias, labels_n, chunk_size)
+    elif path in ("inline", "recompute"):
         total = _ChunkedLinearCE.apply(hidden_nh, lm_head.weight, lm_head.bias, labels_n, chunk_size)
     else:
         total = _module_chunked_sum(hidden_nh, lm_head, labels_n, chunk_size)
@@ -178,28 +289,29 @@ def causal_lm_loss_from_hidden(
     labels: torch.Tensor,
     num_items_in_batch: int | torch.Tensor | None = None,
     *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    use_liger: bool | None = None,
+    chunk_size: int | None = None,
+    method: Method = "auto",
 ) -> torch.Tensor:
     """Causal-LM loss from the decoder's last hidden states (B, S, H) and unshifted labels (B, S).
 
-    Shifts like transformers' `ForCausalLMLoss` (position t predicts label t+1), uses the model's output embedding
-    module (works for PEFT models and tied heads), and returns mean over target tokens, or sum / num_items_in_batch.
+    Shifts like transformers' `ForCausalLMLoss` (position t predicts label t+1; the last position of each row has no
+    target), uses the model's output embedding module (works for PEFT models and tied heads), and returns mean over
+    target tokens, or sum / num_items_in_batch. The labels move, not the hidden states: no copy of (B, S, H).
     """
     head = model.get_output_embeddings()
     if head is None:
         raise ConfigurationError(f"{type(model).__name__} has no output embeddings (lm_head); pass a causal-LM model.")
-    hidden_nh = hidden_states[:, :-1, :].reshape(-1, hidden_states.shape[-1])
-    labels_n = labels[:, 1:].reshape(-1).to(hidden_states.device)
+    hidden_nh = hidden_states.reshape(-1, hidden_states.shape[-1])
+    labels_n = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(hidden_states.device)
     return linear_cross_entropy(
-        hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, use_liger=use_liger
+        hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, method=method
     )
 
 
 _STOCK_FORWARD = "_hf_accel_stock_forward"
 
 
-def bind_fused_loss(model: nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Callable[[], None]:
+def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: Method = "auto") -> Callable[[], None]:
     """Bind a ``forward`` on this ``*ForCausalLM`` instance that, in training with labels, returns the loss computed
     from the decoder's hidden states by ``causal_lm_loss_from_hidden`` (no full logits; ``logits`` is None).
 
@@ -220,7 +332,7 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -
         body = getattr(self, self.base_model_prefix)
         out = body(**kwargs)
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
-                                          chunk_size=chunk_size)
+                                          chunk_size=chunk_size, method=method)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
 
     # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.

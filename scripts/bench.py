@@ -57,9 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-step", type=int, default=None, help="real tokens per optimizer step (16384)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--fused-ce", choices=["auto", "chunked", "liger", "off"], default="auto",
-                   help="hf_accel-best loss: Liger when usable (auto), pure-torch chunked, or the model's own")
-    p.add_argument("--ce-chunk-size", type=int, default=4096)
+    p.add_argument("--fused-ce", choices=["auto", "inline", "recompute", "liger", "off"], default="auto",
+                   help="hf_accel-best loss: patch(fused_ce=True) (auto), one fused_ce method forced from outside "
+                        "the model, or the model's own")
+    p.add_argument("--ce-chunk-size", type=int, default=None, help="fused CE tokens per chunk (default: automatic)")
     p.add_argument("--best-backend", default="auto", help="hf_accel-best: backend passed to hf_accel.patch")
     p.add_argument("--best-checkpointing", default=None, help="hf_accel-best: checkpointing passed to hf_accel.patch")
     p.add_argument("--best-fused-ops", choices=["auto", "on", "off"], default="auto",
@@ -131,10 +132,11 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--workload", args.workload, "--configs", name,
             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--step-time-budget", str(args.step_time_budget), "--seed", str(args.seed),
-            "--fused-ce", args.fused_ce, "--ce-chunk-size", str(args.ce_chunk_size),
+            "--fused-ce", args.fused_ce,
             "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops,
             "--best-compile", args.best_compile, "--child", str(out)]
     for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--best-checkpointing", args.best_checkpointing),
+                        ("--ce-chunk-size", args.ce_chunk_size),
                         ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
         if value is not None:
             argv += [flag, str(value)]

@@ -11,6 +11,7 @@
 #   bash scripts/gpu_jobs.sh compile-8b     # compiled Llama-8B LoRA with a budget plan vs TRL, same run
 #   bash scripts/gpu_jobs.sh compile-final  # final same-run Llama-1B and Falcon benches, last GPU tests
 #   bash scripts/gpu_jobs.sh gc-check       # Llama-1B re-run with the GC freeze; NeoX op-level fused-ops test
+#   bash scripts/gpu_jobs.sh ce             # inline fused CE: LM-head micro-benchmark, GPU test, Llama-1B, profile
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -45,7 +46,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -126,6 +127,14 @@ gc-check)  # next session: Llama-1B same-run with the garbage-collector freeze, 
         --configs trl-fa4-packed-liger,hf_accel-best --steps 25 --warmup 6 --time-budget 200 --config-timeout 100
     step gpu_tests 200 python -m pytest -m gpu -q -rA -p no:cacheprovider \
         "tests/gpu/test_fused_ops_gpu.py::test_fused_ops_train_step[neox-1.4b-op]"
+    step profile 80 python scripts/profile_step.py --workload llama-1b --fused-ce auto --fused-ops --compile \
+        --out "$OUT"
+    ;;
+ce)  # the inline fused CE: LM-head micro-benchmark, its GPU test, Llama-1B same-run and a compiled profile
+    step lm_head 120 python scripts/bench_lm_head.py --out "$OUT/lm_head.json"
+    step gpu_tests 150 python -m pytest -m gpu -q -rA -s -p no:cacheprovider tests/gpu/test_fused_ce_gpu.py
+    step bench_llama1b 210 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed-liger,hf_accel-best --steps 25 --warmup 6 --time-budget 200 --config-timeout 100
     step profile 80 python scripts/profile_step.py --workload llama-1b --fused-ce auto --fused-ops --compile \
         --out "$OUT"
     ;;

@@ -30,7 +30,7 @@ from hf_accel.bench.workloads import WORKLOADS, DataSpec, make_data  # noqa: E40
 # Kernel-name fragments, checked in order: the first match decides a kernel's category.
 CATEGORIES = (
     ("attention", ("flash", "fmha", "attention", "attn", "fwd_sm90", "bwd_sm90", "cute")),
-    ("loss", ("cross_entropy", "log_softmax", "nll", "liger_cross", "softmax")),
+    ("loss", ("cross_entropy", "log_softmax", "nll", "liger_cross", "softmax", "_ce_grad_rows")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("matmul", ("gemm", "sm90_xmma", "nvjet", "cutlass", "matmul", "cublas")),
     ("norms+elementwise", ("elementwise", "vectorized", "norm", "reduce", "silu", "mul", "add", "copy", "rope",
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=3)
-    p.add_argument("--fused-ce", choices=["auto", "chunked", "liger", "off"], default="off")
+    p.add_argument("--fused-ce", choices=["auto", "inline", "recompute", "liger", "off"], default="off")
     p.add_argument("--fused-ops", action="store_true")
     p.add_argument("--compile", action="store_true", help="patch(compile=True): inductor-compiled decoder layers")
     p.add_argument("--out", type=Path, default=None)

@@ -174,3 +174,37 @@ def test_table_compares_losses_at_a_step_every_config_reached():
     assert "loss at timed step 2" in table
     rows = {line.split("|")[1].strip(): line.split("|")[6].strip() for line in table.splitlines()[4:]}
     assert rows["a"] == "2.0000" and rows["b"] == "2.5000"
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_run_loop_times_every_timed_step_and_reads_losses_after(warmup):
+    """run_loop marks step ends without syncing; what it records lines up: one time, doc list and loss per step,
+    and the losses are those of a plain step-by-step loop from the same init."""
+    import copy
+
+    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
+    from hf_accel.bench.workloads import WORKLOADS
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 32, (4, 2, 9))
+    batches = [[{"input_ids": ids[i], "labels": ids[i].clone(), "attention_mask": torch.ones_like(ids[i])}]
+               for i in range(4)]
+    settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=4 - warmup, warmup=warmup,
+                           step_time_budget=1e9)
+    timing = Timing()
+    run_loop(model, iter(batches), hf_loss, settings, timing)
+    assert len(timing.step_seconds) == len(timing.losses) == len(timing.step_docs) == 4 - warmup
+    assert all(s > 0 for s in timing.step_seconds)
+
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-5)
+    want = []
+    for micro in batches:
+        loss = reference(**micro[0]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    assert timing.losses == pytest.approx(want[warmup:], rel=1e-5)

@@ -20,10 +20,10 @@ FA4 = "flash_attention_4"
 class Options:
     """Knobs of the `hf_accel-best` configuration (and the attention substitute for CPU smoke runs)."""
 
-    fused_ce: str = "auto"  # auto (Liger on CUDA when installed, else chunked) | chunked | liger | off
+    fused_ce: str = "auto"  # auto (patch(fused_ce=True): the inline path) | inline | recompute | liger | off
     backend: str = "auto"  # passed to hf_accel.patch
     checkpointing: str | None = None  # passed to hf_accel.patch when set
-    ce_chunk_size: int = 4096
+    ce_chunk_size: int | None = None  # None: about 512 MiB of logits per chunk
     substitute_attn: str | None = None  # e.g. "sdpa": run FA4 configs with it (CPU smoke of the TRL path)
     fused_ops: str = "auto"  # auto | on | off: hf_accel.patch(fused_ops=...) (liger norms / SwiGLU)
     compile: bool = False  # hf_accel.patch(compile=True): decoder layers' training forwards through inductor
@@ -174,7 +174,6 @@ def _trl(liger: bool) -> Callable[..., nn.Module]:
 def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
     from hf_accel.fused_ce import causal_lm_loss_from_hidden
 
-    use_liger = {"auto": None, "liger": True, "chunked": False}[options.fused_ce]
 
     def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
         lm = causal_lm(model)
@@ -182,7 +181,7 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         hidden = call_filtered(decoder, {**inputs, "use_cache": False}).last_hidden_state
         return causal_lm_loss_from_hidden(model, hidden, batch["labels"], num_items_in_batch=step_targets,
-                                          chunk_size=options.ce_chunk_size, use_liger=use_liger)
+                                          chunk_size=options.ce_chunk_size, method=options.fused_ce)
 
     return loss_fn
 
@@ -217,7 +216,7 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
         model = add_lora(model, settings.workload)
         if best and options.checkpointing is not None:
             _apply_checkpointing(model, options.checkpointing, data.spec.tokens_per_step, timing)
-        loss_fn = _fused_loss(options) if best and options.fused_ce in ("chunked", "liger") else hf_loss
+        loss_fn = _fused_loss(options) if best and options.fused_ce in ("inline", "recompute", "liger") else hf_loss
         if best:
             timing.notes.append(f"fused_ce={options.fused_ce}")
         run_loop(model, _hf_accel_steps(data, settings.seed), loss_fn, settings, timing)

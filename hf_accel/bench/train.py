@@ -121,38 +121,77 @@ def forward_autocast(settings: RunSettings):
     return contextlib.nullcontext()
 
 
+class StepClock:
+    """Step-end marks without a host sync per step: CUDA events on GPU (read once, after the run), the CPU clock
+    otherwise. The harness adds no synchronisation to the loop it times; each stack keeps the ones it makes itself
+    (TRL reads its token-accuracy metrics with ``.item()`` every step; Liger's fused CE syncs once per call)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.marks: list[Any] = []
+        self.started_at: float | None = None  # perf_counter at the first mark, for the step-time budget
+
+    def start(self) -> None:
+        """The first mark, after warm-up: compilation and allocator growth stay out of the timed window."""
+        synchronize("cuda" if self.cuda else "cpu")
+        self.started_at = time.perf_counter()
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    @property
+    def steps(self) -> int:
+        return max(0, len(self.marks) - 1)
+
+    def spent(self) -> float:
+        """Host seconds since start (the GPU may still be up to a step or two behind)."""
+        return 0.0 if self.started_at is None else time.perf_counter() - self.started_at
+
+    def step_seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(self.marks)]
+        return [b - a for a, b in itertools.pairwise(self.marks)]
+
+
 def run_loop(
     model: nn.Module, steps: Iterator[list[Batch]], loss_fn: LossFn, settings: RunSettings, timing: Timing
 ) -> None:
-    """Warmup + timed optimizer steps; each step = its CPU micro-batches (collation time included in the step)."""
+    """Warmup + timed optimizer steps; each step = its micro-batches (input wait and collation included)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
-    total = settings.warmup + settings.steps
-    timed_start = None
-    synchronize(settings.device)
-    previous = time.perf_counter()
-    for index in range(total):
+    clock = StepClock(settings.device)
+    losses: list[torch.Tensor] = []
+    if settings.warmup == 0:
+        clock.start()
+    for index in range(settings.warmup + settings.steps):
         micro = next(steps)
-        step_targets = sum(target_count(mb) for mb in micro)
-        step_loss = 0.0
+        step_targets = sum(target_count(mb) for mb in micro)  # CPU tensors: no sync
+        step_loss = torch.zeros(())
         for mb in micro:
             with forward_autocast(settings):
                 loss = loss_fn(model, _to_device(mb, settings.device), step_targets)
             loss.backward()
-            step_loss += loss.detach()
+            step_loss = step_loss.to(loss.device) + loss.detach().float()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        synchronize(settings.device)
-        now = time.perf_counter()
-        if index >= settings.warmup:
-            timed_start = timed_start or previous
-            timing.step_seconds.append(now - previous)
+        if index + 1 == settings.warmup:
+            clock.start()
+        elif index >= settings.warmup:
+            clock.mark()
             timing.step_docs.append([n for mb in micro for n in doc_lengths_from_batch(mb)])
-            timing.losses.append(float(step_loss))
-            if now - timed_start > settings.step_time_budget and len(timing.step_seconds) >= settings.min_steps:
-                timing.notes.append(f"stopped after {len(timing.step_seconds)} timed steps (step time budget)")
+            losses.append(step_loss)
+            if clock.spent() > settings.step_time_budget and clock.steps >= settings.min_steps:
+                timing.notes.append(f"stopped after {clock.steps} timed steps (step time budget)")
                 break
-        previous = now
+    timing.step_seconds = clock.step_seconds()
+    timing.losses = [float(x) for x in losses]
 
 
 def offline_tokenizer():
@@ -164,30 +203,24 @@ def offline_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def _timing_callback(settings: RunSettings, timing: Timing):
+def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
-        """Times step end to step end (data loading included, as in run_loop), synchronised."""
+        """Marks step ends on the StepClock (no sync of its own), as run_loop does."""
 
-        previous = None
-        timed_start = None
+        def on_train_begin(self, args, state, control, **kwargs):
+            if settings.warmup == 0:
+                clock.start()
 
         def on_step_end(self, args, state, control, **kwargs):
-            synchronize(settings.device)
-            now = time.perf_counter()
-            if state.global_step > settings.warmup and self.previous is not None:
-                self.timed_start = self.timed_start or self.previous
-                timing.step_seconds.append(now - self.previous)
-                spent = now - self.timed_start
-                if spent > settings.step_time_budget and len(timing.step_seconds) >= settings.min_steps:
-                    timing.notes.append(f"stopped after {len(timing.step_seconds)} timed steps (step time budget)")
+            if state.global_step == settings.warmup:
+                clock.start()
+            elif state.global_step > settings.warmup:
+                clock.mark()
+                if clock.spent() > settings.step_time_budget and clock.steps >= settings.min_steps:
+                    timing.notes.append(f"stopped after {clock.steps} timed steps (step time budget)")
                     control.should_training_stop = True
-            self.previous = now
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs and state.global_step > settings.warmup:
-                timing.losses.append(float(logs["loss"]))
 
     return StepTimer()
 
@@ -198,11 +231,15 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
     from trl import SFTConfig, SFTTrainer
 
     all_docs: list[list[int]] = []
+    all_losses: list[torch.Tensor] = []
+    clock = StepClock(settings.device)
 
     class CountingSFTTrainer(SFTTrainer):
         def training_step(self, model, inputs, *args, **kwargs):
             all_docs.append(doc_lengths_from_batch(inputs))
-            return super().training_step(model, inputs, *args, **kwargs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            all_losses.append(loss.detach())  # read after the run: no sync from the harness
+            return loss
 
     spec = data.spec
     cuda = settings.device.startswith("cuda")
@@ -212,16 +249,19 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
             per_device_train_batch_size=max(1, spec.tokens_per_step // spec.max_len), gradient_accumulation_steps=1,
             learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
             bf16=cuda, use_cpu=not cuda, gradient_checkpointing=settings.workload.checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=1, save_strategy="no",
+            gradient_checkpointing_kwargs={"use_reentrant": False}, save_strategy="no",  # TRL's logging_steps
             report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
             use_liger_kernel=liger, shuffle_dataset=False,
         )
         trainer = CountingSFTTrainer(
             model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
-            processing_class=offline_tokenizer(), callbacks=[_timing_callback(settings, timing)],
+            processing_class=offline_tokenizer(), callbacks=[_timing_callback(settings, timing, clock)],
         )
         trainer.train()
-    timing.step_docs.extend(all_docs[settings.warmup : settings.warmup + len(timing.step_seconds)])
+    timing.step_seconds = clock.step_seconds()
+    timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
+    timing.step_docs.extend(all_docs[timed])
+    timing.losses = [float(x) for x in all_losses[timed]]
 
 
 def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str) -> dict[str, Any]:
