@@ -12,6 +12,7 @@
 #   bash scripts/gpu_jobs.sh compile-final  # final same-run Llama-1B and Falcon benches, last GPU tests
 #   bash scripts/gpu_jobs.sh gc-check       # Llama-1B re-run with the GC freeze; NeoX op-level fused-ops test
 #   bash scripts/gpu_jobs.sh ce             # inline fused CE: LM-head micro-benchmark, GPU test, Llama-1B, profile
+#   bash scripts/gpu_jobs.sh events         # event-timed loops: Llama-1B, NeoX, Falcon same-run benches
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -46,7 +47,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -137,6 +138,14 @@ ce)  # the inline fused CE: LM-head micro-benchmark, its GPU test, Llama-1B same
         --configs trl-fa4-packed-liger,hf_accel-best --steps 25 --warmup 6 --time-budget 200 --config-timeout 100
     step profile 80 python scripts/profile_step.py --workload llama-1b --fused-ce auto --fused-ops --compile \
         --out "$OUT"
+    ;;
+events)  # after the inline CE and the event-timed loops: Llama-1B, NeoX and Falcon same-run benches
+    step bench_llama1b 170 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed-liger,hf_accel-best --steps 30 --warmup 6 --time-budget 160 --config-timeout 80
+    step bench_neox 160 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed,hf_accel-best --steps 20 --warmup 6 --time-budget 150 --config-timeout 75
+    step bench_falcon 160 python scripts/bench.py --workload falcon-1b --out "$OUT" --best-compile on \
+        --configs hf-sdpa-padded,hf_accel-best --steps 15 --warmup 6 --time-budget 150 --config-timeout 75
     ;;
 *)
     echo "unknown job $1" >&2
