@@ -47,7 +47,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -146,6 +146,14 @@ events)  # after the inline CE and the event-timed loops: Llama-1B, NeoX and Fal
         --configs trl-fa4-packed,hf_accel-best --steps 20 --warmup 6 --time-budget 150 --config-timeout 75
     step bench_falcon 160 python scripts/bench.py --workload falcon-1b --out "$OUT" --best-compile on \
         --configs hf-sdpa-padded,hf_accel-best --steps 15 --warmup 6 --time-budget 150 --config-timeout 75
+    ;;
+bf16-acc)  # the inline CE accumulating the weight gradient in the weight's dtype: GPU test, Llama-1B peak and speed
+    step gpu_tests 60 python -m pytest -m gpu -q -rA -s -p no:cacheprovider tests/gpu/test_fused_ce_gpu.py
+    step bench_llama1b 130 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed-liger,hf_accel-best --steps 30 --warmup 6 --time-budget 125 --config-timeout 62
+    TORCH_LOGS=recompiles step bench_neox 100 python scripts/bench.py --workload neox-1.4b --out "$OUT" \
+        --best-compile on --configs hf_accel-best --steps 20 --warmup 6 --time-budget 95 --config-timeout 95
+    grep -h "Recompiling\|triggered by" "$OUT"/bench_neox.log 2>/dev/null | head -20
     ;;
 *)
     echo "unknown job $1" >&2
