@@ -105,7 +105,7 @@ def ce_grad_(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
     """Summed token CE of one chunk; overwrites `logits_cv` with d(sum CE)/d logits (softmax - onehot, 0 on ignored
     rows). Math in fp32 whatever the logits' dtype. The pure-torch form of `ce_kernel.ce_grad_triton_` (used on
     CUDA), run where Triton is not."""
-    x = logits_cv.float()
+    x = logits_cv.to(torch.promote_types(logits_cv.dtype, torch.float32))
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     valid = (labels_c != IGNORE_INDEX).unsqueeze(1)
     target = torch.where(valid, labels_c.unsqueeze(1), 0)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_accel.errors import ConfigurationError, InvalidBatch
-from hf_accel.fused_ce import causal_lm_loss_from_hidden, linear_cross_entropy
+from hf_accel.fused_ce import _scale_, auto_chunk_size, causal_lm_loss_from_hidden, ce_grad_, linear_cross_entropy
 
 # fp32 on CPU: chunking only reorders sums, so differences are a few ulps of the accumulated values
 RTOL, ATOL = 1e-5, 1e-6
@@ -31,17 +31,19 @@ def _grads(loss, tensors):
     return torch.autograd.grad(loss, tensors)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 16, 1000])
+@pytest.mark.parametrize("method", ["inline", "recompute"])
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 1000, None])
 @pytest.mark.parametrize("reduction,num_items", [("sum", None), ("mean", None), ("mean", 23)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_plain_linear_matches_full_logits(chunk_size, reduction, num_items, bias):
+def test_plain_linear_matches_full_logits(method, chunk_size, reduction, num_items, bias):
     hidden, labels = _data()
     head = nn.Linear(H, V, bias=bias)
     hidden.requires_grad_(True)
     params = [hidden, *head.parameters()]
     want = _reference(hidden, head, labels, reduction, num_items)
     got = linear_cross_entropy(
-        hidden, head, labels, reduction=reduction, num_items_in_batch=num_items, chunk_size=chunk_size
+        hidden, head, labels, reduction=reduction, num_items_in_batch=num_items, chunk_size=chunk_size,
+        method=method,
     )
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     for g_got, g_want in zip(_grads(got, params), _grads(want, params)):
@@ -179,3 +181,79 @@ def test_patch_fused_ce_equals_stock_loss_and_grads(variant):
     assert list(inspect.signature(fused.forward).parameters) == list(inspect.signature(stock.forward).parameters)
     hf_accel.unpatch(fused)
     assert "forward" not in fused.__dict__
+
+
+def test_inline_without_grad_mode_is_the_plain_loss():
+    """Evaluation with labels (no_grad) takes the loss-only pass: same value, and no gradient is computed."""
+    hidden, labels = _data(3)
+    head = nn.Linear(H, V)
+    with torch.no_grad():
+        got = linear_cross_entropy(hidden, head, labels, chunk_size=8, method="inline")
+    assert not got.requires_grad
+    torch.testing.assert_close(got, _reference(hidden, head, labels, "mean", None), rtol=RTOL, atol=ATOL)
+
+
+def test_inline_device_scalar_num_items_and_bf16_weights():
+    """A device-tensor num_items_in_batch (what the Trainer passes; no host sync needed) and bf16 weights: the
+    weight gradient accumulates in bf16 across chunks, within bf16 rounding of the fp32 reference."""
+    hidden, labels = _data(4)
+    head = nn.Linear(H, V, bias=False)
+    n_items = (labels != -100).sum()
+    h16 = hidden.bfloat16().requires_grad_(True)
+    head16 = nn.Linear(H, V, bias=False).bfloat16()
+    head16.weight.data.copy_(head.weight.data)
+    got = linear_cross_entropy(h16, head16, labels, num_items_in_batch=n_items, chunk_size=8, method="inline")
+    hidden32 = h16.detach().float().requires_grad_(True)
+    head.weight.data.copy_(head16.weight.data.float())
+    want = _reference(hidden32, head, labels, "sum", None) / n_items
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    for g_got, g_want in zip(_grads(got, [h16, head16.weight]), _grads(want, [hidden32, head.weight])):
+        assert g_got.dtype == torch.bfloat16
+        assert ((g_got.float() - g_want).norm() / g_want.norm()).item() < 2e-2
+
+
+def test_ce_grad_overwrites_logits_with_their_gradient():
+    """The in-place chunk step (the Triton kernel's CPU twin) vs autograd through F.cross_entropy."""
+    logits = torch.randn(9, V, dtype=torch.float64) * 3
+    labels = torch.randint(0, V, (9,))
+    labels[::4] = -100
+    x = logits.clone().requires_grad_(True)
+    want = F.cross_entropy(x, labels, ignore_index=-100, reduction="sum")
+    (want_grad,) = torch.autograd.grad(want, x)
+    work = logits.clone()
+    got = ce_grad_(work, labels)
+    torch.testing.assert_close(got, want.detach())
+    torch.testing.assert_close(work, want_grad)
+    assert work[::4].abs().sum() == 0
+
+
+def test_scale_multiplies_low_precision_grads_in_fp32():
+    """1/N rounded to bf16 first would bias every gradient; _scale_ takes the product in fp32 and rounds once."""
+    grad = torch.randn(5000, dtype=torch.float32).bfloat16()
+    scale = torch.tensor(1 / 11000)  # 2^-14 x 1.4895: bf16 would round it by 0.2%
+    want = (grad.float() * scale).bfloat16()
+    naive = grad * scale.bfloat16()
+    got = _scale_(grad.clone(), scale, block=1000)
+    assert torch.equal(got, want)
+    assert not torch.equal(naive, want)  # the bf16 product differs: the test can tell them apart
+
+
+def test_auto_chunk_size_targets_512_mib_of_logits():
+    assert auto_chunk_size(16384, 128256, 2) == 2048  # Llama-3 vocab, bf16: 2048 x 128256 x 2 B = 501 MiB
+    assert auto_chunk_size(16384, 50304, 2) == 4096
+    assert auto_chunk_size(16384, 128256, 4) == 1024  # the recompute path upcasts to fp32
+    assert auto_chunk_size(100, 128256, 2) == 100  # never more than the tokens there are
+    assert auto_chunk_size(10**6, 10**9, 4) == 128  # a floor, however large the vocabulary
+
+
+def test_method_choice_and_bad_method(caplog):
+    hidden, labels = _data(5)
+    head = nn.Linear(H, V)
+    with pytest.raises(ConfigurationError, match="method="):
+        linear_cross_entropy(hidden, head, labels, method="fast")
+    want = _reference(hidden, head, labels, "mean", None)
+    with caplog.at_level("WARNING"):
+        got = linear_cross_entropy(hidden, head, labels, method="liger")  # CPU: falls back, says so
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    if not torch.cuda.is_available():
+        assert any("Liger fused CE requested" in r.message for r in caplog.records)
