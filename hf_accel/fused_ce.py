@@ -125,6 +125,17 @@ def _ce_grad_kernel(device: torch.device) -> Callable:
     return ce_grad_
 
 
+def _accumulate_grad_weight_(grad_vh: torch.Tensor, dlogits_cv: torch.Tensor, h_ch: torch.Tensor, first: bool) -> None:
+    """grad_vh (+)= dlogits^T @ h. Same dtypes: one addmm (beta=0 on the first chunk ignores the uninitialised
+    buffer). A wider gradient (fp32 weight under autocast): low-precision operands, accumulation in grad_vh's dtype."""
+    if grad_vh.dtype == dlogits_cv.dtype:
+        grad_vh.addmm_(dlogits_cv.t(), h_ch, beta=0 if first else 1)
+    elif grad_vh.is_cuda:
+        torch.addmm(grad_vh, dlogits_cv.t(), h_ch, beta=0 if first else 1, out_dtype=grad_vh.dtype, out=grad_vh)
+    else:  # CPU has no mixed-dtype addmm
+        grad_vh.addmm_(dlogits_cv.t().to(grad_vh.dtype), h_ch.to(grad_vh.dtype), beta=0 if first else 1)
+
+
 class _GradInForwardLinearCE(torch.autograd.Function):
     """Sum of token CE of `hidden_nh @ weight_vh.T + bias_v`, gradients computed chunk by chunk in the forward.
 
@@ -137,27 +148,34 @@ class _GradInForwardLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int):
-        ce_grad = _ce_grad_kernel(hidden_nh.device)
+        device = hidden_nh.device
+        ce_grad = _ce_grad_kernel(device)
         want_hidden, want_weight = hidden_nh.requires_grad, weight_vh.requires_grad
         want_bias = bias_v is not None and bias_v.requires_grad
-        grad_hidden = torch.empty_like(hidden_nh) if want_hidden else None
-        grad_weight = torch.empty_like(weight_vh) if want_weight else None
-        grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden_nh.device)
-        for start in range(0, hidden_nh.shape[0], chunk_size):
-            sl = slice(start, start + chunk_size)
-            h_ch = hidden_nh[sl]
-            logits_cv = F.linear(h_ch, weight_vh, bias_v)
-            total += ce_grad(logits_cv, labels_n[sl])
-            dlogits_cv = logits_cv  # overwritten in place
-            if grad_hidden is not None:
-                torch.mm(dlogits_cv, weight_vh, out=grad_hidden[sl])
-            if grad_weight is not None:  # grad_weight (+)= dlogits^T @ h
-                grad_weight.addmm_(dlogits_cv.t(), h_ch, beta=0 if start == 0 else 1)  # beta=0 ignores the empty
-            if grad_bias is not None:
-                grad_bias += dlogits_cv.sum(0, dtype=torch.float32)
+        # Under autocast the head runs in the autocast dtype, as the unfused F.linear would; gradients come back in
+        # the dtypes of hidden, weight and bias (an fp32 weight accumulates its gradient in fp32).
+        compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight_vh.dtype
+        with torch.autocast(device.type, enabled=False):
+            h_nh, w_vh = hidden_nh.to(compute), weight_vh.to(compute)
+            b_v = None if bias_v is None else bias_v.to(compute)
+            grad_hidden = torch.empty_like(h_nh) if want_hidden else None
+            grad_weight = torch.empty_like(weight_vh) if want_weight else None
+            grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
+            total = torch.zeros((), dtype=torch.float32, device=device)
+            for start in range(0, h_nh.shape[0], chunk_size):
+                sl = slice(start, start + chunk_size)
+                h_ch = h_nh[sl]
+                logits_cv = F.linear(h_ch, w_vh, b_v)
+                total += ce_grad(logits_cv, labels_n[sl])
+                dlogits_cv = logits_cv  # overwritten in place
+                if grad_hidden is not None:
+                    torch.mm(dlogits_cv, w_vh, out=grad_hidden[sl])
+                if grad_weight is not None:
+                    _accumulate_grad_weight_(grad_weight, dlogits_cv, h_ch, first=start == 0)
+                if grad_bias is not None:
+                    grad_bias += dlogits_cv.sum(0, dtype=torch.float32)
         ctx.save_for_backward(
-            grad_hidden,
+            None if grad_hidden is None else grad_hidden.to(hidden_nh.dtype),
             grad_weight,
             None if grad_bias is None else grad_bias.to(bias_v.dtype),
         )

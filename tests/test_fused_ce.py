@@ -257,3 +257,20 @@ def test_method_choice_and_bad_method(caplog):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     if not torch.cuda.is_available():
         assert any("Liger fused CE requested" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("method", ["inline", "recompute"])
+def test_fp32_head_under_bf16_autocast(method):
+    """Mixed precision with fp32 weights (Trainer bf16=True on an fp32 model): the head computes in bf16 as the unfused
+    F.linear would, and gradients come back fp32, within bf16 error of the same computation done unfused."""
+    hidden, labels = _data(6)
+    head = nn.Linear(H, V)
+    hidden.requires_grad_(True)
+    params = [hidden, head.weight, head.bias]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(hidden, head, labels, chunk_size=8, method=method)
+        want = _reference(hidden, head, labels, "mean", None)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for g_got, g_want in zip(_grads(got, params), _grads(want, params)):
+        assert g_got.dtype == torch.float32
+        assert ((g_got - g_want).norm() / g_want.norm()).item() < 2e-2
