@@ -133,8 +133,9 @@ def patch(
     patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
     takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.checkpointing).
     ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
-    ``fused_ce=True`` makes training forwards with labels return the loss from a chunked (or Liger) linear
-    cross-entropy, never materialising the full logits (``logits`` is then None); eval and generate are unchanged.
+    ``fused_ce=True`` makes training forwards with labels return the loss from a chunked linear cross-entropy
+    (hf_accel.fused_ce, "inline" method), never materialising the full logits (``logits`` is then None); eval and
+    generate are unchanged.
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles each decoder layer's training forward with
     inductor, attention excluded (see hf_accel.compiling); it takes over the layers' norms / MLP from ``fused_ops``.
     """

@@ -47,7 +47,7 @@ class AccelArguments:
         ``per_device_train_batch_size`` examples.
     checkpointing: a checkpoint policy or spec ("full", "every_2", "op", "budget:20GiB"); None leaves the model and
         ``TrainingArguments.gradient_checkpointing`` alone.
-    fused_ce: training loss from hidden states by chunked (or Liger) cross-entropy, no full logits tensor
+    fused_ce: training loss from hidden states by chunked cross-entropy (hf_accel.fused_ce), no full logits tensor
         (``patch(fused_ce=True)``: computed inside the model's forward, so DDP/FSDP see it).
     fused_ops: liger-kernel's fused norms / SwiGLU bound to this model (``patch(fused_ops=True)``; CUDA + liger).
     compile: each decoder layer's training forward through torch.compile, attention excluded (``patch(compile=...)``:

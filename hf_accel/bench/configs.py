@@ -209,7 +209,7 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
 
             kwargs["fused_ops"] = options.fused_ops == "on" or unavailable_reason(model) is None
         # fused_ce "auto" is the user's path: patch(fused_ce=True) computes the loss inside the model's forward
-        # (Liger's kernel on CUDA when installed, else chunked); "chunked" / "liger" force one kernel from outside.
+        # (its "inline" method); "inline" / "recompute" / "liger" force one method, computed from outside the model.
         in_forward = best and options.fused_ce == "auto"
         report = hf_accel.patch(model, fused_ce=in_forward, compile=best and options.compile, **kwargs)
         timing.notes.append(f"patch: {report}")
