@@ -13,6 +13,8 @@
 #   bash scripts/gpu_jobs.sh gc-check       # Llama-1B re-run with the GC freeze; NeoX op-level fused-ops test
 #   bash scripts/gpu_jobs.sh ce             # inline fused CE: LM-head micro-benchmark, GPU test, Llama-1B, profile
 #   bash scripts/gpu_jobs.sh events         # event-timed loops: Llama-1B, NeoX, Falcon same-run benches
+#   bash scripts/gpu_jobs.sh bf16-acc       # inline CE with weight-dtype accumulation: GPU test, Llama-1B, NeoX
+#   bash scripts/gpu_jobs.sh next           # NeoX with slow-step attribution, Llama-8B LoRA, LM-head micro-bench
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -47,7 +49,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -154,6 +156,14 @@ bf16-acc)  # the inline CE accumulating the weight gradient in the weight's dtyp
     TORCH_LOGS=recompiles step bench_neox 100 python scripts/bench.py --workload neox-1.4b --out "$OUT" \
         --best-compile on --configs hf_accel-best --steps 20 --warmup 6 --time-budget 95 --config-timeout 95
     grep -h "Recompiling\|triggered by" "$OUT"/bench_neox.log 2>/dev/null | head -20
+    ;;
+next)  # next session: NeoX same-run with host-event attribution of slow steps, Llama-8B LoRA on the inline CE, LM head
+    step bench_neox 170 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed,hf_accel-best --steps 30 --warmup 6 --time-budget 160 --config-timeout 80
+    step bench_llama8b 280 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed,hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 3 \
+        --time-budget 270 --config-timeout 135
+    step lm_head 90 python scripts/bench_lm_head.py --out "$OUT/lm_head.json"
     ;;
 *)
     echo "unknown job $1" >&2

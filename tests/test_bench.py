@@ -208,3 +208,41 @@ def test_run_loop_times_every_timed_step_and_reads_losses_after(warmup):
         opt.zero_grad()
         want.append(float(loss.detach()))
     assert timing.losses == pytest.approx(want[warmup:], rel=1e-5)
+
+
+def test_host_events_name_what_stalled_a_step():
+    """A compile in the first timed step and a full garbage collection in another are attributed to those steps,
+    and the table's slowest-step cell names what happened in it."""
+    import gc
+
+    from hf_accel.bench.report import _slowest
+    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
+    from hf_accel.bench.workloads import WORKLOADS
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    compiled_forward = torch.compile(model.forward, backend="eager", dynamic=False)
+    calls = []
+
+    def loss_fn(m, batch, step_targets):
+        calls.append(1)
+        if len(calls) == 3:
+            gc.collect()
+        return compiled_forward(**batch).loss
+
+    ids = torch.randint(0, 32, (3, 2, 9))
+    batches = [[{"input_ids": ids[i], "labels": ids[i].clone()}] for i in range(3)]
+    settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=3, warmup=0, step_time_budget=1e9)
+    timing = Timing()
+    gc.disable()  # only the collection the test makes: automatic ones would land in arbitrary steps
+    try:
+        run_loop(model, iter(batches), loss_fn, settings, timing)
+    finally:
+        gc.enable()
+    by_step = {e["step"]: e for e in timing.host_events}
+    assert by_step[0]["compiled_graphs"] >= 1  # the first call compiled
+    assert by_step[2]["gc_full"] >= 1 and "compiled_graphs" not in by_step[2]
+    assert 1 not in by_step  # nothing happened in step 1
+    cell = _slowest({"step_seconds": [0.1, 0.2, 0.9], "host_events": timing.host_events})
+    assert cell.startswith("900 ms (step 2: +") and "full GCs" in cell

@@ -90,9 +90,24 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
     return "\n".join(lines)
 
 
+_EVENT_WORDS = (("compiled_graphs", "compiled graphs"), ("fa4_kernels", "flash-attn-4 kernels"),
+                ("gc_full", "full GCs"))
+
+
 def _slowest(result: dict[str, Any]) -> str:
+    """The slowest step's time, with what the host did during it (HostEvents) when anything."""
     steps = result.get("step_seconds") or []
-    return f"{1000 * max(steps):,.0f} ms" if steps else "-"
+    if not steps:
+        return "-"
+    index = max(range(len(steps)), key=steps.__getitem__)
+    text = f"{1000 * steps[index]:,.0f} ms"
+    event = next((e for e in result.get("host_events") or [] if e.get("step") == index), None)
+    if event:
+        parts = [f"+{event[key]} {words}" for key, words in _EVENT_WORDS if event.get(key)]
+        if event.get("gc_full_ms"):
+            parts.append(f"{event['gc_full_ms']:,.0f} ms in GC")
+        text += f" (step {index}: {', '.join(parts)})"
+    return text
 
 
 def write_outputs(out_dir: Path, stem: str, record: dict[str, Any], table: str) -> tuple[Path, Path]:

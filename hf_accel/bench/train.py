@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import itertools
 import math
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ class Timing:
     step_docs: list[list[int]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    host_events: list[dict[str, Any]] = field(default_factory=list)  # per timed step, see HostEvents
 
 
 def synchronize(device: str) -> None:
@@ -121,6 +124,56 @@ def forward_autocast(settings: RunSettings):
     return contextlib.nullcontext()
 
 
+class HostEvents:
+    """What the host did during each timed step that can stall the GPU: new torch.compile graphs, new flash-attn-4
+    kernels (its JIT caches), and full (generation-2) garbage collections with their time. Host counters only, read
+    at step ends: no sync. A slow step with none of these points elsewhere (allocator, data, the GPU itself)."""
+
+    def __init__(self) -> None:
+        self._gc_started = 0.0
+        self._gc_full = 0
+        self._gc_full_s = 0.0
+        self._last = self._counts()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif info.get("generation") == 2:
+            self._gc_full += 1
+            self._gc_full_s += time.perf_counter() - self._gc_started
+
+    def _counts(self) -> dict[str, float]:
+        from torch._dynamo.utils import counters
+
+        fa4 = sys.modules.get("flash_attn.cute.interface")
+        caches = [getattr(getattr(fa4, name, None), "compile_cache", None) for name in _FA4_JIT_FUNCTIONS]
+        return {
+            "compiled_graphs": counters["stats"]["unique_graphs"],
+            "fa4_kernels": sum(len(getattr(c, "cache", ())) for c in caches if c is not None),
+            "gc_full": self._gc_full,
+            "gc_full_ms": 1e3 * self._gc_full_s,
+        }
+
+    def step(self, index: int) -> dict[str, Any] | None:
+        """The events since the previous call, or None when there were none."""
+        now = self._counts()
+        delta = {k: now[k] - self._last[k] for k in now}
+        self._last = now
+        if not any(delta.values()):
+            return None
+        delta["gc_full_ms"] = round(delta["gc_full_ms"], 1)
+        return {"step": index, **{k: v for k, v in delta.items() if v}}
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+
+_FA4_JIT_FUNCTIONS = ("_flash_attn_fwd", "_flash_attn_bwd", "_bwd_preprocess", "_bwd_postprocess_convert",
+                      "_compute_tile_cumsum", "_compute_blocks_to_batch")
+
+
 class StepClock:
     """Step-end marks without a host sync per step: CUDA events on GPU (read once, after the run), the CPU clock
     otherwise. The harness adds no synchronisation to the loop it times; each stack keeps the ones it makes itself
@@ -167,6 +220,7 @@ def run_loop(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
     clock = StepClock(settings.device)
+    events = HostEvents()
     losses: list[torch.Tensor] = []
     if settings.warmup == 0:
         clock.start()
@@ -181,15 +235,19 @@ def run_loop(
             step_loss = step_loss.to(loss.device) + loss.detach().float()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        happened = events.step(index - settings.warmup)
         if index + 1 == settings.warmup:
             clock.start()
         elif index >= settings.warmup:
             clock.mark()
             timing.step_docs.append([n for mb in micro for n in doc_lengths_from_batch(mb)])
             losses.append(step_loss)
+            if happened:
+                timing.host_events.append(happened)
             if clock.spent() > settings.step_time_budget and clock.steps >= settings.min_steps:
                 timing.notes.append(f"stopped after {clock.steps} timed steps (step time budget)")
                 break
+    events.close()
     timing.step_seconds = clock.step_seconds()
     timing.losses = [float(x) for x in losses]
 
@@ -207,17 +265,26 @@ def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
-        """Marks step ends on the StepClock (no sync of its own), as run_loop does."""
+        """Marks step ends on the StepClock (no sync of its own) and notes host events, as run_loop does."""
+
+        events: HostEvents | None = None
 
         def on_train_begin(self, args, state, control, **kwargs):
+            self.events = HostEvents()
             if settings.warmup == 0:
                 clock.start()
 
+        def on_train_end(self, args, state, control, **kwargs):
+            self.events.close()
+
         def on_step_end(self, args, state, control, **kwargs):
+            happened = self.events.step(state.global_step - 1 - settings.warmup)
             if state.global_step == settings.warmup:
                 clock.start()
             elif state.global_step > settings.warmup:
                 clock.mark()
+                if happened:
+                    timing.host_events.append(happened)
                 if clock.spent() > settings.step_time_budget and clock.steps >= settings.min_steps:
                     timing.notes.append(f"stopped after {clock.steps} timed steps (step time budget)")
                     control.should_training_stop = True
@@ -283,6 +350,7 @@ def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str)
         "loss": timing.losses[-1] if timing.losses else None, "losses": timing.losses,
         "loss_finite": bool(timing.losses) and all(math.isfinite(x) for x in timing.losses),
         "step_seconds": timing.step_seconds, "flop_model": flop_model.__dict__, "notes": timing.notes,
+        "host_events": timing.host_events,
     }
     if device.startswith("cuda"):
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
