@@ -61,11 +61,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int):
+        ctx.compute = _compute_dtype(hidden_nh.device, weight_vh.dtype)  # the backward recomputes the same logits
         lse_n = torch.empty(hidden_nh.shape[0], dtype=torch.float32, device=hidden_nh.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden_nh.device)
+        w_vh, b_v = _cast(weight_vh, ctx.compute), _cast(bias_v, ctx.compute)
         for start in range(0, hidden_nh.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
-            logits_cv = F.linear(hidden_nh[sl], weight_vh, bias_v).float()
+            logits_cv = _chunk_logits(hidden_nh[sl], w_vh, b_v).float()
             lse_n[sl] = torch.logsumexp(logits_cv, dim=-1)
             total += _chunk_ce_sum(logits_cv, labels_n[sl])
         ctx.chunk_size = chunk_size
@@ -80,18 +82,18 @@ class _ChunkedLinearCE(torch.autograd.Function):
         # fp32 accumulators: summing many chunk contributions in bf16 would lose the small ones
         grad_weight = torch.zeros_like(weight_vh, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        w_vh, b_v = _cast(weight_vh, ctx.compute), _cast(bias_v, ctx.compute)
         for start in range(0, hidden_nh.shape[0], ctx.chunk_size):
             sl = slice(start, start + ctx.chunk_size)
             h_ch, labels_c = hidden_nh[sl], labels_n[sl]
-            logits_cv = F.linear(h_ch, weight_vh, bias_v).float()
-            # d(sum CE)/d logits = softmax - onehot(label), zero on ignored rows
+            logits_cv = _chunk_logits(h_ch, w_vh, b_v).float()
+            # d(sum CE)/d logits = softmax - onehot(label), zero on ignored rows (no host sync)
+            valid_c1 = (labels_c != IGNORE_INDEX).unsqueeze(1)
             dlogits_cv = torch.exp(logits_cv - lse_n[sl, None])
-            valid_c = labels_c != IGNORE_INDEX
-            rows = valid_c.nonzero(as_tuple=True)[0]
-            dlogits_cv[rows, labels_c[rows]] -= 1.0
-            dlogits_cv *= valid_c[:, None] * grad_total
+            dlogits_cv.scatter_add_(1, torch.where(valid_c1, labels_c.unsqueeze(1), 0), -valid_c1.float())
+            dlogits_cv *= valid_c1 * grad_total
             if grad_hidden is not None:
-                grad_hidden[sl] = (dlogits_cv.to(weight_vh.dtype) @ weight_vh).to(hidden_nh.dtype)
+                grad_hidden[sl] = (dlogits_cv.to(ctx.compute) @ w_vh).to(hidden_nh.dtype)
             if grad_weight is not None:
                 grad_weight += dlogits_cv.t() @ h_ch.float()
             if grad_bias is not None:
@@ -99,6 +101,22 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_weight = grad_weight.to(weight_vh.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias_v.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _compute_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an unfused head's F.linear would compute in here: autocast's when it is on, else the weight's."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight_dtype
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def _chunk_logits(h_ch: torch.Tensor, w_vh: torch.Tensor, b_v: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's logits in the (already cast) weight's dtype, the same in forward and backward: autocast is off
+    here, the casts are explicit."""
+    with torch.autocast(h_ch.device.type, enabled=False):
+        return F.linear(h_ch.to(w_vh.dtype), w_vh, b_v)
 
 
 def ce_grad_(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
@@ -154,10 +172,9 @@ class _GradInForwardLinearCE(torch.autograd.Function):
         want_bias = bias_v is not None and bias_v.requires_grad
         # Under autocast the head runs in the autocast dtype, as the unfused F.linear would; gradients come back in
         # the dtypes of hidden, weight and bias (an fp32 weight accumulates its gradient in fp32).
-        compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight_vh.dtype
+        compute = _compute_dtype(device, weight_vh.dtype)
         with torch.autocast(device.type, enabled=False):
-            h_nh, w_vh = hidden_nh.to(compute), weight_vh.to(compute)
-            b_v = None if bias_v is None else bias_v.to(compute)
+            h_nh, w_vh, b_v = hidden_nh.to(compute), weight_vh.to(compute), _cast(bias_v, compute)
             grad_hidden = torch.empty_like(h_nh) if want_hidden else None
             grad_weight = torch.empty_like(weight_vh) if want_weight else None
             grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
