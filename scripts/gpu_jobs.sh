@@ -15,6 +15,7 @@
 #   bash scripts/gpu_jobs.sh events         # event-timed loops: Llama-1B, NeoX, Falcon same-run benches
 #   bash scripts/gpu_jobs.sh bf16-acc       # inline CE with weight-dtype accumulation: GPU test, Llama-1B, NeoX
 #   bash scripts/gpu_jobs.sh next           # NeoX with slow-step attribution, Llama-8B LoRA, LM-head micro-bench
+#   bash scripts/gpu_jobs.sh profiles       # step profiles of NeoX, Falcon and Llama-8B LoRA (hf_accel-best settings)
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -49,7 +50,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next | profiles}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -164,6 +165,14 @@ next)  # next session: NeoX same-run with host-event attribution of slow steps, 
         --configs trl-fa4-packed,hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 3 \
         --time-budget 270 --config-timeout 135
     step lm_head 90 python scripts/bench_lm_head.py --out "$OUT/lm_head.json"
+    ;;
+profiles)  # issue 7's per-workload profiles of the benchmarked hf_accel-best configurations
+    step profile_neox 120 python scripts/profile_step.py --workload neox-1.4b --fused-ce auto --fused-ops --compile \
+        --warmup 6 --out "$OUT"
+    step profile_falcon 120 python scripts/profile_step.py --workload falcon-1b --fused-ce auto --fused-ops --compile \
+        --warmup 6 --out "$OUT"
+    step profile_llama8b 240 python scripts/profile_step.py --workload llama-8b-lora --fused-ce auto --fused-ops \
+        --compile --checkpointing budget:0.8 --warmup 3 --steps 4 --profile-steps 2 --out "$OUT"
     ;;
 *)
     echo "unknown job $1" >&2

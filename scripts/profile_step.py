@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import hf_accel  # noqa: E402
-from hf_accel.bench.configs import Options, _fused_loss, _hf_accel_steps  # noqa: E402
-from hf_accel.bench.train import RunSettings, Timing, build_model, hf_loss, run_loop  # noqa: E402
+from hf_accel.bench.configs import Options, _apply_checkpointing, _fused_loss, _hf_accel_steps  # noqa: E402
+from hf_accel.bench.train import RunSettings, Timing, add_lora, build_model, hf_loss, run_loop  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, make_data  # noqa: E402
 
 # Kernel-name fragments, checked in order: the first match decides a kernel's category.
@@ -70,7 +70,10 @@ def profile(args) -> dict:
                            warmup=args.warmup, step_time_budget=1e9)
     model = build_model(settings, "sdpa")
     report = hf_accel.patch(model, fused_ops=args.fused_ops, compile=args.compile)
+    model = add_lora(model, workload)  # the workload's adapters (Llama-8B LoRA), as scripts/bench.py adds them
     spec = DataSpec.tiny() if args.tiny else DataSpec()
+    if args.checkpointing:
+        _apply_checkpointing(model, args.checkpointing, spec.tokens_per_step, Timing())
     data = make_data(spec, model.config.vocab_size, args.warmup + args.steps + args.profile_steps + 4)
     options = Options(fused_ce=args.fused_ce)
     loss_fn = hf_loss if args.fused_ce == "off" else _fused_loss(options)
@@ -104,7 +107,9 @@ def profile(args) -> dict:
     tokens = sum(mb["input_ids"].numel() for step in profiled for mb in step) / len(profiled)
     return {
         "workload": args.workload, "device": args.device, "fused_ce": args.fused_ce, "fused_ops": args.fused_ops,
-        "compile": args.compile,
+        "compile": args.compile, "checkpointing": args.checkpointing, "lora": workload.lora,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "params": sum(p.numel() for p in model.parameters()),
         "backend": report.backend, "steady_step_s": steady, "step_seconds": timing.step_seconds,
         "tokens_per_step": tokens, "collate_s_per_step": collate_s,
         "kernel_ms_per_step": {k: v / 1000 for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])},
@@ -118,7 +123,9 @@ def table(result: dict) -> str:
     total = sum(result["kernel_ms_per_step"].values()) or float("nan")
     lines = [
         f"## {result['workload']} step profile ({result['device']}, backend {result['backend']}, "
-        f"fused_ce={result['fused_ce']}, fused_ops={result['fused_ops']}, compile={result.get('compile', False)})",
+        f"fused_ce={result['fused_ce']}, fused_ops={result['fused_ops']}, compile={result.get('compile', False)}"
+        f"{', checkpointing=' + result['checkpointing'] if result.get('checkpointing') else ''}"
+        f"{', LoRA' if result.get('lora') else ''})",
         f"steady step {result['steady_step_s'] * 1000:.1f} ms for {result['tokens_per_step']:,.0f} tokens "
         f"({result['tokens_per_step'] / result['steady_step_s']:,.0f} tokens/s); collation on the CPU "
         f"{result['collate_s_per_step'] * 1000:.1f} ms/step",
@@ -138,7 +145,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama-1b")
     p.add_argument("--device", default="cuda")
@@ -149,8 +156,13 @@ def main(argv=None) -> None:
     p.add_argument("--fused-ce", choices=["auto", "inline", "recompute", "liger", "off"], default="off")
     p.add_argument("--fused-ops", action="store_true")
     p.add_argument("--compile", action="store_true", help="patch(compile=True): inductor-compiled decoder layers")
+    p.add_argument("--checkpointing", default=None, help="a checkpointing spec, as bench.py --best-checkpointing")
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     result = profile(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
