@@ -291,10 +291,18 @@ def linear_cross_entropy(
     if chunk_size is not None and chunk_size < 1:
         raise ConfigurationError(f"chunk_size must be a positive int (or None for automatic), got {chunk_size}.")
     path = _pick_method(hidden_nh, lm_head, method)
+    vocab = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]
+    if not labels_n.is_cuda:  # host labels: the check costs no sync (on CUDA an out-of-range label gives a NaN loss)
+        bad = labels_n[(labels_n >= vocab) | ((labels_n < 0) & (labels_n != IGNORE_INDEX))]
+        if bad.numel():
+            raise InvalidBatch(
+                f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX} (ignored); got {bad.numel()} outside, "
+                f"e.g. {bad[:5].tolist()}. Check that the tokenizer matches the model's vocabulary and the collator's "
+                "ignore index."
+            )
     if chunk_size is None:
         # the recompute path upcasts a chunk's logits to fp32; the others keep them in the head's dtype
         element = 4 if path in ("recompute", "module") else hidden_nh.element_size()
-        vocab = getattr(lm_head, "out_features", None) or lm_head.weight.shape[0]
         chunk_size = auto_chunk_size(hidden_nh.shape[0], vocab, element)
     if path == "liger":
         total = _liger_sum(hidden_nh, lm_head, labels_n)

@@ -274,3 +274,11 @@ def test_fp32_head_under_bf16_autocast(method):
     for g_got, g_want in zip(_grads(got, params), _grads(want, params)):
         assert g_got.dtype == torch.float32
         assert ((g_got - g_want).norm() / g_want.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("bad", [V, -1])
+def test_labels_outside_the_vocabulary_are_a_typed_error(bad):
+    hidden, labels = _data(7)
+    labels[4] = bad
+    with pytest.raises(InvalidBatch, match=r"labels must be token ids in \[0, 53\)"):
+        linear_cross_entropy(hidden, nn.Linear(H, V), labels)
