@@ -221,18 +221,18 @@ def run_loop(
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
     clock = StepClock(settings.device)
     events = HostEvents()
-    losses: list[torch.Tensor] = []
+    losses: list[torch.Tensor | float] = []
     if settings.warmup == 0:
         clock.start()
     for index in range(settings.warmup + settings.steps):
         micro = next(steps)
         step_targets = sum(target_count(mb) for mb in micro)  # CPU tensors: no sync
-        step_loss = torch.zeros(())
+        step_loss = 0.0  # becomes a device tensor: no host-to-device copy of a CPU scalar (which can sync)
         for mb in micro:
             with forward_autocast(settings):
                 loss = loss_fn(model, _to_device(mb, settings.device), step_targets)
             loss.backward()
-            step_loss = step_loss.to(loss.device) + loss.detach().float()
+            step_loss = loss.detach().float() + step_loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         happened = events.step(index - settings.warmup)
