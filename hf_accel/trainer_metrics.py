@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .bench.flops import FlopModel, doc_lengths_from_batch, peak_flops
+from .bench.flops import FlopModel, peak_flops
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -22,22 +22,36 @@ def device_peak_flops(device: torch.device) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device))
 
 
-def batch_tokens(batch: Mapping[str, Any]) -> tuple[int, int]:
-    """(real tokens, token slots) of one batch: padded batches count their mask; a packed batch (no mask) counts
-    every slot as real, which holds for one packed row per micro-batch (no padding tail), as the Trainer builds."""
+def batch_counts(batch: Mapping[str, Any]) -> tuple[Any, int, Any]:
+    """(real tokens, token slots, sum of squared document lengths) of one micro-batch, computed where the batch is:
+    tensors on the GPU stay there (no host sync per step; the meter reads its sums back when the Trainer logs).
+
+    Padded batches: one document per row, real tokens from the mask. A packed batch (no mask) counts every slot as
+    real, which holds for one packed row per micro-batch (no padding tail), as the Trainer builds; its documents come
+    from ``cu_seq_lens_q``, or from ``position_ids`` restarting at 0 (a document of n tokens has positions 0..n-1,
+    and the sum of 2p + 1 over them is n^2).
+    """
     input_ids = batch["input_ids"]
     slots = input_ids.numel()
     mask = batch.get("attention_mask")
     if mask is not None:
-        return int(mask.sum()), slots
-    return slots, slots
+        lengths = mask.sum(dim=1, dtype=torch.float64)
+        return lengths.sum(), slots, lengths.square().sum()
+    cu = batch.get("cu_seq_lens_q")
+    if cu is not None:
+        return slots, slots, cu.diff().to(torch.float64).square().sum()
+    positions = batch.get("position_ids")
+    if positions is not None:
+        return slots, slots, (2 * positions.to(torch.float64) + 1).sum()
+    rows, seq = input_ids.shape[0], input_ids.shape[-1]
+    return slots, slots, float(rows * seq * seq)
 
 
 @dataclass
 class Window:
-    tokens: int = 0
+    tokens: Any = 0  # int, or a 0-dim tensor on the batches' device until read back
     slots: int = 0
-    flops: float = 0.0
+    flops: Any = 0.0
     data_wait_s: float = 0.0
     start: float = field(default_factory=time.perf_counter)
 
@@ -54,12 +68,12 @@ class ThroughputMeter:
         self.total_steps = 0
 
     def add_batch(self, batch: Mapping[str, Any]) -> None:
-        tokens, slots = batch_tokens(batch)
-        flops = self.flop_model.step_flops(doc_lengths_from_batch(batch))
+        tokens, slots, squared_lengths = batch_counts(batch)
+        flops = self.flop_model.flops_from_sums(tokens, squared_lengths)
         for w in (self.window, self.total):
-            w.tokens += tokens
+            w.tokens = w.tokens + tokens  # may become a device tensor: read back in _metrics
             w.slots += slots
-            w.flops += flops
+            w.flops = w.flops + flops
 
     def add_wait(self, seconds: float) -> None:
         self.window.data_wait_s += seconds
@@ -68,7 +82,7 @@ class ThroughputMeter:
     def _metrics(self, w: Window, now: float) -> dict[str, float]:
         """Metrics of a window, summed over every rank (each rank calls this at the same logging step)."""
         elapsed = max(now - w.start, 1e-9)
-        tokens, slots, flops, wait = float(w.tokens), float(w.slots), w.flops, w.data_wait_s
+        tokens, slots, flops, wait = float(w.tokens), float(w.slots), float(w.flops), w.data_wait_s  # host reads
         world = 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             world = torch.distributed.get_world_size()

@@ -249,3 +249,29 @@ def test_compiled_layers_train_like_the_stock_trainer(tmp_path):
 
     gc.unfreeze()
     torch._dynamo.reset()
+
+
+def test_throughput_counts_match_the_document_lengths_without_reading_them_back():
+    """The meter's per-batch counts (kept as tensors where the batch lives, read back at logging) equal the FLOP
+    model applied to the batch's document lengths, for padded, cu_seq_lens and position_ids batches."""
+    from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch
+    from hf_accel.trainer_metrics import batch_counts
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config)
+    flop_model = FlopModel.from_model(model)
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4]])
+    batches = [
+        {"input_ids": torch.zeros(3, 6, dtype=torch.long),
+         "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [0] * 5 + [1]])},
+        {"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 5, 7, 12], dtype=torch.int32)},
+        {"input_ids": ids, "position_ids": positions},
+    ]
+    for batch in batches:
+        tokens, slots, squared = batch_counts(batch)
+        lengths = doc_lengths_from_batch(batch)
+        assert float(tokens) == sum(lengths) and slots == batch["input_ids"].numel()
+        assert float(flop_model.flops_from_sums(tokens, squared)) == pytest.approx(flop_model.step_flops(lengths))
+        assert torch.is_tensor(squared)  # stays a tensor (on the GPU there): no host read per step

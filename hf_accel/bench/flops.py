@@ -45,9 +45,13 @@ class FlopModel:
     def step_flops(self, doc_lengths: Iterable[int]) -> float:
         """Model FLOPs of one optimizer step (forward + backward) over documents of these real lengths."""
         lengths = [int(n) for n in doc_lengths]
-        dense = (6 * self.trainable_matmul_params + 4 * self.frozen_matmul_params) * sum(lengths)
-        attention = 6 * self.num_layers * self.attn_width * sum(n * n for n in lengths)
-        return float(dense + attention)
+        return float(self.flops_from_sums(sum(lengths), sum(n * n for n in lengths)))
+
+    def flops_from_sums(self, tokens, squared_lengths):
+        """The same from the real token count and the sum of squared document lengths (numbers or tensors: a
+        training loop can accumulate them on the GPU and read them back when it logs)."""
+        dense = (6 * self.trainable_matmul_params + 4 * self.frozen_matmul_params) * tokens
+        return dense + 6 * self.num_layers * self.attn_width * squared_lengths
 
 
 def peak_flops(device_name: str | None) -> float | None:
