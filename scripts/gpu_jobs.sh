@@ -159,12 +159,13 @@ bf16-acc)  # the inline CE accumulating the weight gradient in the weight's dtyp
     grep -h "Recompiling\|triggered by" "$OUT"/bench_neox.log 2>/dev/null | head -20
     ;;
 next)  # next session: NeoX same-run with host-event attribution of slow steps, Llama-8B LoRA on the inline CE, LM head
-    step gpu_tests 60 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ce_gpu.py
+    step gpu_tests 90 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ce_gpu.py \
+        tests/gpu/test_no_sync_gpu.py
     step bench_neox 170 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
         --configs trl-fa4-packed,hf_accel-best --steps 30 --warmup 6 --time-budget 160 --config-timeout 80
-    step bench_llama8b 250 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
+    step bench_llama8b 230 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
         --configs trl-fa4-packed,hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 3 \
-        --time-budget 240 --config-timeout 120
+        --time-budget 220 --config-timeout 110
     step lm_head 60 python scripts/bench_lm_head.py --out "$OUT/lm_head.json"
     ;;
 profiles)  # issue 7's per-workload profiles of the benchmarked hf_accel-best configurations
