@@ -14,8 +14,8 @@
 #   bash scripts/gpu_jobs.sh ce             # inline fused CE: LM-head micro-benchmark, GPU test, Llama-1B, profile
 #   bash scripts/gpu_jobs.sh events         # event-timed loops: Llama-1B, NeoX, Falcon same-run benches
 #   bash scripts/gpu_jobs.sh bf16-acc       # inline CE with weight-dtype accumulation: GPU test, Llama-1B, NeoX
-#   bash scripts/gpu_jobs.sh next           # NeoX with slow-step attribution, Llama-8B LoRA, LM-head micro-bench
-#   bash scripts/gpu_jobs.sh profiles       # step profiles of NeoX, Falcon and Llama-8B LoRA (hf_accel-best settings)
+#   bash scripts/gpu_jobs.sh next           # new GPU tests, NeoX with slow-step attribution, Llama-8B LoRA
+#   bash scripts/gpu_jobs.sh profiles       # profiles of NeoX, Falcon, Llama-8B LoRA; LM-head micro-bench
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -158,21 +158,21 @@ bf16-acc)  # the inline CE accumulating the weight gradient in the weight's dtyp
         --best-compile on --configs hf_accel-best --steps 20 --warmup 6 --time-budget 95 --config-timeout 95
     grep -h "Recompiling\|triggered by" "$OUT"/bench_neox.log 2>/dev/null | head -20
     ;;
-next)  # next session: NeoX same-run with host-event attribution of slow steps, Llama-8B LoRA on the inline CE, LM head
+next)  # next session: the unrun GPU tests, NeoX with host-event attribution of slow steps, Llama-8B LoRA (inline CE)
     step gpu_tests 90 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_fused_ce_gpu.py \
         tests/gpu/test_no_sync_gpu.py
     step bench_neox 170 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
         --configs trl-fa4-packed,hf_accel-best --steps 30 --warmup 6 --time-budget 160 --config-timeout 80
-    step bench_llama8b 230 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
+    step bench_llama8b 290 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
         --configs trl-fa4-packed,hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 3 \
-        --time-budget 220 --config-timeout 110
-    step lm_head 60 python scripts/bench_lm_head.py --out "$OUT/lm_head.json"
+        --time-budget 280 --config-timeout 140
     ;;
 profiles)  # issue 7's per-workload profiles of the benchmarked hf_accel-best configurations
     step profile_neox 120 python scripts/profile_step.py --workload neox-1.4b --fused-ce auto --fused-ops --compile \
         --warmup 6 --out "$OUT"
     step profile_falcon 120 python scripts/profile_step.py --workload falcon-1b --fused-ce auto --fused-ops --compile \
         --warmup 6 --out "$OUT"
+    step lm_head 60 python scripts/bench_lm_head.py --out "$OUT/lm_head.json"
     step profile_llama8b 240 python scripts/profile_step.py --workload llama-8b-lora --fused-ce auto --fused-ops \
         --compile --checkpointing budget:0.8 --warmup 3 --steps 4 --profile-steps 2 --out "$OUT"
     ;;
