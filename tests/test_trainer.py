@@ -275,3 +275,16 @@ def test_throughput_counts_match_the_document_lengths_without_reading_them_back(
         assert float(tokens) == sum(lengths) and slots == batch["input_ids"].numel()
         assert float(flop_model.flops_from_sums(tokens, squared)) == pytest.approx(flop_model.step_flops(lengths))
         assert torch.is_tensor(squared)  # stays a tensor (on the GPU there): no host read per step
+
+
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_batches_reach_the_device_without_blocking(tmp_path, non_blocking):
+    """hf_accel's Trainer prepares its dataloaders with accelerate's non_blocking transfers (transformers' default is
+    a blocking copy, which waits for the previous step on the GPU); AccelArguments(non_blocking=False) opts out."""
+    model = make("llama-gqa")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                          dataloader_pin_memory=True)  # use_cpu=True would turn pinning off
+    data = [{"input_ids": list(range(1, 9))} for _ in range(4)]
+    trainer = Trainer(model=model, args=args, train_dataset=data, accel=AccelArguments(non_blocking=non_blocking))
+    assert trainer.accelerator.non_blocking is non_blocking
+    assert trainer.get_train_dataloader()._non_blocking is non_blocking

@@ -60,3 +60,38 @@ def test_training_step_never_waits_for_the_gpu(compile_layers):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(x) for x in losses)
+
+
+def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
+    """hf_accel.Trainer (packing, fused loss, throughput meter, non-blocking batch copies) between logging steps:
+    no host sync from steps 3 to 6. transformers' own per-step NaN/inf loss check reads the loss back, so the test
+    turns it off (``logging_nan_inf_filter=False``, as the README's throughput tip says)."""
+    import transformers
+
+    from hf_accel.trainer import AccelArguments, Trainer
+
+    class SyncGuard(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 6:
+                torch.cuda.set_sync_debug_mode("default")
+
+    torch.manual_seed(0)
+    model = _model().cuda()
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(1, 32000, (int(n),), generator=g).tolist()}
+            for n in torch.randint(16, 900, (64,), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4, bf16=True, logging_steps=100,
+        save_strategy="no", report_to="none", logging_nan_inf_filter=False, dataloader_num_workers=2)
+    trainer = Trainer(model=model, args=args, train_dataset=data, accel=AccelArguments(fused_ce=True),
+                      callbacks=[SyncGuard()])
+    try:
+        trainer.train()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert trainer.state.global_step == 8
