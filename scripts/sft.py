@@ -184,6 +184,7 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
         bf16=args.bf16 or args.model_shape is not None, use_cpu=not torch.cuda.is_available(), seed=args.seed,
         report_to="none", dataloader_num_workers=0, disable_tqdm=True,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; finding unused ones costs a pass
+        logging_nan_inf_filter=False,  # its check reads every step's loss back (a host sync); NaN shows in the log
     )
 
 
