@@ -174,7 +174,6 @@ def _trl(liger: bool) -> Callable[..., nn.Module]:
 def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
     from hf_accel.fused_ce import causal_lm_loss_from_hidden
 
-
     def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
         lm = causal_lm(model)
         decoder = getattr(lm, lm.base_model_prefix)

@@ -144,12 +144,12 @@ class HostEvents:
             self._gc_full_s += time.perf_counter() - self._gc_started
 
     def _counts(self) -> dict[str, float]:
-        from torch._dynamo.utils import counters
+        from hf_accel.compiling import graphs_compiled
 
         fa4 = sys.modules.get("flash_attn.cute.interface")
         caches = [getattr(getattr(fa4, name, None), "compile_cache", None) for name in _FA4_JIT_FUNCTIONS]
         return {
-            "compiled_graphs": counters["stats"]["unique_graphs"],
+            "compiled_graphs": graphs_compiled(),
             "fa4_kernels": sum(len(getattr(c, "cache", ())) for c in caches if c is not None),
             "gc_full": self._gc_full,
             "gc_full_ms": 1e3 * self._gc_full_s,
