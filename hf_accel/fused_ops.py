@@ -4,10 +4,17 @@
 Falcon) instance for liger-kernel's Triton implementation, through liger's own per-instance binders. Liger's public
 ``apply_liger_kernel_to_*`` functions rebind classes module-wide (every model in the process) and rotary globally, so
 they are not used here. The MLP's projections are still called as modules, so LoRA keeps receiving its inputs.
+
+With compiled decoder layers (``patch(compile=True)``) inductor fuses the layers' own norms / MLPs, so inside the
+layers liger's forward serves only *eager training* calls: while dynamo traces a layer, the module's own forward runs
+(and is fused by inductor); op-level checkpointed layers, which skip the compiled path, train through liger's kernel;
+evaluation and generation run the module's own forward, exactly as compiled layers promise. Modules outside the
+layers (the final norm) always use liger's.
 """
 from __future__ import annotations
 
 import importlib.util
+import types
 from collections.abc import Callable
 
 import torch
@@ -61,9 +68,23 @@ def fusable_modules(model: nn.Module, outside_decoder_layers: bool = False) -> l
     return found
 
 
-def apply(model: nn.Module, outside_decoder_layers: bool = False) -> tuple[list[str], list[Callable[[], None]]]:
-    """Bind liger's fused norms / SwiGLU to this model's modules (only those outside the decoder layers when
-    ``outside_decoder_layers``: compiled layers fuse their own). Raises BackendUnavailable when it cannot."""
+def _eager_only(module: nn.Module) -> None:
+    """Keep liger's bound forward for eager training calls; the module's own forward otherwise (dynamo tracing,
+    evaluation, generation)."""
+    liger_forward = module.__dict__["forward"]
+    own_forward = type(module).forward
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or not (self.training and torch.is_grad_enabled()):
+            return own_forward(self, *args, **kwargs)
+        return liger_forward(*args, **kwargs)
+
+    module.forward = types.MethodType(forward, module)
+
+
+def apply(model: nn.Module, compiled_layers: bool = False) -> tuple[list[str], list[Callable[[], None]]]:
+    """Bind liger's fused norms / SwiGLU to this model's modules; with ``compiled_layers``, eager-only inside the
+    decoder layers (see the module docstring). Raises BackendUnavailable when it cannot."""
     reason = unavailable_reason(model)
     if reason:
         raise BackendUnavailable(f"fused_ops=True needs liger-kernel on CUDA: {reason}. Pass fused_ops=False.")
@@ -79,5 +100,22 @@ def apply(model: nn.Module, outside_decoder_layers: bool = False) -> tuple[list[
         "swiglu": lambda m: _patch_swiglu_module(m, LigerSwiGLUMLP),
         "layer_norm": lambda m: _patch_layer_norm_module(m, eps=m.eps),
     }
-    found = fusable_modules(model, outside_decoder_layers)
-    return [name for name, _, _ in found], [_transaction(module, binders[kind]) for _, module, kind in found]
+    return bind(model, binders, compiled_layers)
+
+
+def bind(model: nn.Module, binders: dict[str, Callable[[nn.Module], None]],
+         compiled_layers: bool) -> tuple[list[str], list[Callable[[], None]]]:
+    """Apply ``binders[kind]`` to each fusable module (eager-only inside compiled layers); names and undo actions."""
+    outside = {name for name, _, _ in fusable_modules(model, outside_decoder_layers=True)}
+    names, undo = [], []
+    for name, module, kind in fusable_modules(model):
+        eager_only = compiled_layers and name not in outside
+
+        def change(m, kind=kind, eager_only=eager_only):
+            binders[kind](m)
+            if eager_only:
+                _eager_only(m)
+
+        undo.append(_transaction(module, change))
+        names.append(name)
+    return names, undo

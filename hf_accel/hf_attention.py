@@ -6,7 +6,11 @@ exactly what the unpatched model computes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextvars import ContextVar
+
 import torch
+import transformers.masking_utils as masking_utils
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
@@ -87,3 +91,46 @@ def register() -> None:
     """Register the attention and mask functions with transformers (idempotent, process-wide, our name only)."""
     AttentionInterface.register(ATTN_NAME, hf_accel_attention)
     AttentionMaskInterface.register(ATTN_NAME, hf_accel_mask)
+    _install_packed_check_skip()
+
+
+# transformers' mask preparation looks for packed documents in position_ids when no attention mask is given
+# (masking_utils.find_packed_sequence_indices) and, outside compilation, reads its result back to the host: one
+# host sync at the start of every packed forward, which keeps the CPU from queueing the step ahead of the GPU.
+# hf_accel's mask function never uses that result (the seam takes documents from cu_seq_lens / position_ids
+# itself), so during a patched model's forward the search is skipped for exactly the position_ids tensor that
+# forward was given. Every other call (unpatched models, other tensors, compiled tracing) runs transformers' own.
+_PATCHED_FORWARD_POSITIONS: ContextVar[torch.Tensor | None] = ContextVar("hf_accel_positions", default=None)
+_transformers_find_packed: Callable | None = None
+
+
+def _find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+    if not torch.compiler.is_compiling() and position_ids is _PATCHED_FORWARD_POSITIONS.get():
+        return None  # "no packed documents" to transformers; hf_accel's seam handles them
+    return _transformers_find_packed(position_ids)
+
+
+def _install_packed_check_skip() -> None:
+    global _transformers_find_packed
+    current = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if current is None or current is _find_packed_sequence_indices:
+        return  # another transformers layout (nothing to skip), or already installed
+    _transformers_find_packed = current
+    masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
+
+
+def skip_packed_check_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
+    """Hooks that mark a patched model's position_ids for the duration of its forward; returns their removers."""
+    tokens = []
+
+    def before(module, args, kwargs):
+        tokens.append(_PATCHED_FORWARD_POSITIONS.set(kwargs.get("position_ids")))
+
+    def after(module, args, kwargs, output):
+        if tokens:
+            _PATCHED_FORWARD_POSITIONS.reset(tokens.pop())
+
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True).remove,
+        model.register_forward_hook(after, with_kwargs=True, always_call=True).remove,
+    ]

@@ -192,13 +192,20 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpo
     if fused_ops:
         from . import fused_ops as fused
 
-        # compiled layers fuse their own norms / MLP; liger's kernels then serve only the modules outside them
-        fused_names, fused_undo = fused.apply(model_hf, outside_decoder_layers=compiled)
+        # compiled layers fuse their own norms / MLP; inside them liger's kernels serve only eager calls
+        fused_names, fused_undo = fused.apply(model_hf, compiled_layers=compiled)
         undo += fused_undo
         if compiled:
-            notes.append(f"fused_ops with compile: liger serves the {len(fused_names)} fusable modules outside the "
-                         f"decoder layers ({', '.join(fused_names) or 'none'}); inductor fuses the layers' own")
+            notes.append(f"fused_ops with compile: liger serves {len(fused_names)} modules; inside the decoder layers "
+                         "only their eager calls (op-level checkpointed layers, evaluation): inductor fuses the rest")
     undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
+    from .hf_attention import register, skip_packed_check_hooks
+
+    register()  # also Falcon's patch, whose attention is not registered: it installs the packed-check skip
+    undo += skip_packed_check_hooks(model_hf)
+    from . import lora_casts
+
+    undo += lora_casts.apply(model_hf)
     report = PatchReport(
         model_type=model_hf.config.model_type, backend_requested=backend, backend=chosen.backend.name,
         selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,

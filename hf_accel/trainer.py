@@ -146,13 +146,15 @@ class AccelMixin:
 
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            out = super().train(*args, **kwargs)
         finally:
             self._writer.wait()
-            if self._meter is not None:
-                self.throughput_summary = self._meter.summary()
-                if self.accel.print_summary and self.args.should_log:
-                    print(format_summary(self.throughput_summary), flush=True)
+        # After a normal end only: a summary's device reads must not replace the exception of a failed run.
+        if self._meter is not None:
+            self.throughput_summary = self._meter.summary()
+            if self.accel.print_summary and self.args.should_log:
+                print(format_summary(self.throughput_summary), flush=True)
+        return out
 
     def get_batch_samples(self, *args, **kwargs):
         start = time.perf_counter()

@@ -16,6 +16,8 @@
 #   bash scripts/gpu_jobs.sh bf16-acc       # inline CE with weight-dtype accumulation: GPU test, Llama-1B, NeoX
 #   bash scripts/gpu_jobs.sh next           # new GPU tests, NeoX with slow-step attribution, Llama-8B LoRA
 #   bash scripts/gpu_jobs.sh profiles       # profiles of NeoX, Falcon, Llama-8B LoRA; LM-head micro-bench
+#   bash scripts/gpu_jobs.sh nosync         # no-sync / LoRA-cast / compiled+op fused-ops tests, Llama-8B and -1B
+#   bash scripts/gpu_jobs.sh nosync-2       # Llama-8B LoRA profile after the cast skip; NeoX and Falcon same-run
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -50,7 +52,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next | profiles}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next | profiles | nosync | nosync-2}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -175,6 +177,24 @@ profiles)  # issue 7's per-workload profiles of the benchmarked hf_accel-best co
     step lm_head 60 python scripts/bench_lm_head.py --out "$OUT/lm_head.json"
     step profile_llama8b 240 python scripts/profile_step.py --workload llama-8b-lora --fused-ce auto --fused-ops \
         --compile --checkpointing budget:0.8 --warmup 3 --steps 4 --profile-steps 2 --out "$OUT"
+    ;;
+nosync)  # after skipping transformers' packed search and PEFT's autocast round trip, liger in eager compiled layers
+    step gpu_tests 120 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_no_sync_gpu.py \
+        tests/gpu/test_lora_casts_gpu.py \
+        tests/gpu/test_fused_ops_gpu.py::test_fused_ops_with_compiled_layers_and_op_checkpointing
+    step bench_llama8b 210 python scripts/bench.py --workload llama-8b-lora --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed,hf_accel-best --best-checkpointing budget:0.8 --steps 8 --warmup 3 \
+        --time-budget 200 --config-timeout 100
+    step bench_llama1b 170 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed-liger,hf_accel-best --steps 30 --warmup 6 --time-budget 160 --config-timeout 80
+    ;;
+nosync-2)
+    step profile_llama8b 120 python scripts/profile_step.py --workload llama-8b-lora --fused-ce auto --fused-ops \
+        --compile --checkpointing budget:0.8 --warmup 3 --steps 4 --profile-steps 2 --out "$OUT"
+    step bench_neox 160 python scripts/bench.py --workload neox-1.4b --out "$OUT" --best-compile on \
+        --configs trl-fa4-packed,hf_accel-best --steps 30 --warmup 6 --time-budget 150 --config-timeout 75
+    step bench_falcon 150 python scripts/bench.py --workload falcon-1b --out "$OUT" --best-compile on \
+        --configs hf-sdpa-padded,hf_accel-best --steps 15 --warmup 6 --time-budget 140 --config-timeout 70
     ;;
 *)
     echo "unknown job $1" >&2

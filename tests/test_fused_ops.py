@@ -47,3 +47,52 @@ def test_compiled_layers_leave_liger_only_the_modules_outside_them(variant, outs
     every = fused_ops.fusable_modules(model)
     assert len(every) > len(outside)  # the layers' own norms (and Llama's MLPs) are fusable too
     assert [name for name, _, _ in fused_ops.fusable_modules(model, outside_decoder_layers=True)] == outside
+
+
+def _stand_in_binders(calls: list):
+    """Stand-ins for liger's binders (its Triton kernels cannot run on CPU): each bound forward records its module
+    and computes what the module's own forward computes."""
+    def binder(m):
+        own = type(m).forward
+        m.forward = lambda *a, _m=m, **k: calls.append(_m) or own(_m, *a, **k)
+
+    return {"rms_norm": binder, "swiglu": binder, "layer_norm": binder}
+
+
+def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
+    """Compiled layers trace the module's own forward (inductor fuses it); op-level checkpointed layers, which run
+    eagerly, get liger's; evaluation gets the module's own; the final norm always liger's. Undo restores exactly."""
+    from hf_accel import compiling
+    from hf_accel.checkpointing import decoder_layers, policy_from_spec
+
+    torch.manual_seed(0)
+    model = make("llama-gqa").train()
+    before = {n: dict(m.__dict__) for n, m in model.named_modules()}
+    calls = []
+    names, undo = fused_ops.bind(model, _stand_in_binders(calls), compiled_layers=True)
+    assert "model.norm" in names and len(names) > 1
+    _, compile_undo = compiling.apply(model, {"backend": "eager"})
+    inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    ids = torch.randint(0, 64, (1, 12))
+
+    model(input_ids=ids, labels=ids).loss.backward()  # compiled training call
+    assert calls and not any(id(m) in inside for m in calls)  # only model.norm
+
+    calls.clear()
+    policy = policy_from_spec("op")
+    policy.apply(model)  # op-level checkpointing: the layers take their eager path
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert any(id(m) in inside for m in calls)
+    policy.remove(model)
+
+    calls.clear()
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert not any(id(m) in inside for m in calls)
+
+    for action in reversed(compile_undo + undo):
+        action()
+    after = {n: dict(m.__dict__) for n, m in model.named_modules()}
+    for name in before:
+        assert before[name].keys() == after[name].keys(), name

@@ -111,6 +111,33 @@ def test_collator_metadata_equals_position_ids(variant):
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-7b-mqa"])
+def test_packed_forward_skips_transformers_packed_search(variant, monkeypatch):
+    """transformers looks for packed documents in position_ids and reads the answer back to the host (a GPU sync per
+    forward) although hf_accel's seam never uses it: a patched forward skips that search for its own position_ids and
+    still equals the documents run alone; an unpatched model given the very same tensor still runs it."""
+    from hf_accel import hf_attention
+
+    ref = make(variant)
+    model = copy.deepcopy(ref)
+    hf_accel.patch(model, backend="reference")
+    calls = []
+    original = hf_attention._transformers_find_packed
+    monkeypatch.setattr(hf_attention, "_transformers_find_packed", lambda pos: calls.append(pos) or original(pos))
+    docs = _docs()
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    packed = model(input_ids=ids, position_ids=pos).logits[0]
+    assert calls == []
+    alone = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+    calls.clear()
+    ref(input_ids=ids, position_ids=pos)  # not patched: transformers' own search (Falcon builds no packed mask)
+    assert [p is pos for p in calls] == ([] if variant.startswith("falcon") else [True])
+    model(input_ids=ids, position_ids=pos)
+    assert len(calls) == (0 if variant.startswith("falcon") else 1)  # the hook's mark ended with the forward
+
+
 def test_stock_falcon_packing_leaks_and_ours_does_not():
     """The bug we fix: stock Falcon before transformers 5.24 attends across packed documents (5.24 builds its mask
     from position_ids). Patched Falcon keeps documents apart on every supported version."""

@@ -143,6 +143,27 @@ def test_logged_metrics_count_real_tokens(tmp_path):
         assert "mfu" not in log  # no known peak on CPU: not reported rather than made up
 
 
+def test_failed_run_raises_its_own_error_not_the_summarys(tmp_path, monkeypatch):
+    """A run that fails mid-training surfaces its own exception: the end-of-run throughput summary (which reads device
+    counters) is not computed then, so it cannot replace the error (on the GPU a sync-debug error did exactly that)."""
+    from hf_accel import trainer_metrics
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                raise ValueError("boom at step 1")
+
+    def summary_fails(self):
+        raise RuntimeError("the summary ran after a failed run")
+
+    monkeypatch.setattr(trainer_metrics.ThroughputMeter, "summary", summary_fails)
+    trainer = Trainer(model=model_for("llama-gqa", False), args=targs(tmp_path), train_dataset=examples(16),
+                      accel=AccelArguments(print_summary=False), callbacks=[Boom()])
+    with pytest.raises(ValueError, match="boom at step 1"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def test_checkpoint_policy_survives_trainer_enable(tmp_path):
     model = model_for("llama-gqa", False)
     trainer = Trainer(model=model, args=targs(tmp_path, max_steps=1, gradient_checkpointing=True),

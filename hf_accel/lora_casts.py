@@ -1,0 +1,98 @@
+"""PEFT LoRA layers under autocast without the fp32 round trip of their input.
+
+PEFT keeps LoRA adapters in fp32 and casts each adapted linear's input to the adapter's dtype
+(``LoraLayer._cast_input_dtype``). Under bf16/fp16 autocast that cast is a round trip: the bf16 activation is
+copied to fp32, and autocast copies it straight back to bf16 for the adapter's matmul (it computes ``lora_A`` in the
+autocast dtype). Both copies are exact, so skipping them changes nothing the layer computes, in forward or backward
+(the gradient makes the same exact round trip the other way), but on Llama-8B shapes with LoRA on every linear they
+were the largest element-wise cost of the step.
+
+hf_accel skips the cast only where it is provably a round trip: autocast on for the input's device with the input's
+own dtype, a bf16/fp16 input, an fp32 adapter, and every active adapter of the layer a plain LoRA (no DoRA or other
+variant) with no dropout (dropout's random mask is laid out per dtype, so with dropout the cast stays). Everywhere
+else PEFT's own method runs. The skip is bound per layer instance (an instance attribute shadowing PEFT's method), on
+LoRA layers present at ``patch()`` and on those PEFT adds later (checked at each forward of the patched model);
+``unpatch`` removes it.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+_ATTR = "_cast_input_dtype"
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _lora_linear_cls() -> type | None:
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:  # PEFT not installed: nothing to bind
+        return None
+    return Linear
+
+
+def round_trip_only(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether casting ``x`` to ``dtype`` in ``layer``'s forward is undone exactly by autocast before any use."""
+    if dtype != torch.float32 or x.dtype not in _HALF:
+        return False
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != x.dtype:
+        return False
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        if name in layer.lora_variant or type(layer.lora_A[name]) is not nn.Linear:
+            return False
+        if not isinstance(layer.lora_dropout[name], nn.Identity):
+            return False
+    return True
+
+
+def _cast_input_dtype(self, x, dtype: torch.dtype):
+    if x is not None and round_trip_only(self, x, dtype):
+        return x
+    return type(self)._cast_input_dtype(self, x, dtype)  # PEFT's own
+
+
+def bind(model: nn.Module) -> int:
+    """Bind the skip to every PEFT LoRA Linear of ``model`` that lacks it; returns how many were bound."""
+    cls = _lora_linear_cls()
+    if cls is None:
+        return 0
+    bound = 0
+    for module in model.modules():
+        if isinstance(module, cls) and _ATTR not in module.__dict__:
+            module.__dict__[_ATTR] = types.MethodType(_cast_input_dtype, module)
+            bound += 1
+    return bound
+
+
+def unbind(model: nn.Module) -> None:
+    for module in model.modules():
+        method = module.__dict__.get(_ATTR)
+        if isinstance(method, types.MethodType) and method.__func__ is _cast_input_dtype:
+            del module.__dict__[_ATTR]
+
+
+def _adapters_key(model: nn.Module):
+    """Changes when PEFT injects adapters: it sets ``peft_config`` on the model it wraps (and adds to that dict)."""
+    config = model.__dict__.get("peft_config")
+    return None if config is None else (id(config), tuple(config))
+
+
+def apply(model: nn.Module) -> list[Callable[[], None]]:
+    """Bind now, re-bind when PEFT adds adapters (checked cheaply at each forward); returns the undo actions."""
+    bind(model)
+    seen = [_adapters_key(model)]
+
+    def rebind_if_adapters_changed(module, args):
+        key = _adapters_key(module)
+        if key != seen[0]:
+            bind(module)
+            seen[0] = key
+
+    handle = model.register_forward_pre_hook(rebind_if_adapters_changed)
+    return [lambda: unbind(model), handle.remove]

@@ -1,0 +1,109 @@
+"""PEFT LoRA under autocast without the input's fp32 round trip (hf_accel.lora_casts): bit-identical losses and
+gradients to PEFT's own casting, on a bf16 model with fp32 adapters under bf16 autocast (CPU autocast here, CUDA in
+the benchmark), with fewer fp32 copies; PEFT's path wherever the cast is not a pure round trip."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_accel
+from hf_accel import lora_casts
+from tiny_models import VOCAB, make
+
+peft = pytest.importorskip("peft")
+
+
+class Fp32Copies(TorchDispatchMode):
+    """Counts bf16 -> fp32 copies (what PEFT's input cast dispatches to)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float32 \
+                and args[0].dtype == torch.bfloat16:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def lora_model(name: str, dropout: float = 0.0, use_dora: bool = False):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = make(name).to(torch.bfloat16).train()
+    targets = ["q_proj", "v_proj", "down_proj"] if name.startswith("llama") else ["query_key_value", "dense"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=dropout,
+                        use_dora=use_dora)
+    return get_peft_model(model, config)  # adapters in fp32 (PEFT's autocast_adapter_dtype default)
+
+
+def step(model, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=g)
+    model.zero_grad(set_to_none=True)
+    counter = Fp32Copies()
+    with torch.autocast("cpu", dtype=torch.bfloat16), counter:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, counter.count
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "neox-parallel", "falcon-7b-mqa"])
+def test_skipping_the_round_trip_is_bit_identical(name):
+    model = lora_model(name)
+    assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float32
+    hf_accel.patch(model, backend="reference")
+    loss, grads, copies = step(model)
+    lora_casts.unbind(model.get_base_model())  # PEFT's own cast, same attention kernel
+    ref_loss, ref_grads, ref_copies = step(model)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and any("lora_A" in n for n in grads)
+    for n in ref_grads:
+        assert torch.equal(grads[n], ref_grads[n]), n
+    assert copies < ref_copies  # the skip happened
+
+
+def test_lora_added_after_patch_is_bound_and_unpatch_removes_it():
+    from peft import LoraConfig, get_peft_model
+
+    base = make("llama-gqa").to(torch.bfloat16).train()
+    hf_accel.patch(base, backend="reference")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    _, _, copies = step(model)
+    layers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear)]
+    assert layers and all("_cast_input_dtype" in m.__dict__ for m in layers)
+    lora_casts.unbind(base)
+    _, _, peft_copies = step(model)
+    assert copies < peft_copies
+    lora_casts.bind(base)
+    hf_accel.unpatch(model)
+    assert not any("_cast_input_dtype" in m.__dict__ for m in layers)
+
+
+@pytest.mark.parametrize("kind", ["dropout", "dora", "no-autocast-dtype-match"])
+def test_cast_kept_where_it_is_not_a_pure_round_trip(kind):
+    model = lora_model("llama-gqa", dropout=0.1 if kind == "dropout" else 0.0, use_dora=kind == "dora")
+    if kind == "no-autocast-dtype-match":
+        model = model.to(torch.float16)  # fp16 inputs under bf16 autocast: the cast is not undone exactly
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.data = p.data.float()
+    layer = next(m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear))
+    x = torch.randn(3, layer.in_features, dtype=next(layer.base_layer.parameters()).dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not lora_casts.round_trip_only(layer, x, torch.float32)
+    assert not lora_casts.round_trip_only(layer, x.bfloat16(), torch.float32)  # autocast off
+
+
+def test_round_trip_detected_for_plain_lora():
+    model = lora_model("llama-gqa")
+    layer = next(m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear))
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lora_casts.round_trip_only(layer, x, torch.float32)
+        assert not lora_casts.round_trip_only(layer, x, torch.bfloat16)
+        assert not lora_casts.round_trip_only(layer, x.float(), torch.float32)
