@@ -18,6 +18,7 @@
 #   bash scripts/gpu_jobs.sh profiles       # profiles of NeoX, Falcon, Llama-8B LoRA; LM-head micro-bench
 #   bash scripts/gpu_jobs.sh nosync         # no-sync / LoRA-cast / compiled+op fused-ops tests, Llama-8B and -1B
 #   bash scripts/gpu_jobs.sh nosync-2       # Llama-8B LoRA profile after the cast skip; NeoX and Falcon same-run
+#   bash scripts/gpu_jobs.sh gpu-all        # every GPU test (pytest -m gpu tests/gpu), one call
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -52,7 +53,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next | profiles | nosync | nosync-2}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next | profiles | nosync | nosync-2 | gpu-all}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -195,6 +196,14 @@ nosync-2)
         --configs trl-fa4-packed,hf_accel-best --steps 30 --warmup 6 --time-budget 150 --config-timeout 75
     step bench_falcon 150 python scripts/bench.py --workload falcon-1b --out "$OUT" --best-compile on \
         --configs hf-sdpa-padded,hf_accel-best --steps 15 --warmup 6 --time-budget 140 --config-timeout 70
+    ;;
+gpu-all)
+    # most affected by the latest changes first; a cut run still prints pytest's summary of what ran (SIGINT)
+    step gpu_tests "$(( ${JOB_SECONDS:-560} - 20 ))" python -m pytest -m gpu -q -rA -p no:cacheprovider \
+        tests/gpu/test_compile_gpu.py tests/gpu/test_models_gpu.py tests/gpu/test_fused_ops_gpu.py \
+        tests/gpu/test_kernels_gpu.py tests/gpu/test_no_sync_gpu.py tests/gpu/test_lora_casts_gpu.py \
+        tests/gpu/test_fused_ce_gpu.py tests/gpu/test_flash_mha_gpu.py
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_tests.log" | tail -80
     ;;
 *)
     echo "unknown job $1" >&2
