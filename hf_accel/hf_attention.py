@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 import transformers.masking_utils as masking_utils
@@ -100,14 +101,37 @@ def register() -> None:
 # hf_accel's mask function never uses that result (the seam takes documents from cu_seq_lens / position_ids
 # itself), so during a patched model's forward the search is skipped for exactly the position_ids tensor that
 # forward was given. Every other call (unpatched models, other tensors, compiled tracing) runs transformers' own.
-_PATCHED_FORWARD_POSITIONS: ContextVar[torch.Tensor | None] = ContextVar("hf_accel_positions", default=None)
+# The same record carries the forward's collator metadata (cu_seq_lens_q, max_length_q) to seams whose model does
+# not pass keyword arguments down to attention (Falcon), so they need no host read of the layout either.
+class _ForwardBatch(NamedTuple):
+    position_ids: torch.Tensor | None
+    cu_seq_lens: torch.Tensor | None
+    max_length: int | None
+    padding_mask: bool  # the forward was given an attention_mask
+
+
+_PATCHED_FORWARD: ContextVar[_ForwardBatch | None] = ContextVar("hf_accel_forward_batch", default=None)
 _transformers_find_packed: Callable | None = None
 
 
+def _current(position_ids: torch.Tensor | None) -> _ForwardBatch | None:
+    batch = _PATCHED_FORWARD.get()
+    return batch if batch is not None and position_ids is not None and position_ids is batch.position_ids else None
+
+
 def _find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
-    if not torch.compiler.is_compiling() and position_ids is _PATCHED_FORWARD_POSITIONS.get():
+    if not torch.compiler.is_compiling() and _current(position_ids) is not None:
         return None  # "no packed documents" to transformers; hf_accel's seam handles them
     return _transformers_find_packed(position_ids)
+
+
+def collator_metadata(position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
+    """(cu_seq_lens_q, max_length_q) the patched model's current forward was given with these very position_ids and
+    no attention_mask (so the collator's documents are the whole layout), else (None, None)."""
+    batch = _current(position_ids)
+    if batch is None or batch.padding_mask or batch.cu_seq_lens is None or batch.max_length is None:
+        return None, None
+    return batch.cu_seq_lens, batch.max_length
 
 
 def _install_packed_check_skip() -> None:
@@ -119,16 +143,19 @@ def _install_packed_check_skip() -> None:
     masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
 
 
-def skip_packed_check_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
-    """Hooks that mark a patched model's position_ids for the duration of its forward; returns their removers."""
+def forward_batch_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
+    """Hooks that record a patched model's position_ids and collator metadata for the duration of its forward;
+    returns their removers."""
     tokens = []
 
     def before(module, args, kwargs):
-        tokens.append(_PATCHED_FORWARD_POSITIONS.set(kwargs.get("position_ids")))
+        record = _ForwardBatch(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"),
+                               kwargs.get("attention_mask") is not None)
+        tokens.append(_PATCHED_FORWARD.set(record))
 
     def after(module, args, kwargs, output):
         if tokens:
-            _PATCHED_FORWARD_POSITIONS.reset(tokens.pop())
+            _PATCHED_FORWARD.reset(tokens.pop())
 
     return [
         model.register_forward_pre_hook(before, with_kwargs=True).remove,

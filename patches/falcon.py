@@ -4,7 +4,7 @@ Falcon does not use transformers' AttentionInterface and builds its mask without
 batches attend across documents. The seam here is each ``FalconAttention`` instance's ``forward`` (never the decoder
 layer's, which would silently disable checkpointing): the fused ``query_key_value`` and ``dense`` projections are
 still called as modules (LoRA works), K/V go to the kernel as true groups (no broadcast to every head), documents come
-from position_ids, and ALiBi is passed to the kernel as slopes. Decoding steps behind a KV cache and
+from the collator's ``cu_seq_lens_q`` given to the model's forward, else from position_ids, and ALiBi is passed to the kernel as slopes. Decoding steps behind a KV cache and
 ``output_attentions`` run the original forward unchanged.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import types
 import torch
 from transformers.models.falcon.modeling_falcon import FalconAttention, apply_rotary_pos_emb, build_alibi_tensor
 
-from hf_accel.hf_attention import BACKEND_ATTR, seam_attention
+from hf_accel.hf_attention import BACKEND_ATTR, collator_metadata, seam_attention
 from hf_accel.kernels import AttnOptions
 
 MODEL_TYPES = ("falcon",)
@@ -77,7 +77,14 @@ def _attend(self: FalconAttention, q, k, v, attention_mask, position_ids, with_a
         dropout_p=self.attention_dropout.p if (self.training and with_alibi) else 0.0,
         alibi_slopes=alibi_slopes(self.num_heads, self.head_dim, q.device) if with_alibi else None,
     )
-    return seam_attention(self, q, k, v, attention_mask=attention_mask, position_ids=position_ids, opts=opts)
+    # Falcon's decoder layers pass no keyword arguments down: the collator's metadata comes from the model's forward.
+    # With it (and no padding mask given to the model) Falcon's 4D mask only restates causality (and ALiBi, which goes
+    # to the kernel as slopes), so the documents are taken from cu_seq_lens without reading the mask back.
+    cu_seq_lens, max_length = collator_metadata(position_ids)
+    if cu_seq_lens is not None:
+        attention_mask = None
+    return seam_attention(self, q, k, v, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
+                          cu_seq_lens=cu_seq_lens, max_length=max_length)
 
 
 def patched_forward(

@@ -33,7 +33,7 @@ CATEGORIES = (
     ("loss", ("cross_entropy", "log_softmax", "nll", "liger_cross", "softmax", "_ce_grad_rows")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("matmul", ("gemm", "sm90_xmma", "nvjet", "cutlass", "matmul", "cublas")),
-    ("norms+elementwise", ("elementwise", "vectorized", "norm", "reduce", "silu", "mul", "add", "copy", "rope",
+    ("norms+elementwise", ("elementwise", "vectorized", "norm", "reduce", "silu", "gelu", "mul", "add", "copy", "rope",
                            "swiglu", "index", "cat", "fill")),
 )
 
