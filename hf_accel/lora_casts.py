@@ -8,7 +8,7 @@ autocast dtype). Both copies are exact, so skipping them changes nothing the lay
 were the largest element-wise cost of the step.
 
 hf_accel skips the cast only where it is provably a round trip: autocast on for the input's device with the input's
-own dtype, a bf16/fp16 input, an fp32 adapter, and every active adapter of the layer a plain LoRA (no DoRA or other
+own dtype, a bf16/fp16 input, an fp32 adapter, and every adapter of the layer a plain LoRA (no DoRA or other
 variant) with no dropout (dropout's random mask is laid out per dtype, so with dropout the cast stays). Everywhere
 else PEFT's own method runs. The skip is bound per layer instance (an instance attribute shadowing PEFT's method), on
 LoRA layers present at ``patch()`` and on those PEFT adds later (checked at each forward of the patched model);
@@ -41,10 +41,12 @@ def round_trip_only(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bo
     device = x.device.type
     if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != x.dtype:
         return False
-    for name in layer.active_adapters:
-        if name not in layer.lora_A:
-            continue
-        if name in layer.lora_variant or type(layer.lora_A[name]) is not nn.Linear:
+    variants = getattr(layer, "lora_variant", None)
+    if variants is None:  # a PEFT layout this check does not know: keep PEFT's own cast
+        return False
+    # every adapter of the layer, not only the active ones: a mixed-adapter batch casts for any of them
+    for name, lora_a in layer.lora_A.items():
+        if name in variants or type(lora_a) is not nn.Linear:
             return False
         if not isinstance(layer.lora_dropout[name], nn.Identity):
             return False

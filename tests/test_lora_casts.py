@@ -107,3 +107,15 @@ def test_round_trip_detected_for_plain_lora():
         assert lora_casts.round_trip_only(layer, x, torch.float32)
         assert not lora_casts.round_trip_only(layer, x, torch.bfloat16)
         assert not lora_casts.round_trip_only(layer, x.float(), torch.float32)
+
+
+def test_any_adapter_with_dropout_keeps_the_cast():
+    """A second adapter with dropout on the same layer (usable in a mixed-adapter batch) keeps PEFT's cast."""
+    from peft import LoraConfig
+
+    model = lora_model("llama-gqa")
+    model.add_adapter("drop", LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.1))
+    layer = next(m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.Linear))
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not lora_casts.round_trip_only(layer, x, torch.float32)
