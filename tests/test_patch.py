@@ -141,10 +141,13 @@ def test_packed_forward_skips_transformers_packed_search(variant, monkeypatch):
     alone = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
     calls.clear()
-    ref(input_ids=ids, position_ids=pos)  # not patched: transformers' own search (Falcon builds no packed mask)
-    assert [p is pos for p in calls] == ([] if variant.startswith("falcon") else [True])
+    ref(input_ids=ids, position_ids=pos)  # not patched: transformers' own search
+    assert all(p is pos for p in calls)
+    if not variant.startswith("falcon"):  # stock Falcon builds a packed mask only from transformers 5.24
+        assert calls
+    searched = len(calls)
     model(input_ids=ids, position_ids=pos)
-    assert len(calls) == (0 if variant.startswith("falcon") else 1)  # the hook's mark ended with the forward
+    assert len(calls) == searched  # patched again: still skipped
 
 
 def test_stock_falcon_packing_leaks_and_ours_does_not():
