@@ -101,6 +101,8 @@ def register() -> None:
 # hf_accel's mask function never uses that result (the seam takes documents from cu_seq_lens / position_ids
 # itself), so during a patched model's forward the search is skipped for exactly the position_ids tensor that
 # forward was given. Every other call (unpatched models, other tensors, compiled tracing) runs transformers' own.
+# This wrapper is hf_accel's one process-wide change (transformers has no per-model hook ahead of that search); it
+# is inert outside a patched model's forward, so it stays installed after unpatch().
 # The same record carries the forward's collator metadata (cu_seq_lens_q, max_length_q) to seams whose model does
 # not pass keyword arguments down to attention (Falcon), so they need no host read of the layout either.
 class _ForwardBatch(NamedTuple):
