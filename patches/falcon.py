@@ -4,8 +4,8 @@ Falcon does not use transformers' AttentionInterface and builds its mask without
 batches attend across documents. The seam here is each ``FalconAttention`` instance's ``forward`` (never the decoder
 layer's, which would silently disable checkpointing): the fused ``query_key_value`` and ``dense`` projections are
 still called as modules (LoRA works), K/V go to the kernel as true groups (no broadcast to every head), documents come
-from the collator's ``cu_seq_lens_q`` given to the model's forward, else from position_ids, and ALiBi is passed to the kernel as slopes. Decoding steps behind a KV cache and
-``output_attentions`` run the original forward unchanged.
+from the collator's ``cu_seq_lens_q`` given to the model's forward, else from position_ids, and ALiBi is passed to
+the kernel as slopes. Decoding steps behind a KV cache and ``output_attentions`` run the original forward unchanged.
 """
 from __future__ import annotations
 
