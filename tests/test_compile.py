@@ -192,3 +192,18 @@ def test_layers_share_their_compiled_graphs(family):
             loss_and_grads(model, packed(lengths, seed))
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[1], graphs
+
+
+def test_lora_cast_skip_traces_without_new_graph_breaks():
+    """hf_accel.lora_casts' check (autocast state, adapter types) runs inside compiled layers: under bf16 autocast
+    on a bf16 model with fp32 adapters, the only graph breaks are the attention seam's."""
+    peft = pytest.importorskip("peft")
+    model = make("llama-gqa").to(torch.bfloat16).train()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    hf_accel.patch(model, backend="reference", compile=AOT_EAGER)
+    for seed, lengths in enumerate(STEPS[:2]):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**packed(lengths, seed)).loss
+        loss.backward()
+    breaks = counters["graph_break"]
+    assert breaks and all("hf_accel_attention" in reason for reason in breaks), list(breaks)
