@@ -19,6 +19,8 @@
 #   bash scripts/gpu_jobs.sh nosync         # no-sync / LoRA-cast / compiled+op fused-ops tests, Llama-8B and -1B
 #   bash scripts/gpu_jobs.sh nosync-2       # Llama-8B LoRA profile after the cast skip; NeoX and Falcon same-run
 #   bash scripts/gpu_jobs.sh gpu-all        # every GPU test (pytest -m gpu tests/gpu), one call
+#   bash scripts/gpu_jobs.sh after-6        # next session: the GPU tests gpu-all did not reach, Falcon with the
+#                                           # collator's metadata, Llama-1B under a 23 GiB checkpointing budget
 #   bash scripts/gpu_jobs.sh compile    # Llama-1B: patch(compile=True) vs eager hf_accel-best vs TRL+FA4+Liger
 # (after ../shared/gpu/fetch-gpu-wheels.sh's two set-up calls; see BENCHMARKS.md for what each produced)
 set -uo pipefail
@@ -53,7 +55,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$OUT/gpu.txt"
 
-case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next | profiles | nosync | nosync-2 | gpu-all}" in
+case "${1:?job: ckpt-sft | tests | bench | final | last | compile | compile-check | compile-1b | compile-8b | compile-final | gc-check | ce | events | bf16-acc | next | profiles | nosync | nosync-2 | gpu-all | after-6}" in
 ckpt-sft)
     step ckpt 260 python scripts/bench_checkpointing.py --out "$OUT/bench_checkpointing.json"
     sft sft_patched --max-tokens-per-batch 16384 --fused-ce --fused-ops
@@ -204,6 +206,15 @@ gpu-all)
         tests/gpu/test_kernels_gpu.py tests/gpu/test_no_sync_gpu.py tests/gpu/test_lora_casts_gpu.py \
         tests/gpu/test_fused_ce_gpu.py tests/gpu/test_flash_mha_gpu.py
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/gpu_tests.log" | tail -80
+    ;;
+after-6)
+    step gpu_tests 200 python -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+        tests/gpu/test_flash_mha_gpu.py "tests/gpu/test_fused_ops_gpu.py::test_fused_ops_train_step[neox-1.4b-None]"
+    step bench_falcon 150 python scripts/bench.py --workload falcon-1b --out "$OUT" --best-compile on \
+        --configs hf-sdpa-padded,hf_accel-best --steps 15 --warmup 6 --time-budget 140 --config-timeout 70
+    step bench_llama1b 190 python scripts/bench.py --workload llama-1b --out "$OUT" --best-compile on \
+        --best-checkpointing budget:23GiB --configs trl-fa4-packed-liger,hf_accel-best --steps 30 --warmup 6 \
+        --time-budget 180 --config-timeout 90
     ;;
 *)
     echo "unknown job $1" >&2
