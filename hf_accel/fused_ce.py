@@ -17,7 +17,7 @@ import inspect
 import logging
 import types
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ IGNORE_INDEX = -100
 CHUNK_BYTES = 512 * 2**20  # automatic chunks: one chunk's logits take about this much
 Reduction = Literal["sum", "mean"]
 Method = Literal["auto", "inline", "recompute", "liger", "module"]
-METHODS = ("auto", "inline", "recompute", "liger", "module")
+METHODS: tuple[str, ...] = get_args(Method)
 _warned: set[str] = set()
 
 

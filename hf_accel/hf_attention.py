@@ -92,7 +92,6 @@ def register() -> None:
     """Register the attention and mask functions with transformers (idempotent, process-wide, our name only)."""
     AttentionInterface.register(ATTN_NAME, hf_accel_attention)
     AttentionMaskInterface.register(ATTN_NAME, hf_accel_mask)
-    _install_packed_check_skip()
 
 
 # transformers' mask preparation looks for packed documents in position_ids when no attention mask is given
@@ -147,7 +146,8 @@ def _install_packed_check_skip() -> None:
 
 def forward_batch_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
     """Hooks that record a patched model's position_ids and collator metadata for the duration of its forward;
-    returns their removers."""
+    returns their removers. Installs the packed-search skip that reads the record (once per process)."""
+    _install_packed_check_skip()
     tokens = []
 
     def before(module, args, kwargs):

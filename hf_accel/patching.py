@@ -199,9 +199,8 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpo
             notes.append(f"fused_ops with compile: liger serves {len(fused_names)} modules; inside the decoder layers "
                          "only their eager calls (op-level checkpointed layers, evaluation): inductor fuses the rest")
     undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
-    from .hf_attention import forward_batch_hooks, register
+    from .hf_attention import forward_batch_hooks
 
-    register()  # also Falcon's patch, whose attention is not registered: it installs the packed-check skip
     undo += forward_batch_hooks(model_hf)
     from . import lora_casts
 

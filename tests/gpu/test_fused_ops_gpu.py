@@ -13,11 +13,9 @@ from test_models_gpu import SHAPES, packed, step
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("checkpointing", [None, "op"])
-@pytest.mark.parametrize("name", ["llama-1b", "neox-1.4b"])
-def test_fused_ops_train_step(name, checkpointing):
-    """checkpointing="op": liger's SwiGLU backward writes its gradients into its saved inputs (the matmul outputs that
-    op-level checkpointing caches for recompute), so the combination is checked on its own."""
+def _assert_within_bf16_error(name: str, **patch_kwargs):
+    """A bf16 train step of a model patched with ``patch_kwargs`` against fp32: loss and gradients within twice the
+    error of the plain patched bf16 model. Returns the patched bf16 model, the batch and the plain bf16 loss."""
     pytest.importorskip("liger_kernel")
     torch.manual_seed(0)
     ref32 = SHAPES[name]().cuda().float().train()
@@ -25,7 +23,7 @@ def test_fused_ops_train_step(name, checkpointing):
     fused = copy.deepcopy(ref16)
     hf_accel.patch(ref32)
     hf_accel.patch(ref16)
-    report = hf_accel.patch(fused, fused_ops=True, checkpointing=checkpointing)
+    report = hf_accel.patch(fused, **patch_kwargs)
     assert report.fused_ops
     batch = packed(ref32.config.vocab_size)
     loss32, g32 = step(ref32, batch)
@@ -34,6 +32,15 @@ def test_fused_ops_train_step(name, checkpointing):
     base_grad = ((g16 - g32).norm() / g32.norm()).item()
     assert abs(lossf - loss32) <= 2 * abs(loss16 - loss32) + 5e-3
     assert ((gf - g32).norm() / g32.norm()).item() <= 2 * base_grad + 1e-2
+    return fused, batch, loss16
+
+
+@pytest.mark.parametrize("checkpointing", [None, "op"])
+@pytest.mark.parametrize("name", ["llama-1b", "neox-1.4b"])
+def test_fused_ops_train_step(name, checkpointing):
+    """checkpointing="op": liger's SwiGLU backward writes its gradients into its saved inputs (the matmul outputs that
+    op-level checkpointing caches for recompute), so the combination is checked on its own."""
+    fused, batch, loss16 = _assert_within_bf16_error(name, fused_ops=True, checkpointing=checkpointing)
     if checkpointing:
         return
     hf_accel.unpatch(fused)
@@ -45,18 +52,4 @@ def test_fused_ops_train_step(name, checkpointing):
 def test_fused_ops_with_compiled_layers_and_op_checkpointing():
     """compile=True with op-level checkpointing: the layers run eagerly (the compiled path skips op-level
     checkpointed layers) and train through liger's kernels; within the bf16 error, like the other combinations."""
-    pytest.importorskip("liger_kernel")
-    torch.manual_seed(0)
-    ref32 = SHAPES["llama-1b"]().cuda().float().train()
-    ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
-    fused = copy.deepcopy(ref16)
-    hf_accel.patch(ref32)
-    hf_accel.patch(ref16)
-    hf_accel.patch(fused, fused_ops=True, compile=True, checkpointing="op")
-    batch = packed(ref32.config.vocab_size)
-    loss32, g32 = step(ref32, batch)
-    loss16, g16 = step(ref16, batch)
-    lossf, gf = step(fused, batch)
-    base_grad = ((g16 - g32).norm() / g32.norm()).item()
-    assert abs(lossf - loss32) <= 2 * abs(loss16 - loss32) + 5e-3
-    assert ((gf - g32).norm() / g32.norm()).item() <= 2 * base_grad + 1e-2
+    _assert_within_bf16_error("llama-1b", fused_ops=True, compile=True, checkpointing="op")
