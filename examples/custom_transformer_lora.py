@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from hf_accel.flash_mha import FlashMHA
+from hf_accel.attention.flash_mha import FlashMHA
 
 VOCAB = 32
 

@@ -6,9 +6,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
-from hf_accel.collators import DataCollatorForPacking
-from hf_accel.default_task import build_tokenizer, make_examples
-from hf_accel.data import tokenize_example
+from hf_accel.data.collators import DataCollatorForPacking
+from hf_accel.data.default_task import build_tokenizer, make_examples
+from hf_accel.data.prepare import tokenize_example
 
 tokenizer = build_tokenizer()
 torch.manual_seed(0)

@@ -7,8 +7,8 @@ import tempfile
 from peft import LoraConfig, get_peft_model
 from transformers import TrainingArguments
 
-from hf_accel.default_task import build_tokenizer, make_examples, tiny_llama
-from hf_accel.trainer import AccelArguments, Trainer
+from hf_accel.data.default_task import build_tokenizer, make_examples, tiny_llama
+from hf_accel.training.trainer import AccelArguments, Trainer
 
 tokenizer = build_tokenizer()
 model = get_peft_model(tiny_llama(len(tokenizer), hidden_size=64), LoraConfig(

@@ -7,8 +7,8 @@ import tempfile
 from datasets import Dataset
 from trl import SFTConfig
 
-from hf_accel.default_task import build_tokenizer, make_examples, tiny_llama
-from hf_accel.trainer import AccelArguments, SFTTrainer
+from hf_accel.data.default_task import build_tokenizer, make_examples, tiny_llama
+from hf_accel.training.trainer import AccelArguments, SFTTrainer
 
 tokenizer = build_tokenizer()
 model = tiny_llama(len(tokenizer), hidden_size=64)

@@ -15,18 +15,18 @@ from .errors import (  # noqa: E402
     UnsupportedModel,
     UnsupportedVersion,
 )
-from .kernels import format_backends, list_backends  # noqa: E402
+from .attention.kernels import format_backends, list_backends  # noqa: E402
 from .patching import PatchReport, patch, patch_report, unpatch  # noqa: E402
-from .collators import DataCollatorForPacking, DataCollatorForPadding  # noqa: E402
-from .sampling import LengthGroupedBatchSampler, TokenBudgetBatchSampler  # noqa: E402
-from .checkpointing import policy_from_spec  # noqa: E402
-from .flash_mha import FlashMHA  # noqa: E402
-from .trainer import AccelArguments, Trainer  # noqa: E402
+from .data.collators import DataCollatorForPacking, DataCollatorForPadding  # noqa: E402
+from .data.sampling import LengthGroupedBatchSampler, TokenBudgetBatchSampler  # noqa: E402
+from .memory.checkpointing import policy_from_spec  # noqa: E402
+from .attention.flash_mha import FlashMHA  # noqa: E402
+from .training.trainer import AccelArguments, Trainer  # noqa: E402
 
 
 def __getattr__(name: str):
     if name == "SFTTrainer":  # TRL is optional: imported only when asked for
-        from .trainer import SFTTrainer
+        from .training.trainer import SFTTrainer
 
         return SFTTrainer
     raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")

@@ -14,7 +14,7 @@ import torch
 
 from ._compat import check_transformers_version
 from .errors import ConfigurationError, UnsupportedModel
-from .kernels import AttentionRequest, DeviceInfo, select
+from .attention.kernels import AttentionRequest, DeviceInfo, select
 
 logger = logging.getLogger("hf_accel")
 
@@ -131,13 +131,13 @@ def patch(
 
     Works on a plain transformers model or a PEFT model, before or after ``get_peft_model``. Idempotent: patching a
     patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
-    takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.checkpointing).
+    takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.memory.checkpointing).
     ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
     ``fused_ce=True`` makes training forwards with labels return the loss from a chunked linear cross-entropy
-    (hf_accel.fused_ce, "inline" method), never materialising the full logits (``logits`` is then None); eval and
+    (hf_accel.fused.cross_entropy, "inline" method), never materialising the full logits (``logits`` is then None); eval and
     generate are unchanged.
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles each decoder layer's training forward with
-    inductor, attention excluded (see hf_accel.compiling); it takes over the layers' norms / MLP from ``fused_ops``.
+    inductor, attention excluded (see hf_accel.fused.compiling); it takes over the layers' norms / MLP from ``fused_ops``.
     """
     check_transformers_version()
     model_hf = base_model(model)
@@ -166,13 +166,13 @@ def patch(
         report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
                                compiled=compile_options is not None)
         if compile_options is not None:
-            from . import compiling
+            from .fused import compiling
 
             layers, compile_undo = compiling.apply(model_hf, compile_options)
             undo += compile_undo
             report.compiled_layers = len(layers)
         if fused_ce:
-            from .fused_ce import bind_fused_loss
+            from .fused.cross_entropy import bind_fused_loss
 
             undo.append(bind_fused_loss(model_hf))
             report.fused_ce = True
@@ -190,7 +190,7 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpo
     """Everything after the attention seam; appends its undo actions to ``undo``."""
     notes = []
     if fused_ops:
-        from . import fused_ops as fused
+        from .fused import ops as fused
 
         # compiled layers fuse their own norms / MLP; inside them liger's kernels serve only eager calls
         fused_names, fused_undo = fused.apply(model_hf, compiled_layers=compiled)
@@ -199,10 +199,10 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpo
             notes.append(f"fused_ops with compile: liger serves {len(fused_names)} modules; inside the decoder layers "
                          "only their eager calls (op-level checkpointed layers, evaluation): inductor fuses the rest")
     undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
-    from .hf_attention import forward_batch_hooks
+    from .attention.hf_attention import forward_batch_hooks
 
     undo += forward_batch_hooks(model_hf)
-    from . import lora_casts
+    from .fused import lora_casts
 
     undo += lora_casts.apply(model_hf)
     report = PatchReport(
@@ -211,7 +211,7 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpo
         lora_targets=family.LORA_TARGETS, fused_ops=fused_ops, notes=notes,
     )
     if checkpointing is not None:
-        from .checkpointing import policy_from_spec
+        from .memory.checkpointing import policy_from_spec
 
         policy = policy_from_spec(checkpointing)
         policy.apply(model)

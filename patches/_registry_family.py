@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hf_accel.hf_attention import ATTN_NAME, BACKEND_ATTR, register
+from hf_accel.attention.hf_attention import ATTN_NAME, BACKEND_ATTR, register
 
 
 def patch_registry_family(model, attention_cls: type, backend: str) -> tuple[list[str], list[Callable[[], None]]]:

@@ -16,8 +16,8 @@ import types
 import torch
 from transformers.models.falcon.modeling_falcon import FalconAttention, apply_rotary_pos_emb, build_alibi_tensor
 
-from hf_accel.hf_attention import BACKEND_ATTR, collator_metadata, seam_attention
-from hf_accel.kernels import AttnOptions
+from hf_accel.attention.hf_attention import BACKEND_ATTR, collator_metadata, seam_attention
+from hf_accel.attention.kernels import AttnOptions
 
 MODEL_TYPES = ("falcon",)
 LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")

@@ -18,9 +18,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 import hf_accel  # noqa: E402
-from hf_accel.checkpointing import policy_from_spec, remove_checkpointing  # noqa: E402
-from hf_accel.checkpoint_plan import parse_bytes  # noqa: E402
-from hf_accel.memory import estimate_training_memory, load_config  # noqa: E402
+from hf_accel.memory.checkpointing import policy_from_spec, remove_checkpointing  # noqa: E402
+from hf_accel.memory.plan import parse_bytes  # noqa: E402
+from hf_accel.memory.estimate import estimate_training_memory, load_config  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FIXED = ["none", "full", "every_2", "every_4", "op"]
@@ -32,7 +32,7 @@ WORKLOADS = {  # name: (shape, lora rank, tokens per step, timed steps)
 
 def sft_lengths(n: int, seed: int) -> list[int]:
     try:
-        from hf_accel.data import sft_lengths as lengths
+        from hf_accel.data.prepare import sft_lengths as lengths
         return lengths(n, seed=seed)
     except ImportError:  # log-normal stand-in for SFT chat lengths
         gen = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_accel.errors import BackendUnavailable
-from hf_accel.flash_mha import FlashMHA
+from hf_accel.attention.flash_mha import FlashMHA
 
 
 @dataclass

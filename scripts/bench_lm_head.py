@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accel.fused_ce import liger_available, linear_cross_entropy
+from hf_accel.fused.cross_entropy import liger_available, linear_cross_entropy
 
 
 def plain(hidden, head, labels):

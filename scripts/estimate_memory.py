@@ -8,7 +8,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hf_accel.memory import KNOWN_SHAPES, estimate_training_memory  # noqa: E402
+from hf_accel.memory.estimate import KNOWN_SHAPES, estimate_training_memory  # noqa: E402
 
 
 def main() -> None:

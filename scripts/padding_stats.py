@@ -13,9 +13,9 @@ import argparse
 import random
 import statistics
 
-from hf_accel.collators import DataCollatorForPacking, DataCollatorForPadding
-from hf_accel.data import sft_lengths
-from hf_accel.sampling import LengthGroupedBatchSampler, TokenBudgetBatchSampler
+from hf_accel.data.collators import DataCollatorForPacking, DataCollatorForPadding
+from hf_accel.data.prepare import sft_lengths
+from hf_accel.data.sampling import LengthGroupedBatchSampler, TokenBudgetBatchSampler
 
 
 def padded_slots(batch: list[int], lengths: list[int], pad_to: int | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hf_accel.data import pretokenize
+from hf_accel.data.prepare import pretokenize
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from hf_accel import default_task  # noqa: E402
+from hf_accel.data import default_task  # noqa: E402
 from hf_accel.errors import ConfigurationError  # noqa: E402
-from hf_accel.trainer import AccelArguments, Trainer  # noqa: E402
+from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
 
 LLAMA_1B_SHAPES = dict(  # Llama-3.2-1B's config (random init: only the shapes matter for speed)
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -131,7 +131,7 @@ def load_data(args: argparse.Namespace) -> tuple[Any, list[dict] | None]:
     if args.model_shape == "llama-1b" and not args.dataset:
         from datasets import Dataset
 
-        from hf_accel.data import sft_lengths
+        from hf_accel.data.prepare import sft_lengths
 
         gen = torch.Generator().manual_seed(args.seed)
         lengths = sft_lengths(4000, seed=args.seed, max_len=min(args.max_length, 4096))

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import sft  # noqa: E402
 
-from hf_accel.trainer import AccelMixin  # noqa: E402
+from hf_accel.training.trainer import AccelMixin  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

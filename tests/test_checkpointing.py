@@ -9,11 +9,11 @@ from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from hf_accel.checkpointing import (EveryN, FullCheckpointing, NoCheckpointing, OpLevel, SelectiveModules,
+from hf_accel.memory.checkpointing import (EveryN, FullCheckpointing, NoCheckpointing, OpLevel, SelectiveModules,
                                     applied_policy, decoder_layers, policy_from_spec, reapply_checkpointing)
-from hf_accel.checkpoint_targets import _hf_enable_function
+from hf_accel.memory.targets import _hf_enable_function
 from hf_accel.errors import ConfigurationError
-from hf_accel.memory import live_activation_bytes
+from hf_accel.memory.estimate import live_activation_bytes
 
 # fp32 on CPU: recompute runs the same kernels on the same inputs, so only summation-order noise is allowed
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5
@@ -249,11 +249,11 @@ def test_policy_from_spec_parsing_and_errors():
 
 
 def test_op_level_saves_custom_saveable_ops(monkeypatch):
-    """Ops named in hf_accel.kernels.SAVEABLE_OPS at apply time join the op-level save list."""
-    import hf_accel.kernels
-    from hf_accel.checkpointing import default_save_ops
+    """Ops named in hf_accel.attention.kernels.SAVEABLE_OPS at apply time join the op-level save list."""
+    import hf_accel.attention.kernels
+    from hf_accel.memory.checkpointing import default_save_ops
 
-    monkeypatch.setattr(hf_accel.kernels, "SAVEABLE_OPS", ["aten::gelu"], raising=False)
+    monkeypatch.setattr(hf_accel.attention.kernels, "SAVEABLE_OPS", ["aten::gelu"], raising=False)
     assert torch.ops.aten.gelu in default_save_ops()
     assert torch.ops.aten.mm in default_save_ops()
 

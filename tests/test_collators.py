@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_accel.collators import DataCollatorForPacking, DataCollatorForPadding
+from hf_accel.data.collators import DataCollatorForPacking, DataCollatorForPadding
 from hf_accel.errors import ConfigurationError, InvalidBatch
 
 PAD = 0
@@ -113,7 +113,7 @@ def test_fallback_to_padding_keeps_documents_and_targets(caplog):
     features = make_features([4, 7, 2])
     collator = DataCollatorForPacking(PAD, max_tokens=16)
     packed = collator(features)
-    with caplog.at_level(logging.WARNING, logger="hf_accel.collators"):
+    with caplog.at_level(logging.WARNING, logger="hf_accel.data.collators"):
         collator.use_padding("backend 'sdpa' has no varlen support")
         collator.use_padding("backend 'sdpa' has no varlen support")
     assert sum("no varlen support" in r.message for r in caplog.records) == 1

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import hf_accel
-from hf_accel.compiling import compiled_layers
+from hf_accel.fused.compiling import compiled_layers
 from hf_accel.errors import BackendUnavailable, ConfigurationError
 from tiny_models import VOCAB, make
 
@@ -195,7 +195,7 @@ def test_layers_share_their_compiled_graphs(family):
 
 
 def test_lora_cast_skip_traces_without_new_graph_breaks():
-    """hf_accel.lora_casts' check (autocast state, adapter types) runs inside compiled layers: under bf16 autocast
+    """hf_accel.fused.lora_casts' check (autocast state, adapter types) runs inside compiled layers: under bf16 autocast
     on a bf16 model with fp32 adapters, the only graph breaks are the attention seam's."""
     peft = pytest.importorskip("peft")
     model = make("llama-gqa").to(torch.bfloat16).train()

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from hf_accel.data import DataWaitTimer, dataloader_kwargs, pretokenize, sft_lengths, tokenize_example
+from hf_accel.data.prepare import DataWaitTimer, dataloader_kwargs, pretokenize, sft_lengths, tokenize_example
 from hf_accel.errors import ConfigurationError, InvalidBatch
 
 CHAT_TEMPLATE = (

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import hf_accel
-from hf_accel.checkpointing import decoder_layers, policy_from_spec
+from hf_accel.memory.checkpointing import decoder_layers, policy_from_spec
 from hf_accel.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,7 +63,7 @@ def test_config_loads_with_accelerate(config, distributed_type):
 ])
 def test_fsdp2_plugin_from_config(monkeypatch, config, activation_checkpointing):
     """accelerate builds an FSDP2 plugin from the file, with the activation-checkpointing env var that
-    hf_accel.checkpointing reads to stand down."""
+    hf_accel.memory.checkpointing reads to stand down."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     env = _launch_env(config)
@@ -201,7 +201,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory) -> Path:
     """A small prompt/completion jsonl and a saved tiny Llama + tokenizer (offline)."""
-    from hf_accel.default_task import build_tokenizer, make_examples, tiny_llama
+    from hf_accel.data.default_task import build_tokenizer, make_examples, tiny_llama
 
     root = tmp_path_factory.mktemp("dist")
     (root / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in make_examples(256, seed=3)))

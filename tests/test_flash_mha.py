@@ -14,7 +14,7 @@ from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from hf_accel.errors import BackendUnavailable, ConfigurationError, InvalidBatch
-from hf_accel.flash_mha import FlashMHA, alibi_slopes
+from hf_accel.attention.flash_mha import FlashMHA, alibi_slopes
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32 = {"atol": 2e-5, "rtol": 1e-4}  # fp32 CPU: different summation orders only

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_accel
-from hf_accel import fused_ops
+from hf_accel.fused import ops as fused_ops
 from hf_accel.errors import BackendUnavailable
 from tiny_models import make
 
@@ -62,8 +62,8 @@ def _stand_in_binders(calls: list):
 def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
     """Compiled layers trace the module's own forward (inductor fuses it); op-level checkpointed layers, which run
     eagerly, get liger's; evaluation gets the module's own; the final norm always liger's. Undo restores exactly."""
-    from hf_accel import compiling
-    from hf_accel.checkpointing import decoder_layers, policy_from_spec
+    from hf_accel.fused import compiling
+    from hf_accel.memory.checkpointing import decoder_layers, policy_from_spec
 
     torch.manual_seed(0)
     model = make("llama-gqa").train()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_accel.errors import BackendUnavailable
-from hf_accel.kernels import AttentionRequest, AttnOptions, DeviceInfo, select, varlen_attention
+from hf_accel.attention.kernels import AttentionRequest, AttnOptions, DeviceInfo, select, varlen_attention
 
 LENGTHS = (5, 1, 9, 4)
 
@@ -68,7 +68,7 @@ def test_forward_matches_dense_oracle(backend, name):
     want = dense_oracle(q, k, v, LENGTHS, opts)
     with torch.no_grad():
         if backend == "flex":  # eager flex, called directly: its score_mod paths are exercised though not declared
-            from hf_accel.kernels import BACKENDS
+            from hf_accel.attention.kernels import BACKENDS
 
             got = BACKENDS["flex"].varlen(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), opts)
         elif backend == "sdpa" and opts.softcap:
@@ -163,7 +163,7 @@ def test_fa4_gets_a_jit_stable_max_seqlen_hint(monkeypatch):
     """flash-attn-4 compiles extra kernel variants when max_seqlen fits one tile; the backend floors the hint (an upper
     bound to flash-attn-4) so a step of short documents reuses the kernels compiled on the first step. The real kernel
     with short documents is checked against fp32 math in tests/gpu/test_kernels_gpu.py."""
-    from hf_accel.kernels import fa4
+    from hf_accel.attention.kernels import fa4
 
     seen = []
 
@@ -185,7 +185,7 @@ def test_fa4_splits_calls_with_many_documents(monkeypatch):
     splits such calls into consecutive groups of documents. Documents are independent, so the result must equal one
     call over all of them (checked here with the plain-math kernel standing in for the CUDA one; the real kernel with
     300 documents is checked against fp32 math in tests/gpu/test_kernels_gpu.py)."""
-    from hf_accel.kernels import BACKENDS, fa4
+    from hf_accel.attention.kernels import BACKENDS, fa4
 
     calls = []
 

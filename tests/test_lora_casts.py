@@ -1,4 +1,4 @@
-"""PEFT LoRA under autocast without the input's fp32 round trip (hf_accel.lora_casts): bit-identical losses and
+"""PEFT LoRA under autocast without the input's fp32 round trip (hf_accel.fused.lora_casts): bit-identical losses and
 gradients to PEFT's own casting, on a bf16 model with fp32 adapters under bf16 autocast (CPU autocast here, CUDA in
 the benchmark), with fewer fp32 copies; PEFT's path wherever the cast is not a pure round trip."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_accel
-from hf_accel import lora_casts
+from hf_accel.fused import lora_casts
 from tiny_models import VOCAB, make
 
 peft = pytest.importorskip("peft")

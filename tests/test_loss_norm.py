@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_accel.collators import DataCollatorForPacking, DataCollatorForPadding
-from hf_accel.loss import (
+from hf_accel.data.collators import DataCollatorForPacking, DataCollatorForPadding
+from hf_accel.training.loss import (
     causal_lm_loss,
     count_target_tokens,
     global_num_documents,

@@ -10,9 +10,9 @@ import torch
 from transformers import (FalconConfig, FalconForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
-from hf_accel.checkpointing import MemoryBudget, decoder_layers
+from hf_accel.memory.checkpointing import MemoryBudget, decoder_layers
 from hf_accel.errors import ConfigurationError
-from hf_accel.memory import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
+from hf_accel.memory.estimate import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
                              plan_checkpointing, plan_cost, plan_peak_bytes, probe_layer_activations,
                              training_state_bytes)
 

@@ -106,7 +106,7 @@ def test_collator_metadata_equals_position_ids(variant):
     pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
     cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32)
     a = model(input_ids=ids, position_ids=pos).logits
-    from hf_accel import varlen
+    from hf_accel.attention import varlen
 
     derived = []
     original = varlen.from_mask_and_positions
@@ -125,7 +125,7 @@ def test_packed_forward_skips_transformers_packed_search(variant, monkeypatch):
     """transformers looks for packed documents in position_ids and reads the answer back to the host (a GPU sync per
     forward) although hf_accel's seam never uses it: a patched forward skips that search for its own position_ids and
     still equals the documents run alone; an unpatched model given the very same tensor still runs it."""
-    from hf_accel import hf_attention
+    from hf_accel.attention import hf_attention
 
     ref = make(variant)
     model = copy.deepcopy(ref)
@@ -278,7 +278,7 @@ def test_lora_grads_equal_patch_before_or_after_peft(variant):
 
 def test_report_predicts_the_backend_training_calls_use():
     """Attention dropout in training rules out kernels without dropout; the report must say which serves."""
-    from hf_accel.kernels import DeviceInfo
+    from hf_accel.attention.kernels import DeviceInfo
     from hf_accel.patching import _family, _training_request
 
     model = make("llama-gqa")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_accel.checkpoint_io import PAUSE_ENV, STAGING_DIR
+from hf_accel.training.checkpoint_io import PAUSE_ENV, STAGING_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY, KILL_AT = 12, 4, 8

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_accel.data import sft_lengths
+from hf_accel.data.prepare import sft_lengths
 from hf_accel.errors import ConfigurationError, InvalidBatch
-from hf_accel.sampling import LengthGroupedBatchSampler, TokenBudgetBatchSampler, best_fit_decreasing
+from hf_accel.data.sampling import LengthGroupedBatchSampler, TokenBudgetBatchSampler, best_fit_decreasing
 
 LENGTHS = sft_lengths(600, seed=1, median=120, max_len=1024)
 BUDGET = 2048

@@ -38,11 +38,11 @@ def test_default_run_learns_above_chance_within_time_limit(tmp_path):
 
 def test_lora_no_patch_jsonl_dataset(tmp_path):
     """A local jsonl of prompt/completion pairs, LoRA adapter saved, stock (unpatched) path."""
-    from hf_accel.default_task import make_examples
+    from hf_accel.data.default_task import make_examples
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in make_examples(64, seed=3)))
-    from hf_accel.default_task import build_tokenizer, tiny_llama
+    from hf_accel.data.default_task import build_tokenizer, tiny_llama
 
     model_dir = tmp_path / "model"
     tiny_llama(len(build_tokenizer())).save_pretrained(model_dir)

@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers
 
-from hf_accel.checkpointing import decoder_layers
-from hf_accel.collators import DataCollatorForPadding
+from hf_accel.memory.checkpointing import decoder_layers
+from hf_accel.data.collators import DataCollatorForPadding
 from hf_accel.errors import ConfigurationError
-from hf_accel.sampling import TokenBudgetBatchSampler
-from hf_accel.trainer import AccelArguments, Trainer
+from hf_accel.data.sampling import TokenBudgetBatchSampler
+from hf_accel.training.trainer import AccelArguments, Trainer
 from tests.tiny_models import VOCAB, make
 
 LOSS_RTOL = 1e-4  # packed vs padded fp32: summation order only
@@ -146,7 +146,7 @@ def test_logged_metrics_count_real_tokens(tmp_path):
 def test_failed_run_raises_its_own_error_not_the_summarys(tmp_path, monkeypatch):
     """A run that fails mid-training surfaces its own exception: the end-of-run throughput summary (which reads device
     counters) is not computed then, so it cannot replace the error (on the GPU a sync-debug error did exactly that)."""
-    from hf_accel import trainer_metrics
+    from hf_accel.training import metrics as trainer_metrics
 
     class Boom(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -173,7 +173,7 @@ def test_checkpoint_policy_survives_trainer_enable(tmp_path):
 
 
 def test_raw_prompt_completion_dataset_is_tokenized(tmp_path):
-    from hf_accel.default_task import build_tokenizer, make_examples
+    from hf_accel.data.default_task import build_tokenizer, make_examples
 
     tok = build_tokenizer()
     trainer = Trainer(model=make("llama-gqa").train(), args=targs(tmp_path, max_steps=1),
@@ -208,8 +208,8 @@ def sft_data():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sft_trainer_padding_free_matches_stock_padded(tmp_path, name, lora):
     trl = pytest.importorskip("trl")
-    from hf_accel.default_task import build_tokenizer
-    from hf_accel.trainer import SFTTrainer
+    from hf_accel.data.default_task import build_tokenizer
+    from hf_accel.training.trainer import SFTTrainer
 
     ours = SFTTrainer(model=model_for(name, lora), args=sft_config(tmp_path / "o", padding_free=True),
                       train_dataset=sft_data(), processing_class=build_tokenizer(),
@@ -226,8 +226,8 @@ def test_sft_trainer_padding_free_matches_stock_padded(tmp_path, name, lora):
 def test_sft_trainer_bfd_packing_falcon_keeps_documents_apart(tmp_path):
     """TRL's BFD packing puts all 12 examples into one row; stock Falcon would let them attend to each other."""
     trl = pytest.importorskip("trl")
-    from hf_accel.default_task import build_tokenizer
-    from hf_accel.trainer import SFTTrainer
+    from hf_accel.data.default_task import build_tokenizer
+    from hf_accel.training.trainer import SFTTrainer
 
     total = sum(len(x["input_ids"]) for x in examples(12))
     ours = SFTTrainer(model=model_for("falcon-7b-mqa", False), train_dataset=sft_data(),
@@ -243,7 +243,7 @@ def test_sft_trainer_bfd_packing_falcon_keeps_documents_apart(tmp_path):
 
 def test_sft_trainer_refuses_fused_ce():
     from hf_accel.errors import ConfigurationError
-    from hf_accel.trainer import SFTTrainer
+    from hf_accel.training.trainer import SFTTrainer
 
     with pytest.raises(ConfigurationError, match="not available through TRL"):
         SFTTrainer(make("llama-gqa"), accel=AccelArguments(fused_ce=True))
@@ -276,7 +276,7 @@ def test_throughput_counts_match_the_document_lengths_without_reading_them_back(
     """The meter's per-batch counts (kept as tensors where the batch lives, read back at logging) equal the FLOP
     model applied to the batch's document lengths, for padded, cu_seq_lens and position_ids batches."""
     from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch
-    from hf_accel.trainer_metrics import batch_counts
+    from hf_accel.training.metrics import batch_counts
 
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_accel
-from hf_accel import varlen
+from hf_accel.attention import varlen
 from hf_accel.errors import InvalidBatch
 from tiny_models import VOCAB, make
 

@@ -49,8 +49,8 @@ def _has(module: str) -> bool:
 def _hf_accel_api() -> bool:
     try:
         import hf_accel
-        from hf_accel.collators import DataCollatorForPacking  # noqa: F401
-        from hf_accel.sampling import TokenBudgetBatchSampler  # noqa: F401
+        from hf_accel.data.collators import DataCollatorForPacking  # noqa: F401
+        from hf_accel.data.sampling import TokenBudgetBatchSampler  # noqa: F401
     except ImportError:
         return False
     return hasattr(hf_accel, "patch")
@@ -126,12 +126,12 @@ def _flattened_steps(data: BenchData) -> Iterator[list[Batch]]:
 
 def _hf_accel_steps(data: BenchData, seed: int) -> Iterator[list[Batch]]:
     """hf_accel's data path: token-budget best-fit bins packed into one row each by DataCollatorForPacking, through a
-    DataLoader with hf_accel.data.dataloader_kwargs() (collating in worker processes, pinned memory on CUDA)."""
+    DataLoader with hf_accel.data.prepare.dataloader_kwargs() (collating in worker processes, pinned memory on CUDA)."""
     from torch.utils.data import DataLoader
 
-    from hf_accel.collators import DataCollatorForPacking
-    from hf_accel.data import dataloader_kwargs
-    from hf_accel.sampling import TokenBudgetBatchSampler
+    from hf_accel.data.collators import DataCollatorForPacking
+    from hf_accel.data.prepare import dataloader_kwargs
+    from hf_accel.data.sampling import TokenBudgetBatchSampler
 
     sampler = TokenBudgetBatchSampler(data.lengths, max_tokens=data.spec.tokens_per_step, shuffle=True, seed=seed)
     loader = DataLoader([{"input_ids": s} for s in data.samples], batch_sampler=sampler,
@@ -172,7 +172,7 @@ def _trl(liger: bool) -> Callable[..., nn.Module]:
 
 
 def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
-    from hf_accel.fused_ce import causal_lm_loss_from_hidden
+    from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
 
     def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
         lm = causal_lm(model)
@@ -188,7 +188,7 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
 def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timing: Timing) -> None:
     """The policy goes on after LoRA, so a memory budget counts only the adapters' gradients and optimizer states,
     and probes a packed row of the step's real size (one micro-batch per step here)."""
-    from hf_accel.checkpointing import MemoryBudget, policy_from_spec
+    from hf_accel.memory.checkpointing import MemoryBudget, policy_from_spec
 
     policy = policy_from_spec(spec)
     if isinstance(policy, MemoryBudget) and policy.sample_batch is None:
@@ -204,7 +204,7 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
         model = build_model(settings, "sdpa")
         kwargs: dict[str, Any] = {"backend": options.backend if best else "auto"}
         if best and options.fused_ops != "off":
-            from hf_accel.fused_ops import unavailable_reason
+            from hf_accel.fused.ops import unavailable_reason
 
             kwargs["fused_ops"] = options.fused_ops == "on" or unavailable_reason(model) is None
         # fused_ce "auto" is the user's path: patch(fused_ce=True) computes the loss inside the model's forward

@@ -144,7 +144,7 @@ class HostEvents:
             self._gc_full_s += time.perf_counter() - self._gc_started
 
     def _counts(self) -> dict[str, float]:
-        from hf_accel.compiling import graphs_compiled
+        from hf_accel.fused.compiling import graphs_compiled
 
         fa4 = sys.modules.get("flash_attn.cute.interface")
         caches = [getattr(getattr(fa4, name, None), "compile_cache", None) for name in _FA4_JIT_FUNCTIONS]

@@ -111,14 +111,14 @@ def _local_sft_lengths(n: int, seed: int, median: float, max_len: int, min_len: 
 
 def _lengths_fn() -> Callable[..., list[int]]:
     try:
-        from hf_accel.data import sft_lengths
+        from hf_accel.data.prepare import sft_lengths
     except ImportError:
         return _local_sft_lengths
     return sft_lengths
 
 
 def sft_lengths(n: int, spec: DataSpec) -> list[int]:
-    """Log-normal SFT-like lengths (hf_accel.data.sft_lengths when present, else an equivalent local generator)."""
+    """Log-normal SFT-like lengths (hf_accel.data.prepare.sft_lengths when present, else an equivalent local generator)."""
     return list(_lengths_fn()(n, seed=spec.seed, median=spec.median, max_len=spec.max_len, min_len=spec.min_len,
                               sigma=spec.sigma))
 
@@ -166,5 +166,5 @@ def make_data(spec: DataSpec, vocab_size: int, steps: int) -> BenchData:
     """Lengths + random token ids for `steps` optimizer steps (deterministic in spec.seed)."""
     n = spec.num_samples(steps)
     lengths = sft_lengths(n, spec)
-    source = "hf_accel.data.sft_lengths" if _lengths_fn() is not _local_sft_lengths else "local log-normal"
+    source = "hf_accel.data.prepare.sft_lengths" if _lengths_fn() is not _local_sft_lengths else "local log-normal"
     return BenchData(lengths, make_samples(lengths, vocab_size, spec.seed), spec, source)

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from hf_accel.flash_mha import FlashMHA
-from hf_accel.kernels import BACKENDS
+from hf_accel.attention.flash_mha import FlashMHA
+from hf_accel.attention.kernels import BACKENDS
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hf_accel.kernels import AttnOptions, BACKENDS, varlen_attention
+from hf_accel.attention.kernels import AttnOptions, BACKENDS, varlen_attention
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""PEFT LoRA under CUDA bf16 autocast without the input's fp32 round trip (hf_accel.lora_casts): bit-identical loss
+"""PEFT LoRA under CUDA bf16 autocast without the input's fp32 round trip (hf_accel.fused.lora_casts): bit-identical loss
 and gradients to PEFT's own casting on a Llama-shaped model (the CPU test's claim, on the GPU's kernels)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
-from hf_accel import lora_casts
+from hf_accel.fused import lora_casts
 
 pytestmark = pytest.mark.gpu
 

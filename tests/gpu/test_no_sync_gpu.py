@@ -2,7 +2,7 @@
 model's packed step -- forward with the fused loss, backward, fused AdamW -- runs under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on any call that waits for the GPU (``.item()``,
 ``.tolist()``, a blocking host-to-device copy, ``nonzero``...). The batch comes from hf_accel's packing collator
-(``cu_seq_lens_q`` + ``max_length_q``), pinned and copied without blocking, as ``hf_accel.data.dataloader_kwargs()``
+(``cu_seq_lens_q`` + ``max_length_q``), pinned and copied without blocking, as ``hf_accel.data.prepare.dataloader_kwargs()``
 sets up."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
-from hf_accel.collators import DataCollatorForPacking
+from hf_accel.data.collators import DataCollatorForPacking
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
     turns it off (``logging_nan_inf_filter=False``, as the README's throughput tip says)."""
     import transformers
 
-    from hf_accel.trainer import AccelArguments, Trainer
+    from hf_accel.training.trainer import AccelArguments, Trainer
 
     class SyncGuard(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):

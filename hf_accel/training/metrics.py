@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .bench.flops import FlopModel, peak_flops
+from ..bench.flops import FlopModel, peak_flops
 
 
 def device_peak_flops(device: torch.device) -> float | None:

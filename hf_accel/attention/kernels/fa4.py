@@ -41,7 +41,7 @@ def document_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_
     """[(first_doc, last_doc + 1, q_start, q_end, k_start, k_end)] in groups of at most MAX_DOCS_PER_CALL documents.
 
     cu_q, cu_k: (num_docs + 1,) int32 on the device. Memoised on the tensors' identity: every layer of a step passes
-    the same cu_seqlens (built once per step by hf_accel.varlen), so only the first layer reads them back.
+    the same cu_seqlens (built once per step by hf_accel.attention.varlen), so only the first layer reads them back.
     """
     hit = _groups_memo.get((cu_q, cu_k))
     if hit is not None:

@@ -14,7 +14,7 @@ import math
 import random
 from typing import Any, Iterator, Literal, Sequence
 
-from .errors import ConfigurationError, InvalidBatch
+from ..errors import ConfigurationError, InvalidBatch
 
 __all__ = ["best_fit_decreasing", "TokenBudgetBatchSampler", "LengthGroupedBatchSampler"]
 

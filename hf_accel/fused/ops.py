@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .errors import BackendUnavailable
+from ..errors import BackendUnavailable
 
 
 def unavailable_reason(model: nn.Module) -> str | None:
@@ -52,7 +52,7 @@ def fusable_modules(model: nn.Module, outside_decoder_layers: bool = False) -> l
     with a SiLU gate) or "layer_norm" (affine nn.LayerNorm); only those outside the decoder layers when asked."""
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-    from .checkpoint_targets import decoder_layers
+    from ..memory.targets import decoder_layers
 
     skip = {id(m) for layer in decoder_layers(model) for m in layer.modules()} if outside_decoder_layers else set()
     found = []

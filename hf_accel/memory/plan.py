@@ -138,7 +138,7 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from .checkpoint_targets import decoder_layers, default_save_ops
+    from .targets import decoder_layers, default_save_ops
 
     layers = list(layers if layers is not None else decoder_layers(model))
     save_ops = save_ops if save_ops is not None else default_save_ops()

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint_targets import OP_LEVEL_ATTR, decoder_layers
-from .errors import BackendUnavailable
+from ..memory.targets import OP_LEVEL_ATTR, decoder_layers
+from ..errors import BackendUnavailable
 
 SLOT = "_compiled_call_impl"  # what nn.Module.compile sets and nn.Module.__call__ prefers
 

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 # the probe and the planner live in checkpoint_plan; their names stay importable from here
-from .checkpoint_plan import (RECOMPUTE_COST, CheckpointPlan, LayerActivation, format_bytes,  # noqa: F401
+from .plan import (RECOMPUTE_COST, CheckpointPlan, LayerActivation, format_bytes,  # noqa: F401
                               live_activation_bytes, parse_bytes, plan_checkpointing, plan_cost, plan_peak_bytes,
                               probe_layer_activations)
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 _DEFAULT_SAVE_OP_NAMES = (
     # matmuls (nn.Linear decomposes to mm / addmm under the dispatcher)
@@ -27,10 +27,10 @@ _DEFAULT_SAVE_OP_NAMES = (
 
 
 def default_save_ops() -> frozenset:
-    """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels, hf_accel.kernels.SAVEABLE_OPS."""
+    """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels, hf_accel.attention.kernels.SAVEABLE_OPS."""
     packets = {getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
     try:  # read at apply time: the flash-attn-4 custom op registers itself when its backend module is imported
-        from . import kernels
+        from ..attention import kernels
 
         packets |= {_as_packet(op) for op in getattr(kernels, "SAVEABLE_OPS", ())}
     except ImportError:
@@ -47,7 +47,7 @@ def _as_packet(op) -> torch._ops.OpOverloadPacket:
     return getattr(op, "overloadpacket", op)
 
 
-# Marks the checkpoint functions of op-level layers: compiled layers (hf_accel.compiling) run eagerly under them, since
+# Marks the checkpoint functions of op-level layers: compiled layers (hf_accel.fused.compiling) run eagerly under them, since
 # the selective-checkpoint policy must see every op.
 OP_LEVEL_ATTR = "_hf_accel_op_level"
 

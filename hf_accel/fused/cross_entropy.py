@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .errors import ConfigurationError, InvalidBatch
+from ..errors import ConfigurationError, InvalidBatch
 
 logger = logging.getLogger(__name__)
 

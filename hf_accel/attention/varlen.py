@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidBatch
+from ..errors import InvalidBatch
 
 INT32_LIMIT = 2**31 - 1
 

@@ -1,12 +1,12 @@
-"""``hf_accel.trainer.Trainer``: a drop-in ``transformers.Trainer`` that patches the model, packs batches, applies a
+"""``hf_accel.training.trainer.Trainer``: a drop-in ``transformers.Trainer`` that patches the model, packs batches, applies a
 checkpoint policy, logs real throughput, and saves checkpoints atomically (optionally in the background).
 
-``hf_accel.trainer.SFTTrainer`` (TRL's ``SFTTrainer`` with the same behaviour) lives in ``trl_trainer.py`` and is
+``hf_accel.training.trainer.SFTTrainer`` (TRL's ``SFTTrainer`` with the same behaviour) lives in ``trl_trainer.py`` and is
 imported lazily, so TRL stays optional.
 
 Loss normalisation is transformers' own: the Trainer counts the targets of every micro-batch of an optimizer step
 (``num_items_in_batch``) and the model divides its summed cross-entropy by it, so packed, padded and regrouped
-batches of the same samples give the same loss (see ``hf_accel.loss``).
+batches of the same samples give the same loss (see ``hf_accel.training.loss``).
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import checkpoint_io
-from .collators import DataCollatorForPacking, DataCollatorForPadding
-from .errors import ConfigurationError
-from .patching import patch
-from .sampling import TokenBudgetBatchSampler
-from .trainer_metrics import ThroughputMeter, format_summary
+from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
+from ..errors import ConfigurationError
+from ..patching import patch
+from ..data.sampling import TokenBudgetBatchSampler
+from .metrics import ThroughputMeter, format_summary
 
 logger = logging.getLogger("hf_accel")
 
@@ -47,7 +47,7 @@ class AccelArguments:
         ``per_device_train_batch_size`` examples.
     checkpointing: a checkpoint policy or spec ("full", "every_2", "op", "budget:20GiB"); None leaves the model and
         ``TrainingArguments.gradient_checkpointing`` alone.
-    fused_ce: training loss from hidden states by chunked cross-entropy (hf_accel.fused_ce), no full logits tensor
+    fused_ce: training loss from hidden states by chunked cross-entropy (hf_accel.fused.cross_entropy), no full logits tensor
         (``patch(fused_ce=True)``: computed inside the model's forward, so DDP/FSDP see it).
     fused_ops: liger-kernel's fused norms / SwiGLU bound to this model (``patch(fused_ops=True)``; CUDA + liger).
     compile: each decoder layer's training forward through torch.compile, attention excluded (``patch(compile=...)``:
@@ -109,7 +109,7 @@ class AccelMixin:
                                       compile=self.accel.compile)
             logger.info("%s", self.patch_report)
         elif self.accel.checkpointing is not None:
-            from .checkpointing import policy_from_spec
+            from ..memory.checkpointing import policy_from_spec
 
             policy_from_spec(self.accel.checkpointing).apply(self.model)
         if self.accel.async_save and self.args.world_size > 1:
@@ -138,7 +138,7 @@ class AccelMixin:
     def _inner_training_loop(self, *args, **kwargs):
         # Trainer.train() has just (re-)enabled checkpointing from its args; put our policy's choices back.
         if self.accel.checkpointing is not None:
-            from .checkpointing import reapply_checkpointing
+            from ..memory.checkpointing import reapply_checkpointing
 
             reapply_checkpointing(self.model)
         self._meter = ThroughputMeter(self.model, self.args.device)
@@ -271,7 +271,7 @@ def _needs_tokenizing(dataset: Any) -> bool:
 
 def tokenize_dataset(dataset: Any, tokenizer: Any) -> Any:
     """Tokenize a dataset of ``messages``, ``prompt``/``completion`` or ``text`` examples (a list or ``datasets``)."""
-    from .data import pretokenize, tokenize_example
+    from ..data.prepare import pretokenize, tokenize_example
 
     if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
         return pretokenize(dataset, tokenizer)
@@ -295,7 +295,7 @@ class Trainer(AccelMixin, transformers.Trainer):
                 if processing_class is None:
                     raise ConfigurationError(
                         "the dataset has no 'input_ids' column and no processing_class was given; pass a tokenizer "
-                        "as processing_class, or pre-tokenize with hf_accel.data.pretokenize."
+                        "as processing_class, or pre-tokenize with hf_accel.data.prepare.pretokenize."
                     )
                 dataset = tokenize_dataset(dataset, processing_class)
             datasets.append(dataset)
@@ -351,5 +351,5 @@ def __getattr__(name: str):
         from .trl_trainer import SFTTrainer
 
         return SFTTrainer
-    raise AttributeError(f"module 'hf_accel.trainer' has no attribute {name!r}")
+    raise AttributeError(f"module 'hf_accel.training.trainer' has no attribute {name!r}")
 

@@ -1,4 +1,4 @@
-"""``hf_accel.trainer.SFTTrainer``: TRL's ``SFTTrainer`` with hf_accel's patch, checkpoint policy, throughput
+"""``hf_accel.training.trainer.SFTTrainer``: TRL's ``SFTTrainer`` with hf_accel's patch, checkpoint policy, throughput
 logging and atomic checkpoints.
 
 TRL 1.16 owns the data path here: with ``packing=True`` (strategy "bfd") or ``padding_free=True`` it refuses custom
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import trl
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .trainer import AccelArguments, AccelMixin
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
-from .errors import ConfigurationError, InvalidBatch
+from ..errors import ConfigurationError, InvalidBatch
 from .sampling import best_fit_decreasing
 
 logger = logging.getLogger(__name__)

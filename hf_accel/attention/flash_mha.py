@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigurationError, InvalidBatch
+from ..errors import ConfigurationError, InvalidBatch
 from .kernels import AttnOptions, varlen_attention
 from .varlen import VarlenBatch
 
@@ -110,7 +110,7 @@ class FlashMHA(nn.Module):
     Args mirror ``nn.MultiheadAttention`` where they overlap. ``causal`` is the default of ``forward(is_causal=None)``;
     ``rotary="rope"`` rotates q/k with base ``rotary_base``; ``alibi=True`` adds the standard per-head slopes;
     ``qkv_fused`` uses one ``Wqkv`` projection laid out ``[q; k; v]`` (as ``in_proj_weight``); ``backend`` is any
-    name of ``hf_accel.kernels`` ("auto" picks the fastest that can serve the call, e.g. one with dropout in training).
+    name of ``hf_accel.attention.kernels`` ("auto" picks the fastest that can serve the call, e.g. one with dropout in training).
     """
 
     def __init__(

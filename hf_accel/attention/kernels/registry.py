@@ -7,7 +7,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from ..errors import BackendUnavailable
+from ...errors import BackendUnavailable
 from .backend import Backend
 from .base import AttentionRequest, DeviceInfo
 from .fa4 import FA4Backend

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .errors import InvalidBatch
+from ..errors import InvalidBatch
 
 IGNORE_INDEX = -100
 

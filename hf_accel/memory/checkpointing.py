@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .checkpoint_targets import (OP_LEVEL_ATTR, _as_packet, _hf_enable_function, _op_level_context_fn, base_model,
+from .targets import (OP_LEVEL_ATTR, _as_packet, _hf_enable_function, _op_level_context_fn, base_model,
                                  decoder_layers, default_save_ops, fsdp_activation_checkpointing_active)
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class MemoryBudget(CheckpointingPolicy):
     plan: object = field(default=None, init=False, repr=False)
 
     def budget_bytes(self, device: torch.device) -> int:
-        from .checkpoint_plan import parse_bytes
+        from .plan import parse_bytes
 
         budget = parse_bytes(self.budget) if isinstance(self.budget, str) else self.budget
         if isinstance(budget, float) and 0 < budget <= 1:
@@ -314,8 +314,8 @@ class MemoryBudget(CheckpointingPolicy):
         return int(budget)
 
     def apply(self, model: nn.Module) -> None:
-        from .checkpoint_plan import plan_checkpointing, probe_layer_activations
-        from .memory import loss_bytes, training_state_bytes
+        from .plan import plan_checkpointing, probe_layer_activations
+        from .estimate import loss_bytes, training_state_bytes
 
         remove_checkpointing(model)
         device = next(model.parameters()).device
@@ -376,7 +376,7 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
         value = text[7:]
         try:
             budget = float(value) if value.replace(".", "", 1).isdigit() and "." in value else value
-            from .checkpoint_plan import parse_bytes
+            from .plan import parse_bytes
 
             parse_bytes(budget) if isinstance(budget, str) else None
         except ValueError:

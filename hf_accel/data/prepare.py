@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from .errors import ConfigurationError, InvalidBatch
+from ..errors import ConfigurationError, InvalidBatch
 
 IGNORE_INDEX = -100
 

@@ -1,0 +1,6 @@
+"""Stage 3b, what is kept for backward: checkpoint policies (``checkpointing``), which layers and ops they target
+(``targets``), budget plans from a probe forward (``plan``) and the offline memory estimate (``estimate``).
+
+May import: ``hf_accel.errors`` and ``hf_accel.attention.kernels`` (to keep attention outputs under op-level
+checkpointing). Never the trainer.
+"""
