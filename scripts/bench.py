@@ -4,9 +4,13 @@
 Every configuration runs in its own subprocess (a crash or OOM is recorded, memory starts clean), with a
 per-configuration timeout inside a total time budget. Results: JSON + markdown under --out; the table is printed last.
 
+    python scripts/bench.py --preset llama-1b                   # a named run (--list-presets), ~3 min on one H200
     python scripts/bench.py --workload llama-1b                 # all configurations, ~9 min on one H200
     python scripts/bench.py --workload neox-1.4b --configs hf-sdpa-padded,hf_accel
     python scripts/bench.py --device cpu --tiny                 # CI smoke: tiny model, CUDA-only configs skipped
+
+Flags given with --preset override the preset's settings. Results are indexed and turned into BENCHMARKS.md's and
+README's tables by scripts/bench_tables.py.
 
 Precision: bf16 weights (no fp32 master copy) and torch.optim.AdamW(fused=True) for every configuration (fp32 in
 --tiny CPU runs). Token budget: ~16k real tokens per optimizer step for every configuration (padded: micro-batches of
@@ -19,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -36,6 +41,7 @@ import torch  # noqa: E402
 
 from hf_accel.bench import flops  # noqa: E402
 from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
+from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import add_ratios, markdown_table, versions, write_outputs  # noqa: E402
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
@@ -45,6 +51,9 @@ MIN_CONFIG_SECONDS = {False: 45.0, True: 5.0}  # do not start a configuration wi
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default=None, help="a named run of hf_accel.bench.presets (see --list-presets); "
+                                                   "other flags override its settings")
+    p.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama-1b")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of: {', '.join(CONFIGS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -72,6 +81,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run flash_attention_4 configs with this attn_implementation instead (CPU smoke of TRL)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: by GPU name)")
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    preset_name = p.parse_known_args(argv)[0].preset
+    if preset_name:
+        try:
+            preset = get_preset(preset_name)
+        except PresetUnavailable as exc:
+            p.exit(2, f"{p.prog}: error: {exc}\n")
+        except KeyError as exc:
+            p.error(exc.args[0])
+        p.set_defaults(workload=preset.workload, configs=",".join(preset.configs), **preset.settings)
     args = p.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 30)
     args.warmup = max(1, args.warmup if args.warmup is not None else 1 if args.tiny else 3)
@@ -128,6 +146,19 @@ def child_main(args: argparse.Namespace) -> None:
     args.child.write_text(json.dumps(result, default=str))
 
 
+def command(argv: list[str]) -> str:
+    """How this run was asked for, as a command line to repeat it (the machine-specific --out dropped)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return shlex.join(["python", "scripts/bench.py", *kept])
+
+
 def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--workload", args.workload, "--configs", name,
             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -163,7 +194,11 @@ def run_one(args: argparse.Namespace, name: str, timeout: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.list_presets:
+        print(describe())
+        return 0
     if args.child is not None:
         child_main(args)
         return 0
@@ -183,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     best = add_ratios(results, [n for n, c in CONFIGS.items() if c.stock])
     table = markdown_table(results, best)
     spec = data_spec(args)
+    now = dt.datetime.now(dt.timezone.utc)
     record = {
         "workload": args.workload, "workload_notes": workload.notes, "tiny": args.tiny, "device": args.device,
-        "date": dt.datetime.now().isoformat(timespec="seconds"), "versions": versions(),
+        "date": now.isoformat(timespec="seconds"), "command": command(argv), "preset": args.preset,
+        "versions": versions(),
         "model_config": build_config(workload, args.tiny).to_dict(), "data": asdict(spec),
         "precision": ("bf16 weights, no fp32 master copy" + ("; fp32 LoRA adapters, forwards under bf16 autocast "
                       "(as Trainer/TRL with bf16=True)" if workload.lora else "")) if args.device.startswith("cuda")
@@ -194,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
     }
-    stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{dt.datetime.now():%Y-%m-%dT%H%M%S}"
+    stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{now:%Y-%m-%dT%H%M%S}"
     json_path, md_path = write_outputs(args.out, stem, record, table)
     print(f"[bench] wrote {json_path} and {md_path}", flush=True)
     print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)

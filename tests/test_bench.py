@@ -127,6 +127,8 @@ def test_script_skips_cuda_configs_and_prints_table_last(tmp_path):
     assert lines[-1].startswith("| liger-sdpa-padded |") and lines[-3].startswith("|---")
     assert [r["status"] for r in record["results"]] == ["skipped: needs CUDA"] * 2
     assert {"torch", "transformers", "trl", "liger-kernel", "flash-attn-4", "gpu"} <= set(record["versions"])
+    assert record["command"].startswith("python scripts/bench.py --device cpu --tiny --configs hf-fa4-padded")
+    assert "--out" not in record["command"] and record["date"].endswith("+00:00")
 
 
 @pytest.mark.slow
@@ -246,3 +248,70 @@ def test_host_events_name_what_stalled_a_step():
     assert 1 not in by_step  # nothing happened in step 1
     cell = _slowest({"step_seconds": [0.1, 0.2, 0.9], "host_events": timing.host_events})
     assert cell.startswith("900 ms (step 2: +") and "full GCs" in cell
+
+
+def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly():
+    from hf_accel.bench.configs import CONFIGS
+    from hf_accel.bench.presets import PRESETS, PresetUnavailable, get_preset
+    from hf_accel.bench.workloads import WORKLOADS
+
+    assert {"llama-1b", "neox-1.4b", "falcon-1b", "llama-8b-lora", "long-context", "multi-gpu"} <= set(PRESETS)
+    for preset in PRESETS.values():
+        if preset.pending:
+            with pytest.raises(PresetUnavailable, match=f"not implemented yet: {preset.pending}"):
+                get_preset(preset.name)
+            continue
+        assert preset.workload in WORKLOADS and set(preset.configs) <= set(CONFIGS), preset.name
+        # issue 18's comparison: a stock anchor, hf_accel with no flags, hf_accel with the best flags
+        assert {"hf_accel-defaults", "hf_accel-best"} <= set(preset.configs)
+        assert any(CONFIGS[c].stock for c in preset.configs)
+
+
+def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
+    assert (args.workload, args.steps, args.warmup, args.best_checkpointing) == ("llama-8b-lora", 4, 3, "budget:0.8")
+    assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best"]
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--preset", "long-context"])
+    assert exc.value.code == 2
+    assert bench.command(["--preset", "llama-1b", "--out", "/x/y", "--steps", "3"]) == \
+        "python scripts/bench.py --preset llama-1b --steps 3"
+
+
+@pytest.mark.parametrize("name, want", [
+    ("hf_accel-defaults", {}),  # no flags at all: whatever patch() chooses by itself
+    ("hf_accel", {"backend": "auto", "fused_ce": False, "fused_ops": False, "compile": False}),
+])
+def test_hf_accel_configs_pass_exactly_their_flags(monkeypatch, name, want):
+    import hf_accel
+    from hf_accel.bench import configs
+    from hf_accel.bench.train import RunSettings, Timing
+    from hf_accel.bench.workloads import WORKLOADS
+
+    calls = []
+    monkeypatch.setattr(hf_accel, "patch", lambda model, **kwargs: calls.append(kwargs) or "report")
+    monkeypatch.setattr(configs, "build_model", lambda settings, attn: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(configs, "run_loop", lambda *a, **k: None)
+    monkeypatch.setattr(configs, "_hf_accel_steps", lambda data, seed: iter(()))
+    settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=1, warmup=1, step_time_budget=1.0)
+    configs.CONFIGS[name].run(settings, None, configs.Options(compile=True, fused_ops="on"), Timing())
+    assert calls == [want]
+
+
+def test_gpu_check_lists_what_did_not_fit_with_the_command_to_run_it(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "JOB_SECONDS": "0"}
+    bad = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "nope"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "tests"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (summary,) = (tmp_path / "benchmarks" / "results").glob("gpu_check_*/summary.md")
+    line = next(ln for ln in summary.read_text().splitlines() if ln.startswith("Not started"))
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "gpu").glob("test_*.py"))
+    assert files and line == f"Not started (time): `bash scripts/gpu_check.sh tests {' '.join(files)}`"

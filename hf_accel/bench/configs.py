@@ -197,12 +197,25 @@ def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timi
     timing.notes.append(f"checkpointing: {policy.describe()}")
 
 
+def _hf_accel_defaults(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+    """`hf_accel.patch(model)` with no arguments at all: whatever the library chooses by itself (issue 18's
+    "hf_accel defaults"); no --best-* option reaches it."""
+    import hf_accel
+
+    model = build_model(settings, "sdpa")
+    timing.notes.append(f"patch: {hf_accel.patch(model)}")
+    model = add_lora(model, settings.workload)
+    run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
+    return model
+
+
 def _hf_accel(best: bool) -> Callable[..., nn.Module]:
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         import hf_accel
 
         model = build_model(settings, "sdpa")
-        kwargs: dict[str, Any] = {"backend": options.backend if best else "auto"}
+        # every fast path is named explicitly, so `hf_accel` stays "attention + packing only" whatever the defaults
+        kwargs: dict[str, Any] = {"backend": options.backend if best else "auto", "fused_ops": False}
         if best and options.fused_ops != "off":
             from hf_accel.fused.ops import unavailable_reason
 
@@ -241,8 +254,12 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("trl-fa4-packed-liger", True, ("fa4", "trl", "cuda", "liger", "liger-family"), _trl(liger=True),
                     "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_FALCON_LEAK),
         BenchConfig("hf_accel", False, ("hf_accel",), _hf_accel(best=False),
-                    "hf_accel.patch(model) + TokenBudgetBatchSampler + DataCollatorForPacking"),
+                    "hf_accel.patch(model, fused_ce=False, fused_ops=False, compile=False) + TokenBudgetBatchSampler "
+                    "+ DataCollatorForPacking: attention and packing only (what patch(model) did before issue 18)"),
+        BenchConfig("hf_accel-defaults", False, ("hf_accel",), _hf_accel_defaults,
+                    "hf_accel.patch(model), no arguments (the library's own choices) + the same packing"),
         BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
-                    "hf_accel plus fused/chunked CE and the --best-* options"),
+                    "hf_accel.patch(model, fused_ce=True, fused_ops=True, compile=True) + the same packing, with "
+                    "the --fused-ce / --best-* options"),
     ]
 }

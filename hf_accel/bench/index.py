@@ -1,0 +1,135 @@
+"""benchmarks/index.json: one entry per scripts/bench.py run in benchmarks/results/, derived from the run's JSON.
+
+The index holds nothing a result file does not: it is rebuilt from the files (so a result cannot be edited in one place
+only), and `scripts/bench_tables.py --check` fails when it is stale. Per workload, the newest run that has a stock
+anchor measured in it (a same-run baseline) is marked `current`; BENCHMARKS.md's and README's tables show those runs.
+
+Older records lack some fields (no `command`, `steady_tokens_per_s`, time zone): an entry keeps what its file has,
+reconstructs the command from the recorded arguments (saying so) and leaves the rest out.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import shlex
+from pathlib import Path
+from typing import Any, Iterable
+
+INDEX_VERSION = 1
+
+# bench.py arguments that change what a run measures, as (argparse dest, flag, the default that the flag may omit)
+_ARGS = (("steps", "--steps", None), ("warmup", "--warmup", None), ("tokens_per_step", "--tokens-per-step", "None"),
+         ("seed", "--seed", "0"), ("fused_ce", "--fused-ce", "auto"), ("ce_chunk_size", "--ce-chunk-size", "None"),
+         ("best_backend", "--best-backend", "auto"), ("best_checkpointing", "--best-checkpointing", "None"),
+         ("best_fused_ops", "--best-fused-ops", "auto"), ("best_compile", "--best-compile", "auto"),
+         ("time_budget", "--time-budget", None), ("config_timeout", "--config-timeout", None))
+
+ROW_FIELDS = ("tokens_per_s", "steady_tokens_per_s", "ratio_to_best_stock", "steady_ratio_to_best_stock", "peak_gib",
+              "mfu", "timed_steps", "same_computation")
+_DIGITS = {"tokens_per_s": 1, "steady_tokens_per_s": 1, "ratio_to_best_stock": 4, "steady_ratio_to_best_stock": 4,
+           "peak_gib": 2, "mfu": 4}
+
+
+def role(config: str) -> str:
+    """stock | defaults | best | plain (hf_accel with every fast path off) | other hf_accel configurations."""
+    if not config.startswith("hf_accel"):
+        return "stock"
+    return {"hf_accel-defaults": "defaults", "hf_accel-best": "best", "hf_accel": "plain"}.get(config, "hf_accel")
+
+
+def is_bench_record(record: Any) -> bool:
+    """A scripts/bench.py record (not a profile, micro-benchmark or sft.py metrics file)."""
+    return isinstance(record, dict) and isinstance(record.get("results"), list) and "workload" in record \
+        and "args" in record
+
+
+def reconstructed_command(args: dict[str, str]) -> str:
+    """The bench.py command line that a record's stored arguments stand for (machine paths left out)."""
+    configs = args.get("configs", "")
+    try:
+        configs = ",".join(ast.literal_eval(configs))
+    except (ValueError, SyntaxError):
+        pass
+    argv = ["python", "scripts/bench.py", "--workload", args.get("workload", "?"), "--configs", configs]
+    for dest, flag, default in _ARGS:
+        value = args.get(dest)
+        if value is not None and value != default:
+            argv += [flag, value]
+    if args.get("tiny") == "True":
+        argv.append("--tiny")
+    return shlex.join(argv)
+
+
+def _row(result: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"config": result.get("config", "?"), "role": role(result.get("config", "?")),
+                           "status": str(result.get("status", "?")).splitlines()[0][:200]}
+    for key in ROW_FIELDS:
+        value = result.get(key)
+        if value is not None:
+            row[key] = round(value, _DIGITS[key]) if key in _DIGITS else value
+    plan = next((n for n in result.get("notes") or [] if isinstance(n, str) and n.startswith("checkpointing: ")), None)
+    if plan:
+        row["checkpointing"] = plan.removeprefix("checkpointing: ")
+    if result.get("description"):
+        row["description"] = result["description"]
+    return row
+
+
+def entry(record: dict[str, Any], file: str) -> dict[str, Any]:
+    """The index entry of one bench.py record stored as `file` (a name under benchmarks/results/)."""
+    versions = record.get("versions") or {}
+    recorded = record.get("command")
+    out = {
+        "file": file, "workload": record["workload"], "date": record.get("date"),
+        "gpu": versions.get("gpu") or record.get("device"),
+        "command": recorded or reconstructed_command(record["args"]),
+        "command_source": "recorded" if recorded else "reconstructed from the record's arguments",
+        "preset": record.get("preset"),
+        "versions": {k: versions[k] for k in ("torch", "transformers", "trl", "peft", "liger-kernel", "flash-attn-4",
+                                              "hf_accel_commit") if versions.get(k)},
+        "current": False,
+        "configs": [_row(r) for r in record["results"]],
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _has_anchor(e: dict[str, Any]) -> bool:
+    return any(r["role"] == "stock" and "tokens_per_s" in r and r.get("same_computation", True)
+               and r["status"].startswith("ok") for r in e["configs"])
+
+
+def _sort_key(e: dict[str, Any]) -> tuple[str, str]:
+    return (str(e.get("date") or "")[:19], e["file"])  # naive (older) and +00:00 dates compare by their UTC digits
+
+
+def build_index(results_dir: Path) -> dict[str, Any]:
+    """Index every non-tiny bench.py record in `results_dir`, oldest first, the current run per workload marked."""
+    entries = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if is_bench_record(record) and not record.get("tiny"):
+            entries.append(entry(record, path.name))
+    entries.sort(key=_sort_key)
+    for workload in {e["workload"] for e in entries}:
+        anchored = [e for e in entries if e["workload"] == workload and _has_anchor(e)]
+        if anchored:
+            anchored[-1]["current"] = True
+    return {"version": INDEX_VERSION,
+            "about": "generated by scripts/bench_tables.py from benchmarks/results/*.json; do not edit",
+            "runs": entries}
+
+
+def current_runs(index: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["workload"]: e for e in index["runs"] if e.get("current")}
+
+
+def dumps(index: dict[str, Any]) -> str:
+    return json.dumps(index, indent=1, ensure_ascii=False) + "\n"
+
+
+def rows_by_role(run: dict[str, Any], roles: Iterable[str]) -> list[dict[str, Any]]:
+    wanted = list(roles)
+    return sorted((r for r in run["configs"] if r["role"] in wanted), key=lambda r: wanted.index(r["role"]))

@@ -1,0 +1,106 @@
+"""Named runs of scripts/bench.py: one preset = one workload, its configurations and its step/time settings.
+
+`python scripts/bench.py --preset NAME` runs a preset; flags given on the command line override its settings.
+`scripts/gpu_check.sh bench [PRESET ...]` runs presets on the H200 within one device call each.
+
+The four workload presets are issue 18's comparison: the stock anchors measured in the same run (the strongest stock
+stack that computes the same thing, and HF's padded path where that is the only correct one), "hf_accel defaults"
+(`hf_accel.patch(model)`, no flags) and "hf_accel best" (`patch(model, fused_ce=True, fused_ops=True,
+compile=True)`). Timings were sized from the 2026-11-29 runs (each configuration 35-60 s in its own process on one
+H200): every preset fits one 10-minute device call, `llama-1b` (the standard bench) in about 3 minutes.
+
+A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
+"not implemented yet: issue N" and what it will run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    workload: str | None = None
+    configs: tuple[str, ...] = ()
+    settings: dict[str, Any] = field(default_factory=dict)  # bench.py argument defaults (argparse dest names)
+    pending: str | None = None  # "issue N" while the code this preset needs does not exist
+
+    def argv(self) -> list[str]:
+        """The bench.py flags this preset stands for (for the recorded command and --list-presets)."""
+        if self.pending:
+            return []
+        out = ["--workload", str(self.workload), "--configs", ",".join(self.configs)]
+        for dest, value in self.settings.items():
+            out += [f"--{dest.replace('_', '-')}", str(value)]
+        return out
+
+
+_DEFAULTS_AND_BEST = ("hf_accel-defaults", "hf_accel-best")
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset(
+            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 + Liger vs hf_accel defaults / best",
+            "llama-1b", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST),
+            dict(steps=30, warmup=6, best_compile="on", time_budget=230, config_timeout=85),
+        ),
+        Preset(
+            "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (liger has no GPT-NeoX kernels) vs "
+            "hf_accel defaults / best",
+            "neox-1.4b", ("trl-fa4-packed", *_DEFAULTS_AND_BEST),
+            dict(steps=30, warmup=6, best_compile="on", time_budget=230, config_timeout=85),
+        ),
+        Preset(
+            "falcon-1b", "Falcon ~1B, full FT: HF SDPA padded (stock packing attends across documents for Falcon) vs "
+            "hf_accel defaults / best",
+            "falcon-1b", ("hf-sdpa-padded", *_DEFAULTS_AND_BEST),
+            dict(steps=15, warmup=6, best_compile="on", time_budget=220, config_timeout=80),
+        ),
+        Preset(
+            "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 (full checkpointing) "
+            "vs hf_accel defaults / best (checkpointing budget:0.8)",
+            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST),
+            dict(steps=8, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=300,
+                 config_timeout=120),
+        ),
+        Preset(
+            "long-context", "single documents of 16k, 32k, 64k and 128k tokens (Llama-3 rope scaling), Llama-3-8B "
+            "LoRA r=16 and Llama-1B full FT: the longest length that trains and its tokens/s per length, for TRL + "
+            "flash-attn-4 (+ Liger) with checkpointing, HF sdpa with checkpointing, hf_accel (offloaded checkpointing)",
+            pending="issue 22",
+        ),
+        Preset(
+            "multi-gpu", "2 GPUs vs 1 (bench.py --nproc 2, FSDP2): Llama-1B full FT, Llama-8B full FT with "
+            "checkpointing, Llama-8B LoRA; steady tokens/s, per-GPU memory, hf_accel vs TRL + flash-attn-4 + Liger "
+            "under the same FSDP2 config",
+            pending="issue 19",
+        ),
+    ]
+}
+
+
+class PresetUnavailable(RuntimeError):
+    """The preset's code does not exist yet (see Preset.pending)."""
+
+
+def get_preset(name: str) -> Preset:
+    """The preset `name`; raises PresetUnavailable for a pending one and KeyError (listing names) for unknown ones."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    if preset.pending:
+        raise PresetUnavailable(f"preset {name!r}: not implemented yet: {preset.pending} (it will run: "
+                                f"{preset.description})")
+    return preset
+
+
+def describe() -> str:
+    """One line per preset: name, what it compares, the flags it stands for (or the issue that will add it)."""
+    lines = []
+    for p in PRESETS.values():
+        how = f"not implemented yet: {p.pending}" if p.pending else " ".join(p.argv())
+        lines.append(f"{p.name}: {p.description}\n    {how}")
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""Markdown tables and the chart generated from benchmarks/index.json, and the marked regions they replace.
+
+A generated region in a markdown file:
+
+    <!-- bench:table workload=llama-1b -->   one workload's current run: stock anchors, hf_accel defaults, best
+    <!-- bench:summary -->                   README's table: one line per workload
+    <!-- bench:runs -->                      every indexed run, newest first (the dated log)
+    ...generated text...
+    <!-- /bench:table -->                    (closing tag names the same kind)
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from .index import current_runs, rows_by_role
+
+WORKLOAD_TITLES = {
+    "llama-1b": "Llama-3.2-1B shapes, full FT",
+    "neox-1.4b": "GPT-NeoX 1.4B shapes, full FT",
+    "llama-8b-lora": "Llama-3-8B shapes, LoRA r=16 + checkpointing",
+    "falcon-1b": "Falcon ~1B, full FT",
+}
+CONFIG_LABELS = {
+    "hf-sdpa-padded": "HF, SDPA, padded batches of 8",
+    "hf-fa4-padded": "HF, flash-attn-4, padded batches of 8",
+    "hf-sdpa-packed": "HF, SDPA, DataCollatorWithFlattening",
+    "liger-sdpa-padded": "Liger on HF SDPA, padded",
+    "trl-fa4-packed": "TRL SFTTrainer packing + flash-attn-4",
+    "trl-fa4-packed-liger": "TRL SFTTrainer packing + flash-attn-4 + Liger",
+    "hf_accel": "`patch(model)` with every fast path off (attention + packing)",
+    "hf_accel-defaults": "`hf_accel.patch(model)`, no arguments",
+    "hf_accel-best": "`patch(model, fused_ce=True, fused_ops=True, compile=True)`",
+}
+ROLE_LABELS = {"stock": "stock anchor", "defaults": "hf_accel defaults", "best": "hf_accel best",
+               "plain": "hf_accel, fast paths off", "hf_accel": "hf_accel"}
+ROLE_ORDER = ("stock", "defaults", "best", "plain", "hf_accel")
+NOT_MEASURED = "not measured yet"
+
+_REGION = re.compile(r"(<!-- bench:(?P<kind>[a-z]+)(?P<attrs>(?: [a-z_]+=[^ >]+)*) -->\n)(?P<body>.*?)"
+                     r"(<!-- /bench:(?P=kind) -->)", re.DOTALL)
+_OPENING = re.compile(r"<!-- bench:[a-z]+")
+
+
+class StaleOrBroken(ValueError):
+    """A generated region that cannot be rendered (unknown kind, unclosed marker)."""
+
+
+def _date(run: dict[str, Any]) -> str:
+    date = str(run.get("date") or "?")
+    return f"{date[:10]} {date[11:16]} UTC" if len(date) >= 16 else date  # the H200 machine's clock is UTC
+
+
+def _k(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1000:.1f}k"
+
+
+def _int(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    run, steady = row.get("ratio_to_best_stock"), row.get("steady_ratio_to_best_stock")
+    if run is None:
+        return "-"
+    return f"{run:.2f}x" + (f" / {steady:.2f}x" if steady is not None else "")
+
+
+def _label(row: dict[str, Any]) -> str:
+    text = CONFIG_LABELS.get(row["config"], row.get("description", row["config"]))
+    if row.get("checkpointing") and row["role"] != "stock":
+        text += f", checkpointing {row['checkpointing']}"
+    return text
+
+
+def _ok(row: dict[str, Any]) -> bool:
+    return row["status"].startswith("ok") and "tokens_per_s" in row
+
+
+def _provenance(run: dict[str, Any]) -> str:
+    versions = run.get("versions", {})
+    stack = ", ".join(f"{k} {v}" for k, v in versions.items() if k != "hf_accel_commit")
+    commit = f", hf_accel commit {versions['hf_accel_commit']}" if versions.get("hf_accel_commit") else ""
+    note = "" if run.get("command_source") == "recorded" else f" ({run.get('command_source')})"
+    return (f"{_date(run)}, {run.get('gpu')}, {stack}{commit}; "
+            f"[`{run['file']}`](benchmarks/results/{run['file']})\n\n`{run['command']}`{note}")
+
+
+def workload_table(index: dict[str, Any], workload: str) -> str:
+    run = current_runs(index).get(workload)
+    if run is None:
+        return f"No run of `{workload}` indexed yet: `python scripts/bench.py --preset {workload}`."
+    lines = [_provenance(run), "",
+             "| row | configuration | tokens/s | steady tokens/s | vs best stock (run / steady) | peak GiB | MFU "
+             "| status |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = rows_by_role(run, ROLE_ORDER)
+    for role in ("defaults", "best"):
+        if not any(r["role"] == role for r in rows):
+            rows.append({"config": f"hf_accel-{role}", "role": role, "status": "", "missing": True})
+    for row in sorted(rows, key=lambda r: ROLE_ORDER.index(r["role"])):
+        what = f"{_label(row)} (`{row['config']}`)"
+        if row.get("missing"):
+            lines.append(f"| {ROLE_LABELS[row['role']]} | {what} | {NOT_MEASURED} | | | | | |")
+            continue
+        mfu = row.get("mfu")
+        lines.append(f"| {ROLE_LABELS[row['role']]} | {what} | {_int(row.get('tokens_per_s'))} "
+                     f"| {_int(row.get('steady_tokens_per_s'))} | {_ratio(row)} | {_gib(row.get('peak_gib'))} "
+                     f"| {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {row['status']} |")
+    return "\n".join(lines)
+
+
+def _cell(row: dict[str, Any] | None, with_ratio: bool) -> str:
+    if row is None:
+        return NOT_MEASURED
+    if not _ok(row):
+        return row["status"]
+    text = f"{_k(row['tokens_per_s'])}, {_gib(row.get('peak_gib'))} GiB"
+    if row.get("checkpointing"):
+        text += f" (checkpointing {row['checkpointing']})"
+    return text + (f", {_ratio(row)}" if with_ratio and row.get("ratio_to_best_stock") else "")
+
+
+def summary_table(index: dict[str, Any]) -> str:
+    """README: per workload the strongest stock anchor of the current run, hf_accel defaults and best."""
+    current = current_runs(index)
+    lines = ["| workload | strongest stock, same run | hf_accel defaults (`patch(model)`) | hf_accel best "
+             "| best vs stock (run / steady) | measured |", "|---|---|---|---|---:|---|"]
+    order = [w for w in WORKLOAD_TITLES if w in current] + sorted(set(current) - set(WORKLOAD_TITLES))
+    for workload in order:
+        run = current[workload]
+        stock = [r for r in run["configs"] if r["role"] == "stock" and _ok(r) and r.get("same_computation", True)]
+        anchor = max(stock, key=lambda r: r["tokens_per_s"])
+        found = {r["role"]: r for r in run["configs"] if r["role"] in ("defaults", "best")}
+        best = found.get("best")
+        lines.append(f"| {WORKLOAD_TITLES.get(workload, workload)} | {_label(anchor)}: {_cell(anchor, False)} "
+                     f"| {_cell(found.get('defaults'), True)} | {_cell(best, False)} "
+                     f"| {_ratio(best) if best and _ok(best) else '-'} | {run['date'][:10]}, {run.get('gpu')} |")
+    return "\n".join(lines)
+
+
+def runs_log(index: dict[str, Any]) -> str:
+    """Every indexed run, newest first: date, workload, GPU, results, file and command."""
+    lines = ["| date | workload | GPU | configuration: tokens/s (peak GiB) | run | command |",
+             "|---|---|---|---|---|---|"]
+    for run in reversed(index["runs"]):
+        results = "; ".join(
+            f"{r['config']} {_int(r['tokens_per_s'])} ({_gib(r.get('peak_gib'))})" if _ok(r)
+            else f"{r['config']}: {r['status'][:60]}" for r in run["configs"])
+        current = " **current**" if run.get("current") else ""
+        lines.append(f"| {_date(run)}{current} | {run['workload']} | {run.get('gpu')} | {results} "
+                     f"| [`{run['file']}`](benchmarks/results/{run['file']}) | `{run['command']}` |")
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any], dict[str, str]], str]] = {
+    "table": lambda index, attrs: workload_table(index, attrs["workload"]),
+    "summary": lambda index, attrs: summary_table(index),
+    "runs": lambda index, attrs: runs_log(index),
+}
+
+
+def regenerate(text: str, index: dict[str, Any], name: str = "text") -> str:
+    """`text` with every generated region re-rendered from `index`."""
+    matches = list(_REGION.finditer(text))
+    if len(_OPENING.findall(text)) != len(matches):
+        raise StaleOrBroken(f"{name}: {len(_OPENING.findall(text))} '<!-- bench:KIND ... -->' markers but "
+                            f"{len(matches)} closed regions; each needs its '<!-- /bench:KIND -->'")
+
+    def render(match: re.Match) -> str:
+        kind = match["kind"]
+        if kind not in RENDERERS:
+            raise StaleOrBroken(f"{name}: unknown region kind {kind!r}; known: {', '.join(RENDERERS)}")
+        attrs = dict(a.split("=", 1) for a in match["attrs"].split())
+        if kind == "table" and "workload" not in attrs:
+            raise StaleOrBroken(f"{name}: '<!-- bench:table -->' needs workload=NAME")
+        return f"{match.group(1)}{RENDERERS[kind](index, attrs)}\n{match.group(5)}"
+
+    return _REGION.sub(render, text)
+
+
+COLORS = {"stock": "#9a9a9a", "defaults": "#8fb8de", "best": "#1f5fa8", "plain": "#c9d9ea", "hf_accel": "#c9d9ea"}
+
+
+def write_chart(index: dict[str, Any], path: Path) -> None:
+    """tokens/s (top) and peak GiB (bottom) of every configuration of each workload's current run, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    current = current_runs(index)
+    workloads = [w for w in WORKLOAD_TITLES if w in current] + sorted(set(current) - set(WORKLOAD_TITLES))
+    fig, axes = plt.subplots(2, len(workloads), figsize=(3.4 * len(workloads), 6.2), squeeze=False)
+    for col, workload in enumerate(workloads):
+        rows = [r for r in rows_by_role(current[workload], ROLE_ORDER) if _ok(r)]
+        names = [r["config"] for r in rows]
+        colors = [COLORS[r["role"]] for r in rows]
+        for ax, key, unit in ((axes[0][col], "tokens_per_s", "tokens/s"), (axes[1][col], "peak_gib", "peak GiB")):
+            values = [r.get(key) or 0 for r in rows]
+            bars = ax.bar(range(len(rows)), values, color=colors)
+            ax.bar_label(bars, labels=[_k(v) if key == "tokens_per_s" else f"{v:.1f}" for v in values], fontsize=7)
+            ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=7)
+            ax.set_ylabel(unit, fontsize=8)
+            ax.tick_params(axis="y", labelsize=7)
+            ax.margins(y=0.15)
+        axes[0][col].set_title(f"{WORKLOAD_TITLES.get(workload, workload)}\n{_date(current[workload])}", fontsize=8)
+    gpus = sorted({str(current[w].get("gpu")) for w in workloads})
+    fig.suptitle(f"scripts/bench.py, current run per workload ({', '.join(gpus)}; benchmarks/index.json)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

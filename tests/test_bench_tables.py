@@ -1,0 +1,154 @@
+"""Benchmark results as data: the index built from result files, the generated tables, and --check against the repo
+(so a hand edit of a generated number, or a result file that was never indexed, fails CI)."""
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_accel.bench.index import build_index, reconstructed_command
+from hf_accel.bench.tables import NOT_MEASURED, StaleOrBroken, regenerate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_tables", REPO / "scripts" / "bench_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(config, tokens, peak=10.0, ratio=None, status="ok", **extra):
+    out = {"config": config, "status": status, "tokens_per_s": tokens, "peak_gib": peak, **extra}
+    if ratio is not None:
+        out["ratio_to_best_stock"] = ratio
+    return out
+
+
+def _record(workload, date, results, **extra):
+    args = {"workload": workload, "configs": str([r["config"] for r in results]), "steps": "30", "warmup": "6",
+            "out": "/somewhere/out", "best_compile": "on", "tiny": "False", "best_checkpointing": "None"}
+    return {"workload": workload, "tiny": False, "device": "cuda", "date": date, "versions": {"gpu": "GPU-X"},
+            "args": args, "results": results, **extra}
+
+
+def _write(results_dir: Path, name: str, record) -> None:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / name).write_text(json.dumps(record))
+
+
+DOC = """# doc
+<!-- bench:table workload=w1 -->
+<!-- /bench:table -->
+text kept
+<!-- bench:summary -->
+<!-- /bench:summary -->
+"""
+
+
+@pytest.fixture
+def tree(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    _write(results, "w1_old.json", _record("w1", "2026-01-01T10:00:00", [
+        _result("trl-fa4-packed", 100.0, ratio=1.0), _result("hf_accel-best", 150.0, ratio=1.5)]))
+    _write(results, "w1_new.json", _record("w1", "2026-01-02T10:00:00+00:00", [
+        _result("trl-fa4-packed", 110.0, 20.0, ratio=1.0), _result("hf_accel-best", 160.0, 12.5, ratio=160 / 110)],
+        command="python scripts/bench.py --preset w1"))
+    # newer, but no stock anchor ran in it: not a same-run comparison, so not current
+    _write(results, "w1_newest.json", _record("w1", "2026-01-03T10:00:00+00:00", [_result("hf_accel-best", 999.0)]))
+    _write(results, "w1-tiny.json", {**_record("w1", "2026-01-04T10:00:00", [_result("trl-fa4-packed", 1.0)]),
+                                     "tiny": True})
+    _write(results, "profile_w1.json", {"workload": "w1", "steady_step_s": 0.2})  # not a bench.py record
+    (tmp_path / "README.md").write_text(DOC)
+    (tmp_path / "BENCHMARKS.md").write_text(DOC.replace("summary", "runs"))
+    return tmp_path
+
+
+def test_index_current_run_and_fields(tree):
+    index = build_index(tree / "benchmarks" / "results")
+    runs = {r["file"]: r for r in index["runs"]}
+    assert set(runs) == {"w1_old.json", "w1_new.json", "w1_newest.json"}  # tiny and profile files left out
+    assert [r["file"] for r in index["runs"]] == ["w1_old.json", "w1_new.json", "w1_newest.json"]
+    assert [r["file"] for r in index["runs"] if r["current"]] == ["w1_new.json"]
+    assert runs["w1_new.json"]["command"] == "python scripts/bench.py --preset w1"
+    assert runs["w1_old.json"]["command_source"].startswith("reconstructed")
+    assert [(c["config"], c["role"]) for c in runs["w1_new.json"]["configs"]] == [
+        ("trl-fa4-packed", "stock"), ("hf_accel-best", "best")]
+
+
+def test_reconstructed_command_keeps_what_changes_the_run_and_drops_paths():
+    args = {"workload": "llama-1b", "configs": "['a', 'b']", "steps": "30", "warmup": "6", "out": "/x/out",
+            "fused_ce": "auto", "best_checkpointing": "budget:0.8", "best_compile": "on", "seed": "0"}
+    assert reconstructed_command(args) == ("python scripts/bench.py --workload llama-1b --configs a,b --steps 30 "
+                                           "--warmup 6 --best-checkpointing budget:0.8 --best-compile on")
+
+
+def test_regions_render_current_run_and_say_what_was_not_measured(tree):
+    index = build_index(tree / "benchmarks" / "results")
+    text = regenerate(DOC, index)
+    table = text.split("<!-- bench:table workload=w1 -->")[1].split("<!-- /bench:table -->")[0]
+    assert "w1_new.json" in table and "GPU-X" in table and "2026-01-02 10:00 UTC" in table
+    assert "`python scripts/bench.py --preset w1`" in table
+    assert "| 160 | - | 1.45x | 12.5 |" in table  # best row of the current run, not the newer anchor-less one
+    assert f"| hf_accel defaults | `hf_accel.patch(model)`, no arguments (`hf_accel-defaults`) | {NOT_MEASURED} |" \
+        in table
+    assert "text kept" in text
+    summary = text.split("<!-- bench:summary -->")[1]
+    assert "TRL SFTTrainer packing + flash-attn-4: 0.1k, 20.0 GiB" in summary and NOT_MEASURED in summary
+    assert regenerate(text, index) == text  # idempotent
+
+
+@pytest.mark.parametrize("doc, words", [
+    ("<!-- bench:table workload=w1 -->\nno end\n", "closed regions"),
+    ("<!-- bench:nope -->\n<!-- /bench:nope -->\n", "unknown region kind"),
+    ("<!-- bench:table -->\n<!-- /bench:table -->\n", "workload=NAME"),
+])
+def test_broken_regions_raise(tree, doc, words):
+    with pytest.raises(StaleOrBroken, match=words):
+        regenerate(doc, build_index(tree / "benchmarks" / "results"))
+
+
+def test_check_fails_on_hand_edits_and_unindexed_results_until_regenerated(tree, capsys):
+    main = _script().main
+    assert main(["--check", "--root", str(tree)]) == 1  # nothing generated yet
+    assert main(["--root", str(tree)]) == 0
+    assert main(["--check", "--root", str(tree)]) == 0
+    readme = tree / "README.md"
+    generated = readme.read_text()
+    readme.write_text(generated.replace("0.2k", "0.3k"))  # a hand edit of a generated number
+    assert main(["--check", "--root", str(tree)]) == 1
+    assert "README.md" in capsys.readouterr().err
+    assert main(["--root", str(tree)]) == 0 and readme.read_text() == generated
+    _write(tree / "benchmarks" / "results", "w1_later.json", _record("w1", "2026-01-05T10:00:00+00:00", [
+        _result("trl-fa4-packed", 120.0, ratio=1.0)]))
+    assert main(["--check", "--root", str(tree)]) == 1  # a new result file makes the index and tables stale
+
+
+def test_repo_generated_tables_are_current():
+    """BENCHMARKS.md, README.md and benchmarks/index.json match benchmarks/results/ (regenerate, never hand-edit)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_tables.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_chart_written(tree):
+    pytest.importorskip("matplotlib")
+    assert _script().main(["--chart", "--root", str(tree)]) == 0
+    assert (tree / "benchmarks" / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repo_copy_check_catches_an_edited_readme_number(tmp_path):
+    """The same guard on the real files: change one digit inside README's generated table."""
+    shutil.copytree(REPO / "benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("*.md", "*.png"))
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(REPO / name, tmp_path / name)
+    readme = (tmp_path / "README.md").read_text()
+    region = readme.split("<!-- bench:summary -->")[1].split("<!-- /bench:summary -->")[0]
+    digit = next(i for i, ch in enumerate(region) if ch.isdigit() and region[i - 1] == " ")
+    edited = region[:digit] + str((int(region[digit]) + 1) % 10) + region[digit + 1:]
+    (tmp_path / "README.md").write_text(readme.replace(region, edited))
+    assert _script().main(["--check", "--root", str(tmp_path)]) == 1
