@@ -134,6 +134,10 @@ def save_failed(error: OSError, staged: str, name: str, run_dir: str) -> Checkpo
     """The typed error for a save that could not be written; removes the partial staging folder (frees the space)
     and leaves every published checkpoint in place."""
     shutil.rmtree(staged, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(staged))
+    except OSError:
+        pass
     kept = sorted((d for d in os.listdir(run_dir) if d.startswith("checkpoint-")), key=_step_of)
     previous = f"the previous checkpoint ({kept[-1]}) is untouched" if kept else "no earlier checkpoint exists"
     why = "the disk is full" if error.errno == errno.ENOSPC else f"the write failed ({error})"
