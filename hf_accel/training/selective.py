@@ -60,11 +60,10 @@ def fingerprint_differences(saved: dict[str, dict], now: dict[str, dict]) -> lis
 
 def save_trainable(folder: str, tensors: dict[str, torch.Tensor], fingerprint: dict[str, dict]) -> None:
     """Write ``tensors`` (the trainable parameters) and the frozen part's fingerprint into ``folder``."""
-    from safetensors.torch import save_file
+    from .shards import write_safetensors
 
     os.makedirs(folder, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(folder, TRAINABLE_FILE),
-              metadata={"format": "pt", "hf_accel": "trainable"})
+    write_safetensors(os.path.join(folder, TRAINABLE_FILE), tensors, metadata={"format": "pt", "hf_accel": "trainable"})
     with open(os.path.join(folder, FINGERPRINT_FILE), "w", encoding="utf-8") as f:
         json.dump(fingerprint, f, indent=0, sort_keys=True)
 

@@ -24,7 +24,7 @@ import transformers
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoint_io, selective
+from . import checkpoint_io, selective, shards
 from . import run_dir as run_dir_module
 from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
 from ..errors import CheckpointError, ConfigurationError
@@ -56,6 +56,9 @@ class AccelArguments:
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     save: what a checkpoint holds of the model: "full" (every weight, loadable by ``from_pretrained``) or
         "trainable" (only the parameters that train, plus a fingerprint of the frozen part that resume checks).
+    layer_shards: with save="full", checkpoint weights as one safetensors file per decoder layer (+ embeddings, +
+        the rest) with the standard index, so ``from_pretrained`` loads them and ``shards.load_layer_range`` reads
+        only the layers it needs.
     overwrite_output_dir: a new run (no resume) clears ``output_dir`` first; without it a non-empty ``output_dir``
         is refused, so a run never mixes with an earlier run's files.
     print_summary: print a throughput table when training ends.
@@ -74,6 +77,7 @@ class AccelArguments:
     compile: Any = False
     async_save: bool = False
     save: str = "full"
+    layer_shards: bool = False
     overwrite_output_dir: bool = False
     print_summary: bool = True
     non_blocking: bool = True
@@ -269,6 +273,8 @@ class AccelMixin:
             if trainable_only:
                 selective.save_trainable(staged, snapshot["model"], fingerprint)
                 unwrapped.config.save_pretrained(staged)
+            elif self.accel.layer_shards:
+                shards.save_layer_shards(unwrapped, staged, snapshot["model"])
             else:
                 unwrapped.save_pretrained(staged, state_dict=snapshot["model"], safe_serialization=True)
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
@@ -297,9 +303,16 @@ class AccelMixin:
             if self.is_fsdp_enabled or self.is_deepspeed_enabled:
                 raise ConfigurationError("AccelArguments(save='trainable') needs unsharded parameters (one process "
                                          "or DDP); under FSDP/DeepSpeed pass save='full'.")
+            if self.accel.layer_shards:
+                raise ConfigurationError("AccelArguments(layer_shards=True) shards full checkpoints; with "
+                                         "save='trainable' pass layer_shards=False.")
             if self.args.load_best_model_at_end:
                 raise ConfigurationError("AccelArguments(save='trainable') checkpoints hold no full model to load at "
                                          "the end; pass load_best_model_at_end=False or save='full'.")
+
+        if self.accel.layer_shards and hasattr(self.model, "peft_config"):
+            raise ConfigurationError("AccelArguments(layer_shards=True) applies to full models; a PEFT model saves its "
+                                     "adapter only. Pass layer_shards=False (or save='trainable').")
 
     def _fingerprint(self, model) -> dict[str, Any]:
         if self._frozen_fingerprint is None:  # the frozen part does not change during a run
@@ -352,12 +365,19 @@ class AccelMixin:
         return path
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not (self._saving_checkpoint and self.accel.save == "trainable"):
+        own_layout = self.accel.save == "trainable" or self.accel.layer_shards
+        if not (self._saving_checkpoint and own_layout):
             return super().save_model(output_dir, _internal_call)
-        if self.args.should_save:  # the model part of a selective checkpoint (transformers adds the rest)
+        if self.args.should_save:  # the model part of a checkpoint in our layout (transformers adds the rest)
             unwrapped = self.accelerator.unwrap_model(self.model)
-            selective.save_trainable(output_dir, selective.trainable_state(unwrapped), self._fingerprint(unwrapped))
-            unwrapped.config.save_pretrained(output_dir)
+            if self.accel.save == "trainable":
+                selective.save_trainable(output_dir, selective.trainable_state(unwrapped),
+                                         self._fingerprint(unwrapped))
+                unwrapped.config.save_pretrained(output_dir)
+            else:
+                shards.save_layer_shards(unwrapped, output_dir)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not selective.is_selective(resume_from_checkpoint):
