@@ -57,15 +57,33 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
-def save_layer_shards(model: torch.nn.Module, folder: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """Write ``state_dict`` (default: the model's) as per-layer shards + index + config into ``folder``."""
-    state = state_dict if state_dict is not None else model.state_dict()
+def _once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied weights once (safetensors refuses shared storage; from_pretrained re-ties them)."""
     kept, seen = {}, set()
-    for name, t in state.items():  # tied weights once (safetensors refuses shared storage; from_pretrained re-ties)
+    for name, t in state.items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen:
             seen.add(key)
             kept[name] = t
+    return kept
+
+
+def _save_configs(model: torch.nn.Module, folder: str) -> None:
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+def save_single_file(model: torch.nn.Module, folder: str, state_dict: dict[str, torch.Tensor]) -> None:
+    """``model.safetensors`` + config, streamed from ``state_dict`` (what ``from_pretrained`` reads)."""
+    os.makedirs(folder, exist_ok=True)
+    write_safetensors(os.path.join(folder, "model.safetensors"), _once(state_dict), metadata={"format": "pt"})
+    _save_configs(model, folder)
+
+
+def save_layer_shards(model: torch.nn.Module, folder: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``state_dict`` (default: the model's) as per-layer shards + index + config into ``folder``."""
+    kept = _once(state_dict if state_dict is not None else model.state_dict())
     groups: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     for name, t in kept.items():
         groups[shard_of(name)][name] = t
@@ -76,9 +94,7 @@ def save_layer_shards(model: torch.nn.Module, folder: str, state_dict: dict[str,
              "weight_map": {name: shard_of(name) for name in kept}}
     with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=1, sort_keys=True)
-    model.config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
+    _save_configs(model, folder)
 
 
 def load_layer_range(folder: str, first: int, last: int, *, embeddings: bool = False, head: bool = False,

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import checkpoint_io, selective, shards
+from .snapshot import SnapshotBuffers
 from . import run_dir as run_dir_module
 from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
 from ..errors import CheckpointError, ConfigurationError
@@ -142,6 +143,7 @@ class AccelMixin:
             self.accelerator.dataloader_config.non_blocking = True
         self._check_save_options()
         self._writer = checkpoint_io.AsyncWriter()
+        self._buffers = SnapshotBuffers()
         self._run_record: dict[str, Any] | None = None
         self._frozen_fingerprint: dict[str, Any] | None = None
         self._saving_checkpoint = False
@@ -195,8 +197,13 @@ class AccelMixin:
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.accel.async_save:
-            self._save_checkpoint_async(run_dir, name)
-            return
+            self._writer.wait()  # the previous write is done with the buffers (raises if it failed)
+            state = self._live_state()
+            reason = self._buffers.shortfall(state)
+            if reason is None:
+                self._save_checkpoint_async(run_dir, name, state)
+                return
+            logger.warning("hf_accel: %s; writing %s synchronously", reason, name)
         staging_root = os.path.join(run_dir, checkpoint_io.STAGING_DIR)
         staged = os.path.join(staging_root, name)
         if self.args.should_save:
@@ -243,16 +250,25 @@ class AccelMixin:
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
 
-    def _save_checkpoint_async(self, run_dir: str, name: str) -> None:
-        """Copy everything a checkpoint holds to CPU now; write, fsync and rename it on the writer thread."""
-        self._writer.wait()  # one snapshot in memory at a time (raises if the previous write failed)
+    def _live_state(self) -> dict[str, Any]:
+        """What a background save copies to the host: the model's weights (or its trainable ones) and the
+        optimizer state, as references to the live tensors."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        model_state = selective.trainable_state(unwrapped) if self.accel.save == "trainable" else \
+            unwrapped.state_dict()
+        return {"model": model_state, "optimizer": self.optimizer.state_dict()}
+
+    def _save_checkpoint_async(self, run_dir: str, name: str, state: dict[str, Any]) -> None:
+        """Copy everything a checkpoint holds into the host buffers now; write, fsync and rename it on the writer
+        thread (the caller waited for the previous write)."""
         self.store_flos()
         self._export_callback_states()
         unwrapped = self.accelerator.unwrap_model(self.model)
         trainable_only = self.accel.save == "trainable"
+        copied = self._buffers.copy(state)
         snapshot = {
-            "model": _to_cpu(selective.trainable_state(unwrapped) if trainable_only else unwrapped.state_dict()),
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "model": copied["model"],
+            "optimizer": copied["optimizer"],
             "scheduler": _to_cpu(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None,
             "rng": _rng_state(),
             "state": json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
@@ -275,6 +291,8 @@ class AccelMixin:
                 unwrapped.config.save_pretrained(staged)
             elif self.accel.layer_shards:
                 shards.save_layer_shards(unwrapped, staged, snapshot["model"])
+            elif not hasattr(unwrapped, "peft_config"):  # streamed from the buffers: no serializer copy
+                shards.save_single_file(unwrapped, staged, snapshot["model"])
             else:
                 unwrapped.save_pretrained(staged, state_dict=snapshot["model"], safe_serialization=True)
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
