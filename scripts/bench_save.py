@@ -84,7 +84,8 @@ def run(shape: str, mode: str, steps: int, save_every: int, out_dir: str) -> dic
     kept = sorted(Path(out_dir).glob("checkpoint-*"))  # save_total_limit=1 keeps the last one
     size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else 0
     step = statistics.median(normal) if normal else 0.0
-    return {"mode": mode, "step_s": step, "stall_per_save_s": statistics.mean(after_save) - step if after_save else 0.0,
+    stall = statistics.mean(after_save) - step if after_save else 0.0
+    return {"mode": mode, "step_s": step, "stall_per_save_s": stall,
             "saves_timed": len(after_save), "checkpoint_gib": size / 2**30, "total_s": total}
 
 
