@@ -69,7 +69,8 @@ def run(shape: str, mode: str, steps: int, save_every: int, out_dir: str) -> dic
     on_gpu = torch.cuda.is_available()
     args = transformers.TrainingArguments(
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=1, save_strategy="steps",
-        save_steps=save_every, save_total_limit=1, logging_steps=steps, report_to="none", use_cpu=not on_gpu, bf16=on_gpu,
+        save_steps=save_every, save_total_limit=1, logging_steps=steps, report_to="none", use_cpu=not on_gpu,
+        bf16=on_gpu,
         disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch", learning_rate=1e-5)
     timer = StepTimes()
     accel = AccelArguments(async_save=mode == "background", save="trainable" if lora else "full",
