@@ -23,3 +23,8 @@ class InvalidBatch(HFAccelError, ValueError):
 
 class ConfigurationError(HFAccelError, ValueError):
     """Options that contradict each other or the model (e.g. checkpointing on under FSDP's own)."""
+
+
+class CheckpointError(HFAccelError, RuntimeError):
+    """A checkpoint cannot be written or read back: a damaged or partial file (named), a full disk, or a checkpoint
+    of another run or another base model."""

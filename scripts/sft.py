@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from hf_accel.data import default_task  # noqa: E402
 from hf_accel.errors import ConfigurationError  # noqa: E402
+from hf_accel.training.run_dir import check_output_dir  # noqa: E402
 from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
 
 LLAMA_1B_SHAPES = dict(  # Llama-3.2-1B's config (random init: only the shapes matter for speed)
@@ -74,7 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     lo.add_argument("--lora-targets", default=None, help="comma-separated module names (default: the family's)")
     ev = p.add_argument_group("evaluation (default task and --smollm2)")
     ev.add_argument("--eval-examples", type=int, default=200, help="0 skips the held-out evaluation")
+    ck = p.add_argument_group("checkpoint files (one run per --output-dir)")
+    ck.add_argument("--overwrite", action="store_true", help="clear --output-dir first (a new run refuses a "
+                    "non-empty one, so it never mixes with an earlier run's checkpoints)")
+    ck.add_argument("--save-total-limit", type=int, default=None, help="keep the newest N checkpoints")
+    ck.add_argument("--save", choices=["full", "trainable"], default="full", help="checkpoint every weight, or only "
+                    "the trainable ones plus a fingerprint of the frozen base that --resume checks")
     args = p.parse_args(argv)
+    try:  # before anything is loaded: a new run must not mix with an earlier run's files
+        check_output_dir(args.output_dir, resume=args.resume, overwrite=args.overwrite)
+    except ConfigurationError as exc:
+        p.error(str(exc))
     if args.model and (args.smollm2 or args.model_shape):
         p.error("--model cannot be combined with --smollm2 or --model-shape")
     return args
@@ -206,8 +217,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if heldout is not None:
         before = default_task.exact_match(model, tok, heldout)
-    trainer = Trainer(model=model, args=training_arguments(args, tiny_default), train_dataset=train,
-                      processing_class=tok, accel=accel)
+    accel.save, accel.overwrite_output_dir = args.save, args.overwrite  # checkpoint files (see parse_args)
+    targs = training_arguments(args, tiny_default)
+    targs.save_total_limit = args.save_total_limit
+    trainer = Trainer(model=model, args=targs, train_dataset=train, processing_class=tok, accel=accel)
     if trainer.patch_report is not None:
         print(trainer.patch_report, flush=True)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)

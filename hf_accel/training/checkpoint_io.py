@@ -1,17 +1,31 @@
 """Checkpoints that lose nothing: write into a hidden staging folder, fsync, then rename into place.
 
 A process killed during a save leaves at most a stale staging folder (ignored by ``get_last_checkpoint`` and
-removed by the next save); every ``checkpoint-N`` folder that exists is complete. ``AsyncWriter`` runs the disk
-part of a save on a background thread after the state was copied to CPU, so training does not wait on the disk.
+removed by the next save); every ``checkpoint-N`` folder that exists is complete. The last file written before the
+rename is a manifest (each file's size), so a checkpoint damaged later (truncated, overwritten, emptied) is detected
+by ``verify_checkpoint`` before anything of it is loaded. ``AsyncWriter`` runs the disk part of a save on a
+background thread after the state was copied to CPU, so training does not wait on the disk.
+
+Loading stays safe: weights are read through safetensors only, every other file with ``torch.load(weights_only=True)``
+(transformers' loaders do the same; ``verify_checkpoint`` parses them that way too, memory-mapped).
 """
 from __future__ import annotations
 
+import errno
+import json
+import logging
 import os
 import shutil
+import struct
 import sys
 import threading
 import time
+import zipfile
 from typing import Callable
+
+from ..errors import CheckpointError
+
+logger = logging.getLogger("hf_accel")
 
 STAGING_DIR = ".hf_accel-staging"
 # Test hook: "STEP:MARKER" makes the save of global step STEP create MARKER and sleep mid-save (files written,
@@ -63,7 +77,8 @@ def maybe_pause(step: int) -> None:
 
 
 def publish(staged: str, final: str, step: int) -> None:
-    """Make the complete checkpoint folder ``staged`` appear as ``final`` in one rename."""
+    """Make the complete checkpoint folder ``staged`` appear as ``final`` in one rename (manifest written last)."""
+    write_manifest(staged)
     fsync_tree(staged)
     maybe_pause(step)
     if os.path.exists(final):  # re-saving the same step (e.g. after a resume): move the old one out of the way
@@ -75,6 +90,10 @@ def publish(staged: str, final: str, step: int) -> None:
     else:
         os.rename(staged, final)
     fsync_dir(os.path.dirname(final))
+    try:  # the staging root, once empty, leaves the run folder as it was
+        os.rmdir(os.path.dirname(staged))
+    except OSError:
+        pass
 
 
 class AsyncWriter:
@@ -91,7 +110,8 @@ class AsyncWriter:
         def run() -> None:
             try:
                 write()
-            except BaseException as exc:  # surfaced on the training thread by wait()
+            except BaseException as exc:  # surfaced on the training thread by wait(); logged now, loudly
+                logger.error("hf_accel: background checkpoint write failed: %r (raised at the next save)", exc)
                 self._error = exc
 
         self._thread = threading.Thread(target=run, name="hf_accel-checkpoint-writer", daemon=False)
@@ -103,4 +123,130 @@ class AsyncWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError("hf_accel: a background checkpoint write failed") from error
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"a background checkpoint write failed: {error!r}") from error
+
+
+# ---- failures while writing ------------------------------------------------------------------------------------
+
+def save_failed(error: OSError, staged: str, name: str, run_dir: str) -> CheckpointError:
+    """The typed error for a save that could not be written; removes the partial staging folder (frees the space)
+    and leaves every published checkpoint in place."""
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(staged))
+    except OSError:
+        pass
+    kept = sorted((d for d in os.listdir(run_dir) if d.startswith("checkpoint-")), key=_step_of)
+    previous = f"the previous checkpoint ({kept[-1]}) is untouched" if kept else "no earlier checkpoint exists"
+    why = "the disk is full" if error.errno == errno.ENOSPC else f"the write failed ({error})"
+    free = shutil.disk_usage(run_dir).free if os.path.isdir(run_dir) else 0
+    return CheckpointError(
+        f"saving {name} into {run_dir} failed: {why}; {free / 2**30:.2f} GiB free there. The partial save was removed "
+        f"and {previous}. Free space (or lower save_total_limit) and resume from the last checkpoint."
+    )
+
+
+def _step_of(name: str) -> int:
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+# ---- manifest and verification ---------------------------------------------------------------------------------
+
+MANIFEST = "hf_accel_manifest.json"
+
+
+def write_manifest(folder: str) -> None:
+    """Record every file under ``folder`` with its size; written last, so its presence means the save finished."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel != MANIFEST:
+                files[rel] = os.path.getsize(path)
+    with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1, sort_keys=True)
+
+
+def verify_checkpoint(folder: str) -> str | None:
+    """None when ``folder`` is a complete, readable checkpoint; otherwise one line naming the damaged file and why.
+
+    Checks sizes against the manifest, then each file's structure without loading tensors: safetensors headers and
+    data extents, torch files parsed with ``weights_only=True`` (memory-mapped), JSON files parsed.
+    """
+    if not os.path.isdir(folder):
+        return f"{folder}: not a folder"
+    entries = os.listdir(folder)
+    if not entries:
+        return f"{folder}: empty folder"
+    manifest_path = os.path.join(folder, MANIFEST)
+    if os.path.exists(manifest_path):
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError, KeyError) as exc:
+            return f"{manifest_path}: unreadable manifest ({exc})"
+    else:  # written by stock transformers or an older hf_accel: structure checks only
+        files = {os.path.relpath(os.path.join(r, n), folder): None for r, _, ns in os.walk(folder) for n in ns}
+    for rel, size in sorted(files.items()):
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            return f"{path}: missing"
+        actual = os.path.getsize(path)
+        if size is not None and actual != size:
+            return f"{path}: {actual} bytes, the save wrote {size} (truncated or overwritten)"
+        problem = _check_structure(path)
+        if problem:
+            return f"{path}: {problem}"
+    return None
+
+
+def _check_structure(path: str) -> str | None:
+    name = os.path.basename(path)
+    try:
+        if name.endswith(".safetensors"):
+            return _check_safetensors(path)
+        if name.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        elif name.endswith((".pt", ".pth", ".bin")):
+            if not zipfile.is_zipfile(path):
+                return "not a torch checkpoint (no zip directory; truncated or overwritten)"
+            if name == "training_args.bin":  # a full pickle that resume never loads: structure only
+                return None
+            import torch
+
+            with _numpy_allowlist():  # the allowlist transformers' own RNG loader uses
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # any parse failure means: do not load this checkpoint
+        return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+    return None
+
+
+def _numpy_allowlist():
+    try:
+        from transformers.trainer_pt_utils import safe_globals
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return safe_globals()
+
+
+def _check_safetensors(path: str) -> str | None:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return "truncated safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return f"safetensors header claims {n} bytes, the file holds {size - 8}"
+        header = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"safetensors data ends at byte {8 + n + end}, the file has {size} (truncated)"
+    return None

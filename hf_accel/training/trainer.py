@@ -24,9 +24,11 @@ import transformers
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoint_io
+from . import checkpoint_io, selective, shards
+from .snapshot import SnapshotBuffers
+from . import run_dir as run_dir_module
 from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
-from ..errors import ConfigurationError
+from ..errors import CheckpointError, ConfigurationError
 from ..patching import patch
 from ..data.sampling import TokenBudgetBatchSampler
 from .metrics import ThroughputMeter, format_summary
@@ -53,6 +55,13 @@ class AccelArguments:
     compile: each decoder layer's training forward through torch.compile, attention excluded (``patch(compile=...)``:
         True or a dict of torch.compile options). Costs a compile at the first steps; eval / generate stay eager.
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
+    save: what a checkpoint holds of the model: "full" (every weight, loadable by ``from_pretrained``) or
+        "trainable" (only the parameters that train, plus a fingerprint of the frozen part that resume checks).
+    layer_shards: with save="full", checkpoint weights as one safetensors file per decoder layer (+ embeddings, +
+        the rest) with the standard index, so ``from_pretrained`` loads them and ``shards.load_layer_range`` reads
+        only the layers it needs.
+    overwrite_output_dir: a new run (no resume) clears ``output_dir`` first; without it a non-empty ``output_dir``
+        is refused, so a run never mixes with an earlier run's files.
     print_summary: print a throughput table when training ends.
     non_blocking: copy each batch to the GPU without blocking the host (with ``dataloader_pin_memory``, the default).
         transformers' default copies blocking, and a blocking copy waits for the GPU to finish the previous step, so
@@ -68,6 +77,9 @@ class AccelArguments:
     fused_ops: bool = False
     compile: Any = False
     async_save: bool = False
+    save: str = "full"
+    layer_shards: bool = False
+    overwrite_output_dir: bool = False
     print_summary: bool = True
     non_blocking: bool = True
 
@@ -129,7 +141,12 @@ class AccelMixin:
         if self.accel.non_blocking and self.args.dataloader_pin_memory:
             # read when the Trainer prepares its dataloaders (accelerate's send_to_device(non_blocking=...))
             self.accelerator.dataloader_config.non_blocking = True
+        self._check_save_options()
         self._writer = checkpoint_io.AsyncWriter()
+        self._buffers = SnapshotBuffers()
+        self._run_record: dict[str, Any] | None = None
+        self._frozen_fingerprint: dict[str, Any] | None = None
+        self._saving_checkpoint = False
         self._meter: ThroughputMeter | None = None
         self.throughput_summary: dict[str, float] | None = None
 
@@ -144,9 +161,10 @@ class AccelMixin:
         self._meter = ThroughputMeter(self.model, self.args.device)
         return super()._inner_training_loop(*args, **kwargs)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        resume_from_checkpoint = self._prepare_run(resume_from_checkpoint)
         try:
-            out = super().train(*args, **kwargs)
+            out = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self._writer.wait()
         # After a normal end only: a summary's device reads must not replace the exception of a failed run.
@@ -179,22 +197,35 @@ class AccelMixin:
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.accel.async_save:
-            self._save_checkpoint_async(run_dir, name)
-            return
+            self._writer.wait()  # the previous write is done with the buffers (raises if it failed)
+            state = self._live_state()
+            reason = self._buffers.shortfall(state)
+            if reason is None:
+                self._save_checkpoint_async(run_dir, name, state)
+                return
+            logger.warning("hf_accel: %s; writing %s synchronously", reason, name)
         staging_root = os.path.join(run_dir, checkpoint_io.STAGING_DIR)
+        staged = os.path.join(staging_root, name)
         if self.args.should_save:
             checkpoint_io.staging_path(run_dir, name)
         self.accelerator.wait_for_everyone()
         # transformers writes the whole checkpoint (model, optimizer, scheduler, RNG, state) under _get_output_dir;
         # point that at the staging folder for this one call.
         self._get_output_dir = lambda trial=None: staging_root
+        self._saving_checkpoint = True
         try:
             super()._save_checkpoint(model, trial)
+        except OSError as exc:  # e.g. a full disk: nothing was published, earlier checkpoints stay
+            raise checkpoint_io.save_failed(exc, staged, name, run_dir) from exc
         finally:
             del self._get_output_dir
+            self._saving_checkpoint = False
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            self._publish(os.path.join(staging_root, name), run_dir, name)
+            try:
+                self._publish(staged, run_dir, name)
+            except OSError as exc:
+                raise checkpoint_io.save_failed(exc, staged, name, run_dir) from exc
 
     def _publish(self, staged: str, run_dir: str, name: str) -> None:
         best = self.state.best_model_checkpoint
@@ -202,6 +233,7 @@ class AccelMixin:
         if best and best.startswith(staging_root):
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
             self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        run_dir_module.write_run_record(staged, self._current_run_record())
         checkpoint_io.publish(staged, os.path.join(run_dir, name), self.state.global_step)
         rotate_checkpoints(
             output_dir=run_dir, save_total_limit=self.args.save_total_limit,
@@ -218,26 +250,51 @@ class AccelMixin:
                 else:
                     self.state.stateful_callbacks[name] = cb.state()
 
-    def _save_checkpoint_async(self, run_dir: str, name: str) -> None:
-        """Copy everything a checkpoint holds to CPU now; write, fsync and rename it on the writer thread."""
-        self._writer.wait()  # one snapshot in memory at a time (raises if the previous write failed)
+    def _live_state(self) -> dict[str, Any]:
+        """What a background save copies to the host: the model's weights (or its trainable ones) and the
+        optimizer state, as references to the live tensors."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        model_state = selective.trainable_state(unwrapped) if self.accel.save == "trainable" else \
+            unwrapped.state_dict()
+        return {"model": model_state, "optimizer": self.optimizer.state_dict()}
+
+    def _save_checkpoint_async(self, run_dir: str, name: str, state: dict[str, Any]) -> None:
+        """Copy everything a checkpoint holds into the host buffers now; write, fsync and rename it on the writer
+        thread (the caller waited for the previous write)."""
         self.store_flos()
         self._export_callback_states()
         unwrapped = self.accelerator.unwrap_model(self.model)
+        trainable_only = self.accel.save == "trainable"
+        copied = self._buffers.copy(state)
         snapshot = {
-            "model": _to_cpu(unwrapped.state_dict()),
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "model": copied["model"],
+            "optimizer": copied["optimizer"],
             "scheduler": _to_cpu(self.lr_scheduler.state_dict()) if self.lr_scheduler is not None else None,
             "rng": _rng_state(),
             "state": json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
             "args": copy.deepcopy(self.args),
         }
-        step, processing_class = self.state.global_step, self.processing_class
+        step, processing_class, record = self.state.global_step, self.processing_class, self._current_run_record()
+        fingerprint = self._fingerprint(unwrapped) if trainable_only else None
+        staged = os.path.join(run_dir, checkpoint_io.STAGING_DIR, name)
 
         def write() -> None:
-            staging_root = checkpoint_io.staging_path(run_dir, name)
-            staged = os.path.join(staging_root, name)
-            unwrapped.save_pretrained(staged, state_dict=snapshot["model"], safe_serialization=True)
+            try:
+                write_files()
+            except OSError as exc:  # e.g. a full disk: nothing was published, earlier checkpoints stay
+                raise checkpoint_io.save_failed(exc, staged, name, run_dir) from exc
+
+        def write_files() -> None:
+            checkpoint_io.staging_path(run_dir, name)
+            if trainable_only:
+                selective.save_trainable(staged, snapshot["model"], fingerprint)
+                unwrapped.config.save_pretrained(staged)
+            elif self.accel.layer_shards:
+                shards.save_layer_shards(unwrapped, staged, snapshot["model"])
+            elif not hasattr(unwrapped, "peft_config"):  # streamed from the buffers: no serializer copy
+                shards.save_single_file(unwrapped, staged, snapshot["model"])
+            else:
+                unwrapped.save_pretrained(staged, state_dict=snapshot["model"], safe_serialization=True)
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(staged)
             torch.save(snapshot["args"], os.path.join(staged, transformers.trainer.TRAINING_ARGS_NAME))
@@ -247,11 +304,103 @@ class AccelMixin:
             torch.save(snapshot["rng"], os.path.join(staged, "rng_state.pth"))
             with open(os.path.join(staged, transformers.trainer.TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
                 f.write(snapshot["state"])
+            run_dir_module.write_run_record(staged, record)
             checkpoint_io.publish(staged, os.path.join(run_dir, name), step)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
 
         self._writer.submit(write)
+
+    # ---- what a checkpoint holds, and which one a resume continues -----------------------------------------------
+
+    def _check_save_options(self) -> None:
+        if self.accel.save not in ("full", "trainable"):
+            raise ConfigurationError(f"AccelArguments(save={self.accel.save!r}); allowed: 'full' (every weight) or "
+                                     "'trainable' (only the parameters that train, plus a fingerprint of the rest).")
+        if self.accel.save == "trainable":
+            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+                raise ConfigurationError("AccelArguments(save='trainable') needs unsharded parameters (one process "
+                                         "or DDP); under FSDP/DeepSpeed pass save='full'.")
+            if self.accel.layer_shards:
+                raise ConfigurationError("AccelArguments(layer_shards=True) shards full checkpoints; with "
+                                         "save='trainable' pass layer_shards=False.")
+            if self.args.load_best_model_at_end:
+                raise ConfigurationError("AccelArguments(save='trainable') checkpoints hold no full model to load at "
+                                         "the end; pass load_best_model_at_end=False or save='full'.")
+
+        if self.accel.layer_shards and hasattr(self.model, "peft_config"):
+            raise ConfigurationError("AccelArguments(layer_shards=True) applies to full models; a PEFT model saves its "
+                                     "adapter only. Pass layer_shards=False (or save='trainable').")
+
+    def _fingerprint(self, model) -> dict[str, Any]:
+        if self._frozen_fingerprint is None:  # the frozen part does not change during a run
+            self._frozen_fingerprint = selective.frozen_fingerprint(model)
+        return self._frozen_fingerprint
+
+    def _current_run_record(self) -> dict[str, Any]:
+        if self._run_record is None:  # a save outside train(): a run of its own
+            self._run_record = {"run_id": run_dir_module.new_run_id(), "config": self._run_config()}
+        return self._run_record
+
+    def _run_config(self) -> dict[str, Any]:
+        return run_dir_module.run_config(self.accelerator.unwrap_model(self.model), self.args, self.accel,
+                                         self.train_dataset)
+
+    def _prepare_run(self, requested: str | bool | None) -> str | None:
+        """A new run gets an empty (or cleared) output folder; a resume gets a verified checkpoint of the same run."""
+        output_dir = self.args.output_dir
+        config = self._run_config()
+        if requested is None or requested is False:
+            run_dir_module.check_output_dir(output_dir, resume=False, overwrite=self.accel.overwrite_output_dir)
+            if self.accel.overwrite_output_dir and self.args.should_save:
+                run_dir_module.clear_output_dir(output_dir)
+            self.accelerator.wait_for_everyone()
+            self._run_record = {"run_id": run_dir_module.new_run_id(), "config": config}
+            return None
+        path = None
+        if self.args.should_save:  # the main process sets damaged checkpoints aside; the others then agree
+            path = run_dir_module.select_checkpoint(output_dir, requested, move=True)
+        self.accelerator.wait_for_everyone()
+        if path is None:
+            path = run_dir_module.select_checkpoint(output_dir, requested, move=False)
+        record = run_dir_module.read_run_record(path)
+        run_dir_module.check_same_run(path, record, config, explicit=isinstance(requested, str))
+        for _, other in run_dir_module.checkpoints(output_dir):
+            other_record = run_dir_module.read_run_record(other) if other != path else record
+            if record and other_record and other_record.get("run_id") != record.get("run_id"):
+                raise CheckpointError(
+                    f"{output_dir} mixes checkpoints of two runs ({os.path.basename(path)}: run "
+                    f"{record.get('run_id')}, {os.path.basename(other)}: run {other_record.get('run_id')}); move the "
+                    "other run's checkpoints out, or resume from an explicit checkpoint path of another folder.")
+        with open(os.path.join(path, transformers.trainer.TRAINER_STATE_NAME), encoding="utf-8") as f:
+            step = int(json.load(f)["global_step"])
+        run_dir_module.check_steps_left(path, step, self.args.max_steps)
+        if self.args.should_save:
+            run_dir_module.set_aside_later(output_dir, step)
+        self.accelerator.wait_for_everyone()
+        self._run_record = {"run_id": record["run_id"] if record else run_dir_module.new_run_id(), "config": config}
+        logger.info("hf_accel: resuming run %s from %s", self._run_record["run_id"], path)
+        return path
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        own_layout = self.accel.save == "trainable" or self.accel.layer_shards
+        if not (self._saving_checkpoint and own_layout):
+            return super().save_model(output_dir, _internal_call)
+        if self.args.should_save:  # the model part of a checkpoint in our layout (transformers adds the rest)
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            if self.accel.save == "trainable":
+                selective.save_trainable(output_dir, selective.trainable_state(unwrapped),
+                                         self._fingerprint(unwrapped))
+                unwrapped.config.save_pretrained(output_dir)
+            else:
+                shards.save_layer_shards(unwrapped, output_dir)
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not selective.is_selective(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        selective.load_trainable(model if model is not None else self.model, resume_from_checkpoint)
 
 
 def _example_lengths(dataset: Any) -> list[int]:

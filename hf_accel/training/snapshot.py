@@ -1,0 +1,93 @@
+"""Host buffers for background saves: one snapshot of the state, allocated once and reused by every save.
+
+A background save must copy the state off the device before training mutates it; fresh copies per save (plus a
+serializer's own copy) put the host at 2-3x the checkpoint's size. Here the copy goes into buffers kept between
+saves (page-locked on CUDA, so the device-to-host copy runs at full bandwidth), and the files are written from them
+by streaming writers, so the host holds about 1.0x the checkpoint. When the buffers are not allocated yet and the
+host lacks the memory for them (plus ``HEADROOM``), ``shortfall`` says why and the caller saves synchronously.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+HEADROOM = 0.2  # keep this fraction of the snapshot's size free beyond it
+
+
+def host_available_bytes() -> int:
+    """The kernel's estimate of memory available without swapping (MemAvailable); very large if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _tensors(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
+    if torch.is_tensor(obj):
+        return [(path, obj)]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() for x in _tensors(v, path + (k,))]
+    if isinstance(obj, (list, tuple)):
+        return [x for i, v in enumerate(obj) for x in _tensors(v, path + (i,))]
+    return []
+
+
+class SnapshotBuffers:
+    """Reusable host copies of nested tensors (a state dict, an optimizer state)."""
+
+    def __init__(self, pin: bool | None = None, available: Callable[[], int] = host_available_bytes) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._available = available
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def _missing_bytes(self, state: Any) -> tuple[int, int]:
+        total = missing = 0
+        for path, t in _tensors(state):
+            n = t.numel() * t.element_size()
+            total += n
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                missing += n
+        return total, missing
+
+    def shortfall(self, state: Any) -> str | None:
+        """None when ``state`` fits (buffers already held, or the host has room for the new ones); else why not."""
+        total, missing = self._missing_bytes(state)
+        free = self._available()
+        if missing and free - missing < HEADROOM * total:
+            return (f"host memory is short for a background snapshot ({free / 2**30:.2f} GiB available, it needs "
+                    f"{missing / 2**30:.2f} GiB more plus {HEADROOM:.0%} headroom)")
+        return None
+
+    def copy(self, state: Any) -> Any:
+        """``state`` with every tensor replaced by its host buffer, filled with the tensor's current values."""
+        def walk(obj: Any, path: tuple) -> Any:
+            if torch.is_tensor(obj):
+                buf = self._buffers.get(path)
+                if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                    buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=self.pin)
+                    self._buffers[path] = buf
+                buf.copy_(obj.detach(), non_blocking=self.pin)
+                return buf
+            if isinstance(obj, dict):
+                return {k: walk(v, path + (k,)) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(walk(v, path + (i,)) for i, v in enumerate(obj))
+            return obj
+
+        out = walk(state, ())
+        if self.pin:  # the non-blocking copies must land before the writer thread reads the buffers
+            torch.cuda.synchronize()
+        return out
+
+    def release(self) -> None:
+        self._buffers.clear()

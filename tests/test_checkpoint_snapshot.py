@@ -1,0 +1,69 @@
+"""Memory-aware background saves (issue 21c), the CPU-checkable part: the snapshot goes into host buffers that are
+allocated once and reused by every save (about 1.0x the checkpoint on the host, no per-save copies), and when the
+host lacks the memory for them the save is written synchronously with one log line saying why."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hf_accel.training.checkpoint_io import verify_checkpoint
+from hf_accel.training.snapshot import SnapshotBuffers
+from tests.checkpoint_runs import LOSS_RTOL, accel, losses, trainer
+
+
+def nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_buffers_are_allocated_once_and_hold_one_copy():
+    state = {"a": torch.randn(64, 32), "b": torch.arange(10)}
+    buffers = SnapshotBuffers(pin=False, available=lambda: 1 << 40)
+    first = buffers.copy(state)
+    ptrs = {k: v.data_ptr() for k, v in first.items()}
+    state["a"].add_(1.0)
+    second = buffers.copy(state)
+    assert {k: v.data_ptr() for k, v in second.items()} == ptrs  # reused, not reallocated
+    assert torch.equal(second["a"], state["a"]) and second["a"].data_ptr() != state["a"].data_ptr()
+    assert buffers.nbytes == nbytes(state)
+
+
+def test_shortfall_counts_only_buffers_not_yet_held():
+    state = {"a": torch.zeros(1024)}  # 4 KiB
+    free = {"bytes": 4096}
+    buffers = SnapshotBuffers(pin=False, available=lambda: free["bytes"])
+    assert "host memory is short" in buffers.shortfall(state)  # 4 KiB free, 4 KiB + 20% needed
+    free["bytes"] = 4096 * 2
+    assert buffers.shortfall(state) is None
+    buffers.copy(state)
+    free["bytes"] = 0
+    assert buffers.shortfall(state) is None  # already held: nothing more is needed
+    state["b"] = torch.zeros(8)
+    assert buffers.shortfall(state) is not None
+
+
+def test_background_saves_reuse_buffers_and_fall_back_when_memory_is_short(tmp_path, caplog):
+    ref = trainer(tmp_path / "ref")
+    ref.train()
+    t = trainer(tmp_path / "bg", accel=accel(async_save=True))
+    seen = []
+    real_copy = t._buffers.copy
+    t._buffers.copy = lambda state: seen.append({k: v.data_ptr() for k, v in real_copy(state)["model"].items()}) \
+        or real_copy(state)
+    t.train()
+    assert len(seen) == 3 and seen[0] == seen[1] == seen[2]
+    assert losses(t) == losses(ref)
+    short = trainer(tmp_path / "short", accel=accel(async_save=True))
+    short._buffers = SnapshotBuffers(pin=False, available=lambda: 0)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        short.train()
+    lines = [r.message for r in caplog.records if "synchronously" in r.message]
+    assert [line.split("writing ")[1] for line in lines] == [f"checkpoint-{s} synchronously" for s in (2, 4, 6)]
+    assert all("host memory is short" in line for line in lines)
+    for step in (2, 4, 6):
+        assert verify_checkpoint(str(tmp_path / "short" / f"checkpoint-{step}")) is None
+    # the streamed single-file checkpoint written from the buffers resumes exactly
+    resumed = trainer(tmp_path / "bg")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "bg" / "checkpoint-4"))
+    assert losses(resumed) == pytest.approx(losses(ref), rel=LOSS_RTOL)
