@@ -9,6 +9,7 @@ _check_transformers_version()
 
 from .errors import (  # noqa: E402
     BackendUnavailable,
+    CheckpointError,
     ConfigurationError,
     HFAccelError,
     InvalidBatch,
@@ -34,7 +35,7 @@ def __getattr__(name: str):
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccelArguments", "BackendUnavailable", "ConfigurationError", "DataCollatorForPacking", "DataCollatorForPadding",
+    "AccelArguments", "BackendUnavailable", "CheckpointError", "ConfigurationError", "DataCollatorForPacking", "DataCollatorForPadding",
     "FlashMHA", "HFAccelError", "InvalidBatch", "LengthGroupedBatchSampler", "PatchReport", "SFTTrainer",
     "TokenBudgetBatchSampler", "Trainer", "UnsupportedModel", "UnsupportedVersion", "format_backends",
     "list_backends", "patch", "patch_report", "policy_from_spec", "unpatch",
