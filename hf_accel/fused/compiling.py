@@ -110,6 +110,9 @@ class TrainingCompiled:
         if isinstance(hidden, torch.Tensor) and hidden.ndim >= 2:
             _mark_dynamic(args, hidden.shape[1])
             _mark_dynamic(kwargs, hidden.shape[1])
+        from .ops import keep_liger_out_of_compiled_graphs
+
+        keep_liger_out_of_compiled_graphs()  # before tracing: liger bound by transformers / TRL stays eager-only
         before = graphs_compiled()
         out = self.compiled(*args, **kwargs)
         if graphs_compiled() != before:
