@@ -37,6 +37,7 @@ class PatchReport:
     fused_ops: bool = False
     fused_ce: bool = False
     compiled_layers: int = 0
+    speedups: list[str] = field(default_factory=list)  # one line per fused_ce / fused_ops / compile: chosen, and why
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -55,6 +56,7 @@ class PatchReport:
         if self.compiled_layers:
             lines.append(f"  compiled: {self.compiled_layers} decoder layers' training forwards (torch.compile, "
                          "attention left to the kernel above)")
+        lines += [f"  {line}" for line in self.speedups]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -80,6 +82,81 @@ def _compile_options(compile: bool | dict) -> dict | None:
     )
 
 
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """One of patch()'s optional speed-ups as resolved for this model: on or off, and the reason (one line)."""
+
+    name: str
+    on: bool
+    why: str
+
+    def line(self) -> str:
+        return f"{self.name}: {'on' if self.on else 'off'} ({self.why})"
+
+
+def _quantized(model: torch.nn.Module) -> str | None:
+    """What makes this model's layers something torch.compile does not trace cleanly (bitsandbytes / other
+    quantizers' weights), or None."""
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
+        return f"{type(model.hf_quantizer).__name__ if getattr(model, 'hf_quantizer', None) else 'quantized'} weights"
+    for module in model.modules():
+        if type(module).__module__.split(".")[0] in ("bitsandbytes", "torchao", "auto_gptq", "awq"):
+            return f"{type(module).__name__} layers"
+    return None
+
+
+def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="auto", fused_ops="auto",
+                     compile="auto", liger_installed: bool | None = None) -> dict[str, Speedup]:
+    """Resolve patch()'s ``fused_ce`` / ``fused_ops`` / ``compile`` for ``model`` on ``device``.
+
+    "auto" is the fastest setting that keeps the computation equivalent: on CUDA the fused loss, liger's fused ops
+    (when installed) and compiled decoder layers (unless the model's weights are quantized); on every other device
+    all three off (unchanged behaviour). True / False / a dict of compile options are taken as given.
+    ``liger_installed`` overrides the installation check (tests fake a device).
+    """
+    for name, value in (("fused_ce", fused_ce), ("fused_ops", fused_ops)):
+        if not isinstance(value, bool) and value != AUTO:
+            raise ConfigurationError(f"{name} must be True, False or 'auto'; got {value!r}.")
+    on_cuda = device.type == "cuda"
+    out = {}
+    if fused_ce != AUTO:
+        out["fused_ce"] = Speedup("fused_ce", fused_ce, "requested" if fused_ce else "fused_ce=False")
+    elif not on_cuda:
+        out["fused_ce"] = Speedup("fused_ce", False, f"auto: on CUDA only; this model is on {device.type}")
+    elif model.get_output_embeddings() is None:
+        out["fused_ce"] = Speedup("fused_ce", False, "auto: the model has no LM head")
+    else:
+        out["fused_ce"] = Speedup("fused_ce", True, "auto: training forwards with labels take the loss from hidden "
+                                                    "states in chunks, no full logits (logits=None there)")
+    if fused_ops != AUTO:
+        out["fused_ops"] = Speedup("fused_ops", fused_ops, "requested" if fused_ops else "fused_ops=False")
+    else:
+        if liger_installed is None:
+            import importlib.util
+
+            liger_installed = importlib.util.find_spec("liger_kernel") is not None
+        why = ("liger-kernel's Triton kernels run on CUDA only; this model is on " + device.type) if not on_cuda \
+            else None if liger_installed else "liger-kernel is not installed (pip install 'hf_accel[liger]')"
+        out["fused_ops"] = Speedup("fused_ops", why is None,
+                                   "auto: liger-kernel's fused norms / SwiGLU" if why is None else f"auto: {why}")
+    if compile != AUTO:
+        on = compile is not False and compile is not None
+        out["compile"] = Speedup("compile", on, "requested" if on else "compile=False")
+    else:
+        quantized = _quantized(model)
+        why = (f"on CUDA only; this model is on {device.type}" if not on_cuda
+               else "torch.compile is not supported in this Python / torch" if not torch._dynamo.is_dynamo_supported()
+               else f"{quantized}: torch.compile does not trace them cleanly" if quantized else None)
+        # Llama-1B shapes on the H200: ~20 s of compiling once; element-wise time per 16k-token step 46 -> 22.5 ms
+        # and no GC stalls after (BENCHMARKS.md), i.e. paid back within the first thousand steps of a fine-tune.
+        out["compile"] = Speedup("compile", why is None, "auto: decoder layers' training forwards through inductor "
+                                 "(~20 s once for 1B shapes)" if why is None else f"auto: {why}")
+    return out
+
+
 def _family(model_type: str):
     for name in FAMILY_MODULES:
         module = importlib.import_module(f"hf_accel.patches.{name}")
@@ -98,18 +175,45 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def attention_dtype(param_dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
+    """The dtype training calls' attention receives: the autocast dtype when autocast is on now; on CUDA, bf16 for
+    fp32 weights (fp32 master weights train under autocast or FSDP2 mixed precision: kbit preparation, FSDP2);
+    else the weights' dtype. The seam still selects per call from what it gets (see ``varlen_attention``)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    if device.type == "cuda" and param_dtype == torch.float32:
+        return torch.bfloat16
+    return param_dtype
+
+
 def _training_request(model, family, device: DeviceInfo | None) -> AttentionRequest:
     heads_q, heads_kv, head_dim = family.head_shape(model.config)
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    dtype = param.dtype if param is not None else torch.float32
     where = param.device if param is not None else torch.device("cpu")
     if where.type == "meta":  # init_empty_weights / FSDP's cpu_ram_efficient_loading: weights arrive later
         where = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dev = device or DeviceInfo.of(where)
     return AttentionRequest(
-        device=dev, dtype=dtype, head_dim=head_dim, num_heads_q=heads_q, num_heads_kv=heads_kv,
+        device=dev, dtype=attention_dtype(param.dtype if param is not None else torch.float32, dev), head_dim=head_dim, num_heads_q=heads_q, num_heads_kv=heads_kv,
         dropout=family.training_dropout(model.config) > 0, alibi=bool(getattr(model.config, "alibi", False)),
     )
+
+
+def _fp32_calls_note(model, request: AttentionRequest, backend: str) -> str | None:
+    """With fp32 weights on CUDA the report names the backend for half-precision calls; say what fp32 calls get."""
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is None or param.dtype != torch.float32 or request.dtype == torch.float32:
+        return None
+    from dataclasses import replace
+
+    from .errors import BackendUnavailable
+
+    try:
+        fp32 = select(replace(request, dtype=torch.float32), backend).backend.name
+    except BackendUnavailable:
+        fp32 = "none (they raise BackendUnavailable)"
+    return (f"fp32 weights: attention is chosen per call from the dtype it receives; the backend above serves "
+            f"{request.dtype} calls (autocast, FSDP2 mixed precision), plain fp32 calls get {fp32}")
 
 
 def _no_cache_in_training(module, args, kwargs):
@@ -123,15 +227,18 @@ def patch(
     model: torch.nn.Module,
     backend: str = "auto",
     checkpointing=None,
-    fused_ops: bool = False,
-    fused_ce: bool = False,
-    compile: bool | dict = False,
+    fused_ops: bool | str = AUTO,
+    fused_ce: bool | str = AUTO,
+    compile: bool | dict | str = AUTO,
 ) -> PatchReport:
     """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
 
     Works on a plain transformers model or a PEFT model, before or after ``get_peft_model``. Idempotent: patching a
     patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
     takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.memory.checkpointing).
+    ``fused_ops``, ``fused_ce`` and ``compile`` default to "auto": on CUDA all three where they apply (liger installed;
+    weights not quantized), elsewhere off; ``PatchReport.speedups`` says what was chosen and why, and an explicit
+    False turns each off (see ``resolve_speedups``).
     ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
     ``fused_ce=True`` makes training forwards with labels return the loss from a chunked linear cross-entropy
     (hf_accel.fused.cross_entropy, "inline" method), never materialising the full logits (``logits`` is then None); eval and
@@ -145,7 +252,10 @@ def patch(
     if config is None:
         raise UnsupportedModel(f"expected a transformers PreTrainedModel (or PEFT model), got {type(model).__name__}.")
     family = _family(config.model_type)
-    compile_options = _compile_options(compile)
+    request = _training_request(model_hf, family, None)
+    speedups = resolve_speedups(model_hf, request.device, fused_ce=fused_ce, fused_ops=fused_ops, compile=compile)
+    fused_ce, fused_ops = speedups["fused_ce"].on, speedups["fused_ops"].on
+    compile_options = _compile_options(compile if compile != AUTO else speedups["compile"].on)
     state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
     if state is not None:
         same = (
@@ -159,11 +269,11 @@ def patch(
             return state.report
         unpatch(model)
 
-    request = _training_request(model_hf, family, None)
     chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
+    fp32_note = _fp32_calls_note(model_hf, request, backend)
     names, undo = family.apply(model_hf, backend)
     try:
-        report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
+        report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_ops,
                                compiled=compile_options is not None)
         if compile_options is not None:
             from .fused import compiling
@@ -176,6 +286,17 @@ def patch(
 
             undo.append(bind_fused_loss(model_hf))
             report.fused_ce = True
+        report.speedups = [s.line() for s in speedups.values()]
+        if fp32_note:
+            report.notes.append(fp32_note)
+        if checkpointing is not None:
+            # last: a memory budget's probe forward must see the loss and layers training will run
+            from .memory.checkpointing import policy_from_spec
+
+            policy = policy_from_spec(checkpointing)
+            policy.apply(model)
+            undo.append(lambda: policy.remove(model))
+            report.checkpointing = _describe(checkpointing)
     except Exception:  # leave the model exactly as it was
         for action in reversed(undo):
             action()
@@ -185,8 +306,7 @@ def patch(
     return report
 
 
-def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
-                  compiled: bool) -> PatchReport:
+def _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_ops, compiled: bool) -> PatchReport:
     """Everything after the attention seam; appends its undo actions to ``undo``."""
     notes = []
     if fused_ops:
@@ -210,13 +330,6 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpo
         selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,
         lora_targets=family.LORA_TARGETS, fused_ops=fused_ops, notes=notes,
     )
-    if checkpointing is not None:
-        from .memory.checkpointing import policy_from_spec
-
-        policy = policy_from_spec(checkpointing)
-        policy.apply(model)
-        undo.append(lambda: policy.remove(model))
-        report.checkpointing = _describe(checkpointing)
     return report
 
 

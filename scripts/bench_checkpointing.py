@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 import hf_accel  # noqa: E402
+from hf_accel.errors import ConfigurationError  # noqa: E402
 from hf_accel.memory.checkpointing import policy_from_spec, remove_checkpointing  # noqa: E402
 from hf_accel.memory.plan import parse_bytes  # noqa: E402
 from hf_accel.memory.estimate import estimate_training_memory, load_config  # noqa: E402
@@ -76,7 +77,10 @@ def build_model(config, lora_rank, device, dtype):
 
 def run_policy(model, spec, batches, device) -> dict:
     policy = policy_from_spec(spec)
-    policy.apply(model)
+    try:
+        policy.apply(model)
+    except ConfigurationError as err:  # a budget no plan fits (the error names the smallest that does)
+        return {"tokens_per_s": None, "step_s": None, "peak_gib": "infeasible", "policy": str(err), "choices": None}
     params = [p for p in model.parameters() if p.requires_grad]
     cuda = torch.device(device).type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=cuda)

@@ -266,3 +266,28 @@ def test_bench_script_tiny_runs(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.exists() and "| policy |" in result.stdout
+
+
+def test_trainer_budget_probes_the_runs_micro_batch(tmp_path):
+    """A budget plan is only as good as its probe: hf_accel's Trainer probes a micro-batch of the size it will train
+    on (here the token budget), not the policy's 2,048-token default (a 16k-token run then planned no checkpointing
+    and peaked 4 GiB over a 23 GiB budget on the H200)."""
+    import transformers
+
+    from hf_accel.memory.checkpointing import MemoryBudget, applied_policy
+    from hf_accel.training.trainer import AccelArguments, Trainer
+    from tiny_models import VOCAB, make
+
+    data = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (9, 14, 20, 7)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                          report_to="none", use_cpu=True, save_strategy="no")
+    model = make("llama-gqa").train()
+    budget = MemoryBudget(budget="1GiB")
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      accel=AccelArguments(backend="reference", checkpointing=budget, max_tokens_per_batch=40))
+    assert applied_policy(model) is budget and budget.batch_tokens == 40
+    model2 = make("llama-gqa").train()
+    Trainer(model=model2, args=args, train_dataset=data, accel=AccelArguments(backend="reference",
+                                                                              checkpointing="budget:1GiB"))
+    assert applied_policy(model2).batch_tokens == 20 + 14  # packing, 2 examples: the two longest
+    assert VOCAB and trainer.patch_report.checkpointing.startswith("memory budget")

@@ -1,6 +1,8 @@
 """fused_ops: refused clearly where liger cannot run; instance attribute changes undone exactly."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -96,3 +98,38 @@ def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
     after = {n: dict(m.__dict__) for n, m in model.named_modules()}
     for name in before:
         assert before[name].keys() == after[name].keys(), name
+
+
+def test_compiled_layers_trace_the_stock_op_where_someone_else_bound_a_kernel():
+    """transformers' / TRL's use_liger_kernel binds liger's forwards on the model itself (not through fused_ops'
+    eager-only wrapper), and dynamo then traced liger's Triton kernels inside compiled layers (dozens of logged
+    CompilationErrors on the H200). A stand-in kernel bound the same way: the compiled layers' graphs must trace the
+    stock op instead, while eager calls still run the kernel."""
+    from hf_accel.fused import compiling
+    from hf_accel.memory.checkpointing import decoder_layers
+
+    calls = []
+
+    def stand_in_forward(self, hidden_states):  # liger's "kernel": a call we can see, and a different result
+        calls.append(torch.compiler.is_compiling())
+        return type(self).forward(self, hidden_states) * 3.0
+
+    fused_ops.trace_stock_instead(stand_in_forward, lambda self, hidden_states: type(self).forward(self, hidden_states))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make("llama-gqa").train()
+    stock = make("llama-gqa").train()
+    for layer in decoder_layers(model):
+        layer.post_attention_layernorm.forward = types.MethodType(stand_in_forward, layer.post_attention_layernorm)
+    _, undo = compiling.apply(model, {"backend": "aot_eager"})
+    ids = torch.randint(0, 64, (1, 12))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert True not in calls  # never traced
+    torch.testing.assert_close(loss, stock(input_ids=ids, labels=ids, use_cache=False).loss)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert calls and not any(calls)  # eager calls run the bound kernel
+    for action in reversed(undo):
+        action()
+    torch._dynamo.reset()

@@ -210,3 +210,16 @@ def test_fa4_splits_calls_with_many_documents(monkeypatch):
     groups = fa4.document_groups(cu, cu, total, total)
     assert fa4.document_groups(cu, cu, total, total) is groups
     assert fa4.document_groups(cu.clone(), cu.clone(), total, total) == groups
+
+
+def test_under_autocast_attention_runs_in_the_autocast_dtype():
+    """fp32 q/k (fp32 master weights, fp32 RoPE) under bf16 autocast: the seam casts as SDPA does and chooses the
+    kernel for bf16, instead of running fp32 attention (and passing over the half-precision kernels on CUDA)."""
+    q, k, v, cu = inputs()
+    opts = AttnOptions(scale=0.25)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, cu, max(LENGTHS), max(LENGTHS), opts,
+                                "reference")
+        got = varlen_attention(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), opts, "reference")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -15,6 +15,7 @@ from hf_accel.errors import ConfigurationError
 from hf_accel.memory.estimate import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
                              plan_checkpointing, plan_cost, plan_peak_bytes, probe_layer_activations,
                              training_state_bytes)
+from hf_accel.memory.plan import probe_training_memory
 
 # The formula counts the big per-token tensors a decoder layer saves for a flash-style kernel; HF's CPU reference
 # path adds or drops a few (Falcon's broadcast K/V and its seq x seq mask, layout copies), which for these tiny
@@ -116,10 +117,11 @@ def test_memory_budget_policy_applies_the_plan_and_keeps_grads():
     model.zero_grad()
     model(**batch).loss.backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters()}
-    layers = probe_layer_activations(model, batch)
+    probe = probe_training_memory(model, batch)
+    layers = probe.layers
     fixed = training_state_bytes(model)
     # what op-level on every layer needs: must not fit with no checkpointing, must fit with some
-    budget = plan_peak_bytes(layers, ["op"] * len(layers), fixed, loss_bytes(TOKENS, 128, 4))
+    budget = plan_peak_bytes(layers, ["op"] * len(layers), fixed, probe.tail_peak_bytes)
     policy = MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0)
     policy.apply(model)
     assert policy.plan.fits and policy.plan.predicted_peak_bytes <= budget
@@ -185,3 +187,42 @@ def test_probe_frees_its_forward():
     handle.remove()
     gc.collect()
     assert outputs and outputs[0]() is None, "the probe's activations are still alive after it returned"
+
+
+def test_probe_sees_the_loss_the_forward_computes(monkeypatch):
+    """The plan's loss term is measured from the forward training runs: the stock loss's full logits, or the fused
+    loss's chunks (the stock formula says 19.6 GiB for 16k Llama-3 tokens; the fused loss took ~1.5 GiB on the H200).
+    Here a vocabulary much wider than the hidden size, as in real LMs, and 16 chunks, as 16k Llama-3 tokens get."""
+    import hf_accel
+    from hf_accel.fused import cross_entropy
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).train()
+    tokens = 512
+    ids = torch.randint(0, 2048, (1, tokens))
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
+    stock = probe_training_memory(model, batch).tail_peak_bytes
+    assert stock >= 0.9 * loss_bytes(tokens, 2048, 4)  # logits + log-softmax, fp32
+    monkeypatch.setattr(cross_entropy, "auto_chunk_size", lambda *args, **kwargs: tokens // 16)
+    hf_accel.patch(model, backend="reference", fused_ce=True)
+    fused = probe_training_memory(model, batch).tail_peak_bytes
+    assert 0 < fused < stock / 4
+
+
+def test_infeasible_budget_raises_naming_the_smallest_that_fits(capsys):
+    import re
+
+    model = build("llama").train()
+    ids = torch.randint(0, 128, (1, TOKENS))
+    fixed = training_state_bytes(model)
+    with pytest.raises(ConfigurationError, match=r"smallest feasible budget is 'budget:[0-9.]+MiB'") as err:
+        MemoryBudget(budget=fixed, sample_batch={"input_ids": ids, "labels": ids}).apply(model)
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(model))  # nothing applied
+    smallest = float(re.search(r"budget:([0-9.]+)MiB", str(err.value)).group(1)) * 1024**2
+    fits = MemoryBudget(budget=int(smallest), sample_batch={"input_ids": ids, "labels": ids})
+    fits.apply(model)  # the named budget is feasible
+    assert fits.plan.fits
+    printed = capsys.readouterr().out
+    assert "checkpointing plan for budget" in printed and "| predicted peak |" in printed  # visible by default

@@ -291,3 +291,64 @@ def test_report_predicts_the_backend_training_calls_use():
     rotary = make("falcon-mha")
     rotary.config.attention_dropout = 0.1
     assert not _training_request(rotary, _family("falcon"), None).dropout  # Falcon's rotary path has no dropout
+
+
+# ---- defaults: "auto" resolves to the fast path on CUDA, to today's behaviour elsewhere -------------------------
+def _h200():
+    """A faked device description (no CUDA here), as in tests/test_kernels.py."""
+    from hf_accel.attention.kernels import DeviceInfo
+
+    return DeviceInfo("cuda", (9, 0))
+
+
+def test_auto_speedups_on_a_faked_cuda_device():
+    from hf_accel.patching import resolve_speedups
+
+    model = make("llama-gqa")
+    got = resolve_speedups(model, _h200(), liger_installed=True)
+    assert {name: s.on for name, s in got.items()} == {"fused_ce": True, "fused_ops": True, "compile": True}
+    assert all(s.why.startswith("auto: ") for s in got.values())
+    no_liger = resolve_speedups(model, _h200(), liger_installed=False)["fused_ops"]
+    assert not no_liger.on and "not installed" in no_liger.why
+    off = resolve_speedups(model, _h200(), fused_ce=False, fused_ops=False, compile=False, liger_installed=True)
+    assert not any(s.on for s in off.values())
+    assert [s.line() for s in off.values()] == ["fused_ce: off (fused_ce=False)", "fused_ops: off (fused_ops=False)",
+                                                "compile: off (compile=False)"]
+
+
+def test_auto_compile_stands_down_for_quantized_weights():
+    from hf_accel.patching import resolve_speedups
+
+    model = make("llama-gqa")
+    model.hf_quantizer = type("Bnb4BitHfQuantizer", (), {})()  # stand-in: bitsandbytes cannot run here
+    got = resolve_speedups(model, _h200(), liger_installed=True)
+    assert got["fused_ce"].on and not got["compile"].on and "Bnb4BitHfQuantizer" in got["compile"].why
+
+
+def test_auto_on_cpu_is_todays_behaviour():
+    model = make("llama-gqa").train()
+    ref = make("llama-gqa").train()
+    report = hf_accel.patch(model)
+    assert not report.fused_ce and not report.fused_ops and report.compiled_layers == 0
+    assert any(line.startswith("compile: off (auto: on CUDA only") for line in report.speedups)
+    assert "fused_ce: off" in str(report)
+    ids = torch.randint(0, VOCAB, (1, 10))
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is not None  # the stock loss path: logits returned
+    torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=ids).loss)
+    assert hf_accel.patch(model) is report  # "auto" resolves the same again: idempotent
+
+
+def test_fp32_master_weights_pick_the_half_precision_kernel():
+    """kbit preparation / FSDP2 keep fp32 weights while attention receives bf16 (issue 20): fa4 must not be passed
+    over for "cannot do dtype torch.float32"."""
+    from hf_accel.attention.kernels import select
+    from hf_accel.patching import _family, _training_request
+
+    model = make("llama-gqa")  # fp32 weights
+    request = _training_request(model, _family("llama"), _h200())
+    assert request.dtype == torch.bfloat16
+    installed = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
+    assert select(request, "auto", installed).backend.name == "fa4"
+    cpu = _training_request(model, _family("llama"), None)
+    assert cpu.dtype == torch.float32  # CPU: unchanged

@@ -14,8 +14,11 @@ break turn dynamic at the first new length: one recompile, in the first steps). 
 
 Compilation leaves many long-lived Python objects (graphs, guards, generated code) that every later full garbage
 collection scans: on the H200 such collections grew to 200-400 ms stalls mid-training. After a training
-call that compiled new graphs, everything alive is collected once and frozen out of the cyclic collector's scans
-(``gc.freeze``); frozen objects are still freed by reference counting as usual.
+call that compiled new graphs, garbage is collected once and, while compiled layers are bound, the collector makes no
+automatic full (oldest-generation) collections; young generations are still collected, and an explicit
+``gc.collect()`` still frees everything. (An earlier ``gc.freeze`` kept every object alive at that moment forever,
+a deleted model included: patched models hold reference cycles, which only the collector frees.) ``unpatch`` of the
+last compiled model restores the collector's threshold.
 
 The binding is the layer's ``_compiled_call_impl`` slot (what ``nn.Module.compile`` sets), so transformers'
 checkpointing wrapper around ``__call__`` keeps working and ``unpatch`` restores the slot exactly.
@@ -59,10 +62,26 @@ def graphs_compiled() -> int:
         return 0
 
 
-def freeze_long_lived_objects() -> None:
-    """Collect garbage once, then keep everything alive now out of later collections' scans."""
+_NO_AUTO_FULL = 1 << 30  # an oldest-generation threshold no training run reaches
+_bound: set[int] = set()  # ids of the TrainingCompiled calls bound now
+_saved_threshold: list[int] = []  # the collector's oldest-generation threshold before the first binding
+
+
+def quiet_full_collections() -> None:
+    """Collect garbage once, then keep the collector from automatic full collections (see the module docstring)."""
     gc.collect()
-    gc.freeze()
+    if _bound:
+        thresholds = gc.get_threshold()
+        if not _saved_threshold:
+            _saved_threshold.append(thresholds[2])
+        gc.set_threshold(thresholds[0], thresholds[1], _NO_AUTO_FULL)
+
+
+def _release(key: int) -> None:
+    _bound.discard(key)
+    if not _bound and _saved_threshold:
+        thresholds = gc.get_threshold()
+        gc.set_threshold(thresholds[0], thresholds[1], _saved_threshold.pop())
 
 
 class TrainingCompiled:
@@ -91,10 +110,13 @@ class TrainingCompiled:
         if isinstance(hidden, torch.Tensor) and hidden.ndim >= 2:
             _mark_dynamic(args, hidden.shape[1])
             _mark_dynamic(kwargs, hidden.shape[1])
+        from .ops import keep_liger_out_of_compiled_graphs
+
+        keep_liger_out_of_compiled_graphs()  # before tracing: liger bound by transformers / TRL stays eager-only
         before = graphs_compiled()
         out = self.compiled(*args, **kwargs)
         if graphs_compiled() != before:
-            freeze_long_lived_objects()
+            quiet_full_collections()
         return out
 
     def __deepcopy__(self, memo):
@@ -120,9 +142,12 @@ def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list
     for layer in decoder_layers(model):
         had_own = SLOT in layer.__dict__
         previous = layer.__dict__.get(SLOT)
-        layer.__dict__[SLOT] = TrainingCompiled(layer, options)
+        call = TrainingCompiled(layer, options)
+        layer.__dict__[SLOT] = call
+        _bound.add(id(call))
 
-        def restore(layer=layer, had_own=had_own, previous=previous) -> None:
+        def restore(layer=layer, had_own=had_own, previous=previous, key=id(call)) -> None:
+            _release(key)
             if had_own:
                 layer.__dict__[SLOT] = previous
             else:

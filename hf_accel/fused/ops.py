@@ -13,8 +13,11 @@ layers (the final norm) always use liger's.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -88,12 +91,13 @@ def apply(model: nn.Module, compiled_layers: bool = False) -> tuple[list[str], l
     reason = unavailable_reason(model)
     if reason:
         raise BackendUnavailable(f"fused_ops=True needs liger-kernel on CUDA: {reason}. Pass fused_ops=False.")
-    from liger_kernel.transformers.monkey_patch import (
-        _patch_layer_norm_module,
-        _patch_rms_norm_module,
-        _patch_swiglu_module,
-    )
-    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    with quiet_liger_import():
+        from liger_kernel.transformers.monkey_patch import (
+            _patch_layer_norm_module,
+            _patch_rms_norm_module,
+            _patch_swiglu_module,
+        )
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     binders = {
         "rms_norm": lambda m: _patch_rms_norm_module(m, eps=m.variance_epsilon),
@@ -119,3 +123,79 @@ def bind(model: nn.Module, binders: dict[str, Callable[[nn.Module], None]],
         undo.append(_transaction(module, change))
         names.append(name)
     return names, undo
+
+
+# liger-kernel warns on import about optional backends a CUDA training run does not use (cuTile, Ascend NPUs).
+_OPTIONAL_BACKENDS = r"(?is).*(cuda\.tile|cutile|ascend|torch_npu|\bnpu\b)"
+
+
+@contextlib.contextmanager
+def quiet_liger_import():
+    """Import liger-kernel without its warnings about optional cuTile / Ascend backends (those only)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_OPTIONAL_BACKENDS)
+        yield
+
+
+# ---- keeping liger's Triton kernels out of compiled graphs -----------------------------------------------------
+# Liger bound by someone else (transformers' / TRL's use_liger_kernel: instance forwards of norms and MLPs, and
+# modeling_llama.apply_rotary_pos_emb swapped globally) sits inside hf_accel's compiled decoder layers, and dynamo
+# then traces liger's Triton kernels: torch's triton_kernel_wrap fails to analyse them and logs a CompilationError
+# traceback per kernel (dozens per run on the H200). Where dynamo meets one of liger's functions it traces the stock
+# computation instead (torch.compiler.substitute_in_graph; inductor fuses it as it fuses the layers' own ops); eager
+# calls keep running liger's kernels.
+_substituted: set[int] = set()
+
+
+def trace_stock_instead(original: Callable, stock: Callable) -> None:
+    """Make dynamo trace ``stock`` wherever it meets ``original`` (same arguments); eager calls are unchanged."""
+    if id(original) in _substituted:
+        return
+    torch.compiler.substitute_in_graph(original, skip_signature_check=True)(stock)
+    _substituted.add(id(original))
+
+
+def keep_liger_out_of_compiled_graphs() -> None:
+    """Register the stock stand-ins for liger's norm, SwiGLU, LayerNorm and RoPE functions (once; only when liger
+    has been imported, i.e. may be bound to a model)."""
+    if "liger_kernel" not in sys.modules or _substituted:
+        return
+    import torch.nn.functional as F
+
+    with quiet_liger_import():
+        from liger_kernel.transformers.layer_norm import LigerLayerNorm
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    def rms_norm(self, hidden_states):
+        own = type(self).forward
+        if own is not LigerRMSNorm.forward:  # liger's forward bound on a stock norm: its own forward is the same math
+            return own(self, hidden_states)
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        weight = getattr(self, "offset", 0.0) + self.weight
+        if getattr(self, "casting_mode", "llama") == "llama":
+            return weight * x.to(dtype)
+        return (x * weight.float()).to(dtype)
+
+    def swiglu(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def layer_norm(self, hidden_states):
+        eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-5)
+        return F.layer_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.bias, eps)
+
+    def rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+        def rotate_half(x):
+            half = x.shape[-1] // 2
+            return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    for original, stock in ((LigerRMSNorm.forward, rms_norm), (LigerSwiGLUMLP.forward, swiglu),
+                            (LigerLayerNorm.forward, layer_norm), (liger_rotary_pos_emb, rotary)):
+        trace_stock_instead(original, stock)

@@ -279,20 +279,23 @@ class MemoryBudget(CheckpointingPolicy):
     """The least recompute that fits `budget`: bytes, "20GiB", or a fraction (0, 1] of the device's memory.
 
     apply() probes activation bytes per decoder layer with one forward on `sample_batch` (default: `batch_tokens`
-    random tokens in one row), adds the fixed cost of weights, gradients and optimizer states
-    (`memory.training_state_bytes`) and the logits/loss, and applies `checkpoint_plan.plan_checkpointing`'s choice
-    for `1 - headroom` of the budget.
-    The plan is kept in `self.plan` and logged.
+    random tokens in one row: set it to the run's largest micro-batch; hf_accel's Trainers do), adds the fixed cost of
+    weights, gradients and optimizer states (`memory.training_state_bytes`) and the peak of the loss as the forward
+    computes it (full logits, or a fused loss's chunks), and applies `plan.plan_checkpointing`'s choice for
+    `1 - headroom` of the budget. Apply it after everything else that changes the forward (patch() does).
+    The plan is kept in `self.plan` and printed (`verbose`); a budget no plan fits raises ConfigurationError naming
+    the smallest budget that fits.
     """
 
     budget: int | float | str
     sample_batch: dict | None = None
-    batch_tokens: int = 2048
+    batch_tokens: int | None = None  # None: DEFAULT_PROBE_TOKENS
     optimizer: str = "adamw"
     device_bytes: int | None = None  # total device memory for fractional budgets; default: the CUDA device's
     # Share of the budget kept free for what the probe cannot see (allocator fragmentation, transient buffers): on the
     # H200 measured peaks ran 1-2% over plans made to the full budget (BENCHMARKS.md, checkpointing frontier).
     headroom: float = 0.03
+    verbose: bool = True  # print the plan (on the first process only)
     plan: object = field(default=None, init=False, repr=False)
 
     def budget_bytes(self, device: torch.device) -> int:
@@ -314,28 +317,38 @@ class MemoryBudget(CheckpointingPolicy):
         return int(budget)
 
     def apply(self, model: nn.Module) -> None:
-        from .plan import plan_checkpointing, probe_layer_activations
-        from .estimate import loss_bytes, training_state_bytes
+        from .estimate import training_state_bytes
+        from .plan import format_bytes, plan_checkpointing, probe_training_memory
 
         remove_checkpointing(model)
         device = next(model.parameters()).device
-        batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens, device)
+        batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens or DEFAULT_PROBE_TOKENS, device)
         was_training = model.training
         model.train()
         try:
-            layers = probe_layer_activations(model, batch)
+            probe = probe_training_memory(model, batch)
         finally:
             model.train(was_training)
-        config = base_model(model).config
-        tokens = batch["input_ids"].numel()
-        dtype_bytes = next(model.parameters()).element_size()
+        budget = self.budget_bytes(device)
         self.plan = plan_checkpointing(
-            layers, fixed_bytes=training_state_bytes(model, self.optimizer),
-            budget_bytes=int(self.budget_bytes(device) * (1 - self.headroom)),
-            extra_bytes=loss_bytes(tokens, config.vocab_size, dtype_bytes),
+            probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer),
+            budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
         )
-        log = logger.info if self.plan.fits else logger.warning
-        log("hf_accel checkpointing plan for budget %s:\n%s", self.budget, self.plan.table())
+        tokens = batch["input_ids"].numel()
+        if not self.plan.fits:
+            smallest = self.plan.predicted_peak_bytes / (1 - self.headroom)
+            raise ConfigurationError(
+                f"checkpointing budget {self.budget} ({format_bytes(budget)}) cannot be met for {tokens} tokens per "
+                f"micro-batch: even the leanest plan ({PerLayer(choices=self.plan.choices).describe()}) needs "
+                f"{format_bytes(self.plan.predicted_peak_bytes)} ({format_bytes(self.plan.fixed_bytes)} of it weights, "
+                f"gradients and optimizer states) plus {self.headroom:.0%} headroom. The smallest feasible budget is "
+                f"'budget:{_ceil_bytes(smallest)}'; or train on fewer tokens per micro-batch."
+            )
+        text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
+                f"head peak {format_bytes(probe.tail_peak_bytes)}):\n{self.plan.table()}")
+        logger.info("%s", text)
+        if self.verbose and _first_process():
+            print(text, flush=True)
         super().apply(model)
 
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
@@ -344,6 +357,24 @@ class MemoryBudget(CheckpointingPolicy):
     def describe(self) -> str:
         planned = "" if self.plan is None else f": {PerLayer(choices=self.plan.choices).describe()}"
         return f"memory budget {self.budget}{planned}"
+
+
+DEFAULT_PROBE_TOKENS = 2048
+
+
+def _ceil_bytes(n: float) -> str:
+    """A budget spec's size, rounded up: '23.47GiB', '4.4MiB'."""
+    import math
+
+    if n >= 1024**3:
+        return f"{math.ceil(n / 1024**3 * 100) / 100:g}GiB"
+    return f"{math.ceil(n / 1024**2 * 10) / 10:g}MiB"
+
+
+def _first_process() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dict:

@@ -127,6 +127,16 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What one probe forward measured: per decoder layer bytes, and the peak of what the forward allocates after
+    the last layer (final norm, LM head and loss: the full logits of the stock loss, or a fused loss's chunk and
+    gradient buffers) that is alive at once."""
+
+    layers: list[LayerActivation]
+    tail_peak_bytes: int
+
+
 def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.Module] | None = None,
                             save_ops: frozenset | None = None) -> list[LayerActivation]:
     """One forward (train mode, no checkpointing) on `batch`; per decoder layer the bytes it would keep.
@@ -134,6 +144,14 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
     none: storages autograd saves inside the layer (`saved_tensors_hooks`, each storage counted once, parameters
     excluded); op: the layer's input plus the outputs of the ops op-level checkpointing saves; full: its input.
     """
+    return probe_training_memory(model, batch, layers, save_ops).layers
+
+
+def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Module] | None = None,
+                          save_ops: frozenset | None = None) -> Probe:
+    """``probe_layer_activations`` plus the loss tail's peak (see ``Probe``), from the same forward. Compiled layers
+    run eagerly for the probe (``torch.compiler.set_stance("force_eager")``): eager layers keep at least what
+    inductor's partitioned graphs keep, so the plan errs on the side of the budget."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -164,11 +182,24 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
     def unpack(_):
         raise RuntimeError("probe_layer_activations runs a forward only; its graph cannot be back-propagated")
 
+    left = [0]  # decoder layers the forward has left
+    tail: dict[int, tuple[StorageWeakRef, int]] = {}  # storages allocated after the last layer
+    tail_peak = [0]
+
     class SaveableOutputs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             if current[0] is not None and func.overloadpacket in save_ops:
-                op_out[current[0]] += sum(_storage_key(t)[1] for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+                op_out[current[0]] += sum(_storage_key(t)[1] for t in tensors)
+            if current[0] is None and left[0] == len(layers):
+                for t in tensors:
+                    ptr, nbytes = _storage_key(t)
+                    known = tail.get(ptr)
+                    if ptr not in params and (known is None or known[0].expired()):
+                        tail[ptr] = (StorageWeakRef(t.untyped_storage()), nbytes)
+                live = sum(n for ref, n in tail.values() if not ref.expired())
+                tail_peak[0] = max(tail_peak[0], live)
             return out
 
     def enter(index):
@@ -180,6 +211,7 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
 
     def leave(module, args, output):
         current[0] = None
+        left[0] += 1
 
     flags = [layer.gradient_checkpointing for layer in layers]
     handles = []
@@ -188,7 +220,8 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
             layer.gradient_checkpointing = False
             handles.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(leave))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), SaveableOutputs():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), SaveableOutputs(), \
+                torch.compiler.set_stance("force_eager"):
             out = model(**batch)
         del out
     finally:
@@ -196,7 +229,7 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
             handle.remove()
         for layer, flag in zip(layers, flags):
             layer.gradient_checkpointing = flag
-    return [LayerActivation(s, i + o, i) for s, o, i in zip(saved, op_out, inputs)]
+    return Probe([LayerActivation(s, i + o, i) for s, o, i in zip(saved, op_out, inputs)], tail_peak[0])
 
 
 def live_activation_bytes(model: nn.Module, batch: dict) -> int:

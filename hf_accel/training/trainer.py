@@ -54,6 +54,8 @@ class AccelArguments:
     fused_ops: liger-kernel's fused norms / SwiGLU bound to this model (``patch(fused_ops=True)``; CUDA + liger).
     compile: each decoder layer's training forward through torch.compile, attention excluded (``patch(compile=...)``:
         True or a dict of torch.compile options). Costs a compile at the first steps; eval / generate stay eager.
+    fused_ce, fused_ops and compile default to "auto": ``patch()``'s choice (on CUDA all three where they apply, off
+        elsewhere; the report says why); "auto" compile also stands down under ``torch_compile``, FSDP and DeepSpeed.
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     save: what a checkpoint holds of the model: "full" (every weight, loadable by ``from_pretrained``) or
         "trainable" (only the parameters that train, plus a fingerprint of the frozen part that resume checks).
@@ -73,9 +75,9 @@ class AccelArguments:
     packing: bool = True
     max_tokens_per_batch: int | None = None
     checkpointing: Any = None
-    fused_ce: bool = False
-    fused_ops: bool = False
-    compile: Any = False
+    fused_ce: Any = "auto"
+    fused_ops: Any = "auto"
+    compile: Any = "auto"
     async_save: bool = False
     save: str = "full"
     layer_shards: bool = False
@@ -115,28 +117,18 @@ class AccelMixin:
     def _accel_setup(self, accel: AccelArguments | None) -> None:
         self.accel = accel or AccelArguments()
         self.patch_report = None
+        self._accel_check_explicit()
         if self.accel.patch:
-            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self.accel.checkpointing,
-                                      fused_ops=self.accel.fused_ops, fused_ce=self.accel.fused_ce,
-                                      compile=self.accel.compile)
+            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self._accel_policy(),
+                                      fused_ops=self.accel.fused_ops, fused_ce=self._accel_fused_ce(),
+                                      compile=self._accel_compile())
             logger.info("%s", self.patch_report)
         elif self.accel.checkpointing is not None:
-            from ..memory.checkpointing import policy_from_spec
-
-            policy_from_spec(self.accel.checkpointing).apply(self.model)
+            self._accel_policy().apply(self.model)
         if self.accel.async_save and self.args.world_size > 1:
             raise ConfigurationError(
                 f"async_save=True with world_size={self.args.world_size}; background saves support one process only. "
                 "Pass async_save=False (saves are still atomic)."
-            )
-        if self.accel.fused_ce and not self.accel.patch:
-            raise ConfigurationError("fused_ce=True works through hf_accel.patch; it needs AccelArguments(patch=True).")
-        if self.accel.compile and not self.accel.patch:
-            raise ConfigurationError("compile=True works through hf_accel.patch; it needs AccelArguments(patch=True).")
-        if self.accel.compile and getattr(self.args, "torch_compile", False):
-            raise ConfigurationError(
-                "AccelArguments(compile=...) compiles the decoder layers and TrainingArguments(torch_compile=True) the "
-                "whole model; use one. AccelArguments(compile=True) keeps attention on hf_accel's kernel."
             )
         if self.accel.non_blocking and self.args.dataloader_pin_memory:
             # read when the Trainer prepares its dataloaders (accelerate's send_to_device(non_blocking=...))
@@ -149,6 +141,60 @@ class AccelMixin:
         self._saving_checkpoint = False
         self._meter: ThroughputMeter | None = None
         self.throughput_summary: dict[str, float] | None = None
+
+    def _accel_check_explicit(self) -> None:
+        """Explicit requests that cannot work raise here, before patching ("auto" stands down instead)."""
+        compile_asked = self.accel.compile not in (False, None, "auto")
+        if self.accel.fused_ce is True and not self.accel.patch:
+            raise ConfigurationError("fused_ce=True works through hf_accel.patch; it needs AccelArguments(patch=True).")
+        if compile_asked and not self.accel.patch:
+            raise ConfigurationError("compile=True works through hf_accel.patch; it needs AccelArguments(patch=True).")
+        if compile_asked and getattr(self.args, "torch_compile", False):
+            raise ConfigurationError(
+                "AccelArguments(compile=...) compiles the decoder layers and TrainingArguments(torch_compile=True) the "
+                "whole model; use one. AccelArguments(compile=True) keeps attention on hf_accel's kernel."
+            )
+
+    def _accel_fused_ce(self) -> Any:
+        return self.accel.fused_ce
+
+    def _accel_compile(self) -> Any:
+        """AccelArguments.compile for patch(); "auto" is off where something else compiles or shards the model."""
+        if self.accel.compile != "auto":
+            return self.accel.compile
+        if getattr(self.args, "torch_compile", False) or getattr(self, "is_fsdp_enabled", False) or \
+                getattr(self, "is_deepspeed_enabled", False):
+            return False  # (compiled layers are not measured under FSDP / DeepSpeed yet)
+        return "auto"
+
+    def _accel_policy(self) -> Any:
+        """The checkpoint policy; a memory budget probes a micro-batch of the size this run will train on."""
+        if self.accel.checkpointing is None:
+            return None
+        from ..memory.checkpointing import MemoryBudget, policy_from_spec
+
+        policy = policy_from_spec(self.accel.checkpointing)
+        if isinstance(policy, MemoryBudget) and policy.sample_batch is None and policy.batch_tokens is None:
+            tokens = self._micro_batch_tokens()
+            if tokens:
+                policy.batch_tokens = tokens
+        return policy
+
+    def _micro_batch_tokens(self) -> int | None:
+        """The most tokens one micro-batch of this run can hold (None when unknown)."""
+        batch = self.args.per_device_train_batch_size
+        max_length = getattr(self.args, "max_length", None)  # TRL's SFTConfig: packed rows of max_length
+        if getattr(self.args, "packing", False) and max_length:
+            return int(max_length) * batch
+        if self.accel.packing and self.accel.max_tokens_per_batch:
+            return int(self.accel.max_tokens_per_batch)
+        try:
+            lengths = sorted(_example_lengths(self.train_dataset), reverse=True) if self.train_dataset else []
+        except (KeyError, TypeError):
+            return None
+        if not lengths:
+            return None
+        return sum(lengths[:batch]) if self.accel.packing else lengths[0] * batch
 
     # ---- training loop hooks -------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
 
     def __init__(self, model: Any, args: trl.SFTConfig | None = None, *pos, accel: AccelArguments | None = None,
                  **kwargs) -> None:
-        if accel is not None and accel.fused_ce:
+        if accel is not None and accel.fused_ce is True:
             raise ConfigurationError(
                 "AccelArguments(fused_ce=True) is not available through TRL (it replaces model.forward with its own "
                 "LM-head forward); use SFTConfig(use_liger_kernel=True) or hf_accel.Trainer."
@@ -41,3 +41,6 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
                     setattr(args, name, False)
         super().__init__(model, args, *pos, **kwargs)
         self._accel_setup(accel)
+
+    def _accel_fused_ce(self) -> Any:
+        return False  # TRL replaces model.forward during training: a loss bound there would never run

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
-from test_models_gpu import SHAPES, packed, step
+from test_models_gpu import PLAIN, SHAPES, packed, step
 
 pytestmark = pytest.mark.gpu
 
@@ -41,10 +41,10 @@ def test_compiled_train_steps_match_eager(name):
             m.p = 0.0
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     ours = copy.deepcopy(ref16)
-    hf_accel.patch(ref32)
-    hf_accel.patch(ref16)
+    hf_accel.patch(ref32, **PLAIN)
+    hf_accel.patch(ref16, **PLAIN)
     fused_ops = name == "llama-1b"  # liger serves the final norm, inductor the layers
-    report = hf_accel.patch(ours, compile=True, fused_ops=fused_ops)
+    report = hf_accel.patch(ours, **{**PLAIN, "compile": True, "fused_ops": fused_ops})
     assert report.compiled_layers == ref32.config.num_hidden_layers
     vocab = ref32.config.vocab_size
     batches = [packed(vocab)] + [packed_of(vocab, lengths) for lengths in OTHER_LENGTHS]
@@ -77,8 +77,8 @@ def test_compiled_lora_under_full_checkpointing():
             for b in module.lora_B.values():
                 torch.nn.init.normal_(b.weight, std=0.02)
     compiled = copy.deepcopy(eager)
-    hf_accel.patch(eager, checkpointing="full")
-    report = hf_accel.patch(compiled, checkpointing="full", compile=True)
+    hf_accel.patch(eager, checkpointing="full", **PLAIN)
+    report = hf_accel.patch(compiled, checkpointing="full", **{**PLAIN, "compile": True})
     assert report.compiled_layers == 4
     batch = packed(config.vocab_size)
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_accel
-from test_models_gpu import SHAPES, packed, step
+from test_models_gpu import PLAIN, SHAPES, packed, step
 
 pytestmark = pytest.mark.gpu
 
@@ -21,9 +21,9 @@ def _assert_within_bf16_error(name: str, **patch_kwargs):
     ref32 = SHAPES[name]().cuda().float().train()
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     fused = copy.deepcopy(ref16)
-    hf_accel.patch(ref32)
-    hf_accel.patch(ref16)
-    report = hf_accel.patch(fused, **patch_kwargs)
+    hf_accel.patch(ref32, **PLAIN)
+    hf_accel.patch(ref16, **PLAIN)
+    report = hf_accel.patch(fused, **{**PLAIN, **patch_kwargs})
     assert report.fused_ops
     batch = packed(ref32.config.vocab_size)
     loss32, g32 = step(ref32, batch)
@@ -44,7 +44,7 @@ def test_fused_ops_train_step(name, checkpointing):
     if checkpointing:
         return
     hf_accel.unpatch(fused)
-    hf_accel.patch(fused)
+    hf_accel.patch(fused, **PLAIN)
     loss_again, _ = step(fused, batch)
     assert loss_again == pytest.approx(loss16, rel=1e-6, abs=1e-6)
 

@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
+from test_models_gpu import PLAIN
 from hf_accel.fused import lora_casts
 
 pytestmark = pytest.mark.gpu
@@ -21,7 +22,7 @@ def test_lora_casts_bit_identical_under_cuda_autocast():
         num_key_value_heads=4, attn_implementation="sdpa")).cuda().to(torch.bfloat16).train()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, init_lora_weights=False, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    hf_accel.patch(model, backend="reference")  # plain torch math: deterministic kernels, so bits compare
+    hf_accel.patch(model, backend="reference", **PLAIN)  # plain torch math: deterministic kernels, so bits compare
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 32000, (1, 2048), generator=g).cuda()
     pos = torch.cat([torch.arange(n) for n in (700, 1000, 348)])[None].cuda()

@@ -12,6 +12,10 @@ import hf_accel
 
 pytestmark = pytest.mark.gpu
 
+# patch() without its CUDA defaults (fused loss, fused ops, compiled layers): the eager patched model these tests
+# compare (each default has its own tests)
+PLAIN = {"fused_ce": False, "fused_ops": False, "compile": False}
+
 SHAPES = {
     "llama-1b": lambda: LlamaForCausalLM(LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -76,9 +80,9 @@ def test_patched_train_step_matches_unpatched(name):
         # transformers computes Falcon's ALiBi bias in bf16 from absolute positions even in an fp32 model (up to
         # ~0.25 logit error at 1k tokens), so the stock model is no reference here: the fp32 oracle is the patched
         # model on the plain-math backend, whose ALiBi matches stock on the CPU tests (short sequences, exact bf16).
-        hf_accel.patch(ref32, backend="reference")
-        hf_accel.patch(ref16, backend="reference")
-    report = hf_accel.patch(ours)
+        hf_accel.patch(ref32, backend="reference", **PLAIN)
+        hf_accel.patch(ref16, backend="reference", **PLAIN)
+    report = hf_accel.patch(ours, **PLAIN)
     vocab = ref32.config.vocab_size
     loss32, g32 = step(ref32, padded(vocab))
     loss16, g16 = step(ref16, padded(vocab))

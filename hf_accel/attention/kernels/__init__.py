@@ -16,6 +16,14 @@ SAVEABLE_OPS = [
 ]
 
 
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
+
+
 def varlen_attention(
     q_thd: torch.Tensor,
     k_thd: torch.Tensor,
@@ -27,7 +35,12 @@ def varlen_attention(
     opts: AttnOptions,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Attention over packed documents: q_thd (T, Hq, D), k/v_thd (T, Hkv, D) -> (T, Hq, D)."""
+    """Attention over packed documents: q_thd (T, Hq, D), k/v_thd (T, Hkv, D) -> (T, Hq, D).
+
+    Under autocast the inputs are cast to the autocast dtype first, as SDPA does, and the backend is chosen for that
+    dtype: fp32 master weights under bf16 autocast (kbit preparation) give fp32 q/k after fp32 RoPE, and would
+    otherwise pass over the half-precision kernels."""
+    q_thd, k_thd, v_thd = _autocast(q_thd, k_thd, v_thd)
     chosen = select(AttentionRequest.build(q_thd, k_thd, opts), backend).backend
     return chosen.varlen(q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts)
 

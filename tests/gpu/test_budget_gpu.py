@@ -1,0 +1,64 @@
+"""checkpointing="budget:..." holds with the fast defaults (fused loss, fused ops, compiled layers): a few training
+steps of Llama-3.2-1B shapes (random init, one packed row of 16,384 tokens, fused AdamW) peak at or under the
+budget (issue 18b: 27.17 GiB under a 23 GiB budget before the probe used the run's micro-batch and loss), and a
+budget no plan fits raises before the first step, naming the smallest that does."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import hf_accel
+from hf_accel.errors import ConfigurationError
+from hf_accel.memory.checkpointing import MemoryBudget
+from test_models_gpu import SHAPES
+
+pytestmark = pytest.mark.gpu
+TOKENS = 16384
+GIB = 1024**3
+
+
+def batch(vocab: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < TOKENS:
+        n = min(int(torch.randint(16, 2048, (1,), generator=g)), TOKENS - total)
+        lengths.append(n)
+        total += n
+    ids = torch.randint(0, vocab, (1, TOKENS), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.masked_fill(pos == 0, -100)
+    return {k: v.cuda() for k, v in dict(input_ids=ids, position_ids=pos, labels=labels).items()}
+
+
+@pytest.mark.parametrize("budget_gib", [23, 20])
+def test_budget_holds_with_the_fast_defaults(budget_gib, capsys):
+    torch.manual_seed(0)
+    model = SHAPES["llama-1b"]().cuda().to(torch.bfloat16).train()
+    policy = MemoryBudget(budget=f"{budget_gib}GiB", batch_tokens=TOKENS)
+    torch.cuda.reset_peak_memory_stats()
+    report = hf_accel.patch(model, checkpointing=policy)
+    assert report.fused_ce and report.compiled_layers, str(report)
+    assert "| predicted peak |" in capsys.readouterr().out  # the plan is printed
+    assert policy.plan.fits and policy.plan.predicted_peak_bytes <= budget_gib * GIB
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    for seed in range(4):  # compile, the dynamic-shape recompile, then steady steps
+        model(**batch(model.config.vocab_size, seed), use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / GIB
+    print(f"budget {budget_gib} GiB: plan {policy.describe()}, predicted "
+          f"{policy.plan.predicted_peak_bytes / GIB:.2f} GiB, measured peak {peak:.2f} GiB")
+    assert peak <= budget_gib, f"peak {peak:.2f} GiB over the {budget_gib} GiB budget ({policy.describe()})"
+
+
+def test_infeasible_budget_raises_before_the_first_step():
+    torch.manual_seed(0)
+    model = SHAPES["llama-1b"]().cuda().to(torch.bfloat16).train()
+    with pytest.raises(ConfigurationError, match=r"smallest feasible budget is 'budget:[0-9.]+GiB'") as err:
+        hf_accel.patch(model, checkpointing=MemoryBudget(budget="10GiB", batch_tokens=TOKENS))
+    assert hf_accel.patch_report(model) is None  # nothing applied
+    smallest = float(re.search(r"budget:([0-9.]+)GiB", str(err.value)).group(1))
+    assert 10 < smallest < 20
