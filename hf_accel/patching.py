@@ -37,6 +37,8 @@ class PatchReport:
     fused_ops: bool = False
     fused_ce: bool = False
     compiled_layers: int = 0
+    replaced_attn_implementation: str | None = None  # the model's attn_implementation before patch ("eager", "sdpa")
+    attentions: str | None = None  # what runs a call asking for attention probabilities (output_attentions=True)
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -46,6 +48,11 @@ class PatchReport:
             f"  backend: {self.selection}",
             f"  LoRA targets for this family: {', '.join(self.lora_targets)}",
         ]
+        if self.replaced_attn_implementation:
+            lines.append(f"  replaced attn_implementation={self.replaced_attn_implementation!r} for training and "
+                         "prefill calls (decode steps and compiled evaluation run transformers' own; unpatch() restores it)")
+        if self.attentions:
+            lines.append(f"  output_attentions=True runs {self.attentions}")
         if self.checkpointing:
             lines.append(f"  checkpointing: {self.checkpointing}")
         if self.fused_ops:
@@ -161,10 +168,12 @@ def patch(
 
     request = _training_request(model_hf, family, None)
     chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
+    previous_attn = config._attn_implementation
     names, undo = family.apply(model_hf, backend)
     try:
         report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, checkpointing, fused_ops,
                                compiled=compile_options is not None)
+        report.replaced_attn_implementation, report.attentions = previous_attn, family.ATTENTIONS
         if compile_options is not None:
             from .fused import compiling
 
