@@ -26,7 +26,7 @@ VARIANTS = [
     "neox-parallel", "neox-sequential",  # partial rotary (rotary_pct 0.25), both residual layouts
     "falcon-40b-newarch", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-mha",
 ]
-ONE_PER_FAMILY = ["llama-gqa", "neox-sequential", "falcon-rw-alibi"]
+ENTRY_VARIANTS = ["llama-gqa", "neox-sequential", "falcon-mha", "falcon-rw-alibi"]  # Falcon: rotary and ALiBi
 
 # Holes: zeros inside a row, not only at its ends (the issue's repro), plus plain left padding in a third row.
 HOLES = torch.tensor([[1, 1, 0, 0, 0, 1, 1], [1, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1]])
@@ -202,7 +202,7 @@ ENTRY_POINTS = ["4d-bool", "4d-float", "inputs-embeds", "logits-to-keep", "batch
                 "positions-offset", "positions-offset-masked"]
 
 
-@pytest.mark.parametrize("variant", ONE_PER_FAMILY)
+@pytest.mark.parametrize("variant", ENTRY_VARIANTS)
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_batch_entry_points(variant, entry):
     ref, model, _ = pair(variant)
