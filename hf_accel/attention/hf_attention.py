@@ -77,7 +77,7 @@ def seam_attention(
 # eagerly, and no guard specialises on the per-step kwargs (max_length_q, cu_seq_lens_q). Falcon's seam caller breaks
 # the same way.
 @torch.compiler.disable
-def _varlen_call(module, query, key, value, attention_mask, scaling, dropout, kwargs) -> torch.Tensor:
+def _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs) -> torch.Tensor:
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     opts = AttnOptions(
         scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
@@ -103,7 +103,7 @@ def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, 
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    return _varlen_call(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
+    return _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
 
 
 def register() -> None:
