@@ -119,23 +119,6 @@ def test_mask_with_holes_hides_keys_only(variant, positions):
     assert_same_step(ref, model, real=mask.bool(), **inputs)
 
 
-def test_holes_never_start_documents_but_restarts_do():
-    """Documents start at each row's first real token and where positions restart; a jump splits only without a
-    mask (transformers' own rule for packed rows)."""
-    cpu = torch.device("cpu")
-    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1]])
-    jumping = torch.arange(7)[None]  # positions jump over the hole
-    assert varlen.from_mask_and_positions(mask, jumping, 1, 7, cpu).cu_seqlens.tolist() == [0, 5]
-    continuing = torch.tensor([[0, 1, 1, 1, 2, 3, 4]])
-    assert varlen.from_mask_and_positions(mask, continuing, 1, 7, cpu).cu_seqlens.tolist() == [0, 5]
-    assert varlen.from_mask_and_positions(mask, None, 1, 7, cpu).cu_seqlens.tolist() == [0, 5]
-    restart = torch.tensor([[0, 1, 9, 9, 0, 1, 2]])  # a packed row whose second document follows a hole
-    assert varlen.from_mask_and_positions(mask, restart, 1, 7, cpu).cu_seqlens.tolist() == [0, 2, 5]
-    forward_jump = torch.tensor([[0, 1, 2, 7, 8]])
-    assert varlen.from_mask_and_positions(None, forward_jump, 1, 5, cpu).cu_seqlens.tolist() == [0, 3, 5]
-    assert varlen.from_mask_and_positions(torch.ones(1, 5), forward_jump, 1, 5, cpu).cu_seqlens.tolist() == [0, 5]
-
-
 # 2. attention probabilities ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", VARIANTS)
