@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from hf_accel.attention.hf_attention import ATTN_NAME, BACKEND_ATTR, register
+from hf_accel.attention.hf_attention import ATTN_NAME, BACKEND_ATTR, register, suspend_forward_record
 
 ATTENTIONS_FALLBACK = "eager"
 ATTENTIONS = "transformers' eager attention for that call (mask and probabilities as in the unpatched model)"
@@ -40,24 +40,30 @@ def _attentions_fallback_hooks(model) -> list[Callable[[], None]]:
     config, switched = model.config, []
 
     def before(module, args, kwargs):
-        wanted = kwargs.get("output_attentions")
-        if wanted is None:
-            wanted = getattr(config, "output_attentions", False)
-        if torch.compiler.is_compiling() or not wanted or config._attn_implementation != ATTN_NAME:
-            switched.append(False)
+        switch = not torch.compiler.is_compiling() and config._attn_implementation == ATTN_NAME
+        if not (switch and wants_attentions(config, kwargs)):
+            switched.append(None)
             return
         config._attn_implementation_internal = ATTENTIONS_FALLBACK  # no validation: eager is always available
-        switched.append(True)
+        switched.append(suspend_forward_record())  # eager's mask finds packed documents itself, as stock does
 
     def after(module, args, kwargs, output):
-        if switched and switched.pop():
+        resume = switched.pop() if switched else None
+        if resume is not None:
             config._attn_implementation_internal = ATTN_NAME
+            resume()
 
     base = model.base_model
     return [
         base.register_forward_pre_hook(before, with_kwargs=True).remove,
         base.register_forward_hook(after, with_kwargs=True, always_call=True).remove,
     ]
+
+
+def wants_attentions(config, kwargs) -> bool:
+    """Whether a model forward called with ``kwargs`` returns attention probabilities."""
+    wanted = kwargs.get("output_attentions")
+    return bool(getattr(config, "output_attentions", False) if wanted is None else wanted)
 
 
 def training_dropout(config) -> float:

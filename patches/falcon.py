@@ -28,7 +28,13 @@ from transformers.models.falcon.modeling_falcon import (
     build_alibi_tensor,
 )
 
-from hf_accel.attention.hf_attention import BACKEND_ATTR, collator_metadata, runs_stock, seam_attention
+from hf_accel.attention.hf_attention import (
+    BACKEND_ATTR,
+    collator_metadata,
+    runs_stock,
+    seam_attention,
+    suspend_forward_record,
+)
 from hf_accel.attention.kernels import AttnOptions
 
 MODEL_TYPES = ("falcon",)
@@ -141,19 +147,34 @@ def patched_forward(
     return self.dense(out.reshape(*out.shape[:2], -1)), None
 
 
-def _record_call_hook(call: _ModelCall):
+def _call_hooks(falcon: FalconModel, call: _ModelCall) -> list:
+    """Note what mask each FalconModel forward is given; a call returning attention probabilities (all stock) gets
+    transformers' own packed-document search in its mask preparation."""
+    resumes = []
+
     def before(module, args, kwargs):
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
         call.mask_ndim = None if mask is None else mask.ndim
+        wanted = kwargs.get("output_attentions")
+        wanted = falcon.config.output_attentions if wanted is None else wanted
+        resumes.append(suspend_forward_record() if wanted and not torch.compiler.is_compiling() else None)
 
-    return before
+    def after(module, args, kwargs, output):
+        resume = resumes.pop() if resumes else None
+        if resume is not None:
+            resume()
+
+    return [
+        falcon.register_forward_pre_hook(before, with_kwargs=True).remove,
+        falcon.register_forward_hook(after, with_kwargs=True, always_call=True).remove,
+    ]
 
 
 def apply(model, backend: str):
     names, undo = [], []
     for prefix, falcon in [(n, m) for n, m in model.named_modules() if isinstance(m, FalconModel)]:
         call = _ModelCall()
-        undo.append(falcon.register_forward_pre_hook(_record_call_hook(call), with_kwargs=True).remove)
+        undo += _call_hooks(falcon, call)
         for name, module in falcon.named_modules():
             if isinstance(module, FalconAttention):
                 module.__dict__[_ORIGINAL] = module.forward

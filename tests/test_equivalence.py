@@ -167,6 +167,20 @@ def test_output_attentions_from_config_then_seam_again(variant, monkeypatch):
     assert rel_err(out.logits[HOLES.bool()], ref_logits[HOLES.bool()]) < LOGITS_RTOL
 
 
+@pytest.mark.parametrize("variant", ["llama-mqa", "neox-sequential", "falcon-mha"])
+def test_output_attentions_on_packed_rows_as_stock(variant):
+    """A packed row (position_ids restarting, no mask, no cache) asking for probabilities: transformers' own mask
+    preparation sees the packing (hf_accel's skip of its packed search is off for that call)."""
+    ref, model, _ = pair(variant, "eager")
+    ids = ids_for(torch.ones(1, 9))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
+    inputs = dict(input_ids=ids, position_ids=positions, output_attentions=True, use_cache=False)
+    want, got = ref(**inputs), model(**inputs)
+    for g, w in zip(got.attentions, want.attentions):
+        assert (g - w).abs().max() < ATTN_ATOL
+    assert rel_err(got.logits, want.logits) < LOGITS_RTOL
+
+
 # 3. every entry point of a batch -------------------------------------------------------------------------------------
 
 def _prefix_lm_mask(batch: int, seq: int, prefix: int, float_mask: bool) -> torch.Tensor:

@@ -162,6 +162,13 @@ def _install_packed_check_skip() -> None:
     masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
 
 
+def suspend_forward_record() -> Callable[[], None]:
+    """For a call that runs transformers' own attention inside a patched forward (output_attentions): its mask
+    preparation then looks for packed documents itself, as in the unpatched model. Returns the undo."""
+    token = _PATCHED_FORWARD.set(None)
+    return lambda: _PATCHED_FORWARD.reset(token)
+
+
 def forward_batch_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
     """Hooks that record a patched model's position_ids and collator metadata for the duration of its forward;
     returns their removers. Installs the packed-search skip that reads the record (once per process)."""
