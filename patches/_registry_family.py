@@ -36,10 +36,12 @@ def patch_registry_family(model, attention_cls: type, backend: str) -> tuple[lis
 
 def _attentions_fallback_hooks(model) -> list[Callable[[], None]]:
     """Hooks on the base model (every entry point passes through it) that run eager attention for calls asking for
-    attention probabilities. Inside torch.compile nothing switches: traced calls already run SDPA, as stock does."""
-    config, switched = model.config, []
+    attention probabilities. Inside torch.compile nothing switches: traced calls already run SDPA, as stock does.
+    The hooks read the config from the module they run on, so a deep copy of the patched model switches its own."""
+    switched = []  # one entry per call in flight (calls nest)
 
     def before(module, args, kwargs):
+        config = module.config
         switch = not torch.compiler.is_compiling() and config._attn_implementation == ATTN_NAME
         if not (switch and wants_attentions(config, kwargs)):
             switched.append(None)
@@ -50,7 +52,7 @@ def _attentions_fallback_hooks(model) -> list[Callable[[], None]]:
     def after(module, args, kwargs, output):
         resume = switched.pop() if switched else None
         if resume is not None:
-            config._attn_implementation_internal = ATTN_NAME
+            module.config._attn_implementation_internal = ATTN_NAME
             resume()
 
     base = model.base_model

@@ -147,16 +147,17 @@ def patched_forward(
     return self.dense(out.reshape(*out.shape[:2], -1)), None
 
 
-def _call_hooks(falcon: FalconModel, call: _ModelCall) -> list:
+def _call_hooks(falcon: FalconModel) -> list:
     """Note what mask each FalconModel forward is given; a call returning attention probabilities (all stock) gets
-    transformers' own packed-document search in its mask preparation."""
-    resumes = []
+    transformers' own packed-document search in its mask preparation. The hooks read the record from the module they
+    run on (a deep copy of the patched model shares its record with its own attention modules only)."""
+    resumes = []  # one entry per call in flight (calls nest)
 
     def before(module, args, kwargs):
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
-        call.mask_ndim = None if mask is None else mask.ndim
+        module.__dict__[_CALL].mask_ndim = None if mask is None else mask.ndim
         wanted = kwargs.get("output_attentions")
-        wanted = falcon.config.output_attentions if wanted is None else wanted
+        wanted = module.config.output_attentions if wanted is None else wanted
         resumes.append(suspend_forward_record() if wanted and not torch.compiler.is_compiling() else None)
 
     def after(module, args, kwargs, output):
@@ -173,8 +174,9 @@ def _call_hooks(falcon: FalconModel, call: _ModelCall) -> list:
 def apply(model, backend: str):
     names, undo = [], []
     for prefix, falcon in [(n, m) for n, m in model.named_modules() if isinstance(m, FalconModel)]:
-        call = _ModelCall()
-        undo += _call_hooks(falcon, call)
+        call = falcon.__dict__[_CALL] = _ModelCall()
+        undo += _call_hooks(falcon)
+        undo.append(lambda m=falcon: m.__dict__.pop(_CALL, None))
         for name, module in falcon.named_modules():
             if isinstance(module, FalconAttention):
                 module.__dict__[_ORIGINAL] = module.forward

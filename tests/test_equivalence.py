@@ -181,6 +181,22 @@ def test_output_attentions_on_packed_rows_as_stock(variant):
     assert rel_err(got.logits, want.logits) < LOGITS_RTOL
 
 
+@pytest.mark.parametrize("variant", ["neox-parallel", "falcon-mha"])
+def test_deep_copy_of_a_patched_model_switches_itself(variant):
+    """A deep copy (a reference or EMA model) asks its own hooks: probabilities, and a caller's 4D mask on Falcon."""
+    ref, model, _ = pair(variant, "eager")
+    twin = copy.deepcopy(model)
+    ids = ids_for(HOLES)
+    got = twin(input_ids=ids, attention_mask=HOLES, output_attentions=True).attentions
+    want = ref(input_ids=ids, attention_mask=HOLES, output_attentions=True).attentions
+    assert len(got) == len(want) and all((g - w).abs().max() < 1 for g, w in zip(got, want))
+    assert model.config._attn_implementation == twin.config._attn_implementation
+    mask4d = _prefix_lm_mask(3, 7, prefix=3, float_mask=True)  # eager adds a bool mask as numbers
+    with torch.no_grad():
+        assert rel_err(twin(input_ids=ids, attention_mask=mask4d).logits,
+                       ref(input_ids=ids, attention_mask=mask4d).logits) < LOGITS_RTOL
+
+
 # 3. every entry point of a batch -------------------------------------------------------------------------------------
 
 def _prefix_lm_mask(batch: int, seq: int, prefix: int, float_mask: bool) -> torch.Tensor:
