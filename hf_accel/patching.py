@@ -38,6 +38,8 @@ class PatchReport:
     fused_ce: bool = False
     compiled_layers: int = 0
     speedups: list[str] = field(default_factory=list)  # one line per fused_ce / fused_ops / compile: chosen, and why
+    replaced_attn_implementation: str | None = None  # the model's attn_implementation before patch ("eager", "sdpa")
+    attentions: str | None = None  # what runs a call asking for attention probabilities (output_attentions=True)
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
@@ -47,6 +49,11 @@ class PatchReport:
             f"  backend: {self.selection}",
             f"  LoRA targets for this family: {', '.join(self.lora_targets)}",
         ]
+        if self.replaced_attn_implementation:
+            lines.append(f"  replaced attn_implementation={self.replaced_attn_implementation!r} for training and "
+                         "prefill calls (decode steps and compiled evaluation run transformers' own; unpatch() restores it)")
+        if self.attentions:
+            lines.append(f"  output_attentions=True runs {self.attentions}")
         if self.checkpointing:
             lines.append(f"  checkpointing: {self.checkpointing}")
         if self.fused_ops:
@@ -271,10 +278,12 @@ def patch(
 
     chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
     fp32_note = _fp32_calls_note(model_hf, request, backend)
+    previous_attn = config._attn_implementation
     names, undo = family.apply(model_hf, backend)
     try:
         report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_ops,
                                compiled=compile_options is not None)
+        report.replaced_attn_implementation, report.attentions = previous_attn, family.ATTENTIONS
         if compile_options is not None:
             from .fused import compiling
 

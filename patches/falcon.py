@@ -5,24 +5,51 @@ batches attend across documents. The seam here is each ``FalconAttention`` insta
 layer's, which would silently disable checkpointing): the fused ``query_key_value`` and ``dense`` projections are
 still called as modules (LoRA works), K/V go to the kernel as true groups (no broadcast to every head), documents come
 from the collator's ``cu_seq_lens_q`` given to the model's forward, else from position_ids, and ALiBi is passed to
-the kernel as slopes. Decoding steps behind a KV cache and ``output_attentions`` run the original forward unchanged.
+the kernel as slopes.
+
+The original forward (transformers' own, eager or SDPA as configured) runs unchanged for every call the seam cannot
+or need not serve: decoding steps behind a KV cache and every call with a static cache, ``output_attentions``, a 4D
+mask given by the caller (a pre-hook on ``FalconModel`` notes what mask each forward was given), and evaluation calls
+traced by ``torch.compile`` (so a compiled decode step traces with ``fullgraph=True`` as the unpatched model's does).
+A 2D mask with holes keeps its meaning: the masked keys are hidden and nothing else changes (see ``varlen``).
 """
 from __future__ import annotations
 
 import functools
 import math
 import types
+from dataclasses import dataclass
 
 import torch
-from transformers.models.falcon.modeling_falcon import FalconAttention, apply_rotary_pos_emb, build_alibi_tensor
+from transformers.models.falcon.modeling_falcon import (
+    FalconAttention,
+    FalconModel,
+    apply_rotary_pos_emb,
+    build_alibi_tensor,
+)
 
-from hf_accel.attention.hf_attention import BACKEND_ATTR, collator_metadata, seam_attention
+from hf_accel.attention.hf_attention import (
+    BACKEND_ATTR,
+    collator_metadata,
+    runs_stock,
+    seam_attention,
+    suspend_forward_record,
+)
 from hf_accel.attention.kernels import AttnOptions
 
 MODEL_TYPES = ("falcon",)
 LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 TOUCHES = "FalconAttention.forward (instance-bound)"
+ATTENTIONS = "the attention module's original forward for that call (transformers' own probabilities)"
 _ORIGINAL = "_hf_accel_original_forward"
+_CALL = "_hf_accel_model_call"
+
+
+@dataclass
+class _ModelCall:
+    """What the current FalconModel forward was given, shared by that model's patched attention modules."""
+
+    mask_ndim: int | None = None  # the caller's attention_mask: None (no mask), 2 or 4
 
 
 def head_shape(config) -> tuple[int, int, int]:
@@ -78,21 +105,33 @@ def _attend(self: FalconAttention, q, k, v, attention_mask, position_ids, with_a
         alibi_slopes=alibi_slopes(self.num_heads, self.head_dim, q.device) if with_alibi else None,
     )
     # Falcon's decoder layers pass no keyword arguments down: the collator's metadata comes from the model's forward.
-    # With it (and no padding mask given to the model) Falcon's 4D mask only restates causality (and ALiBi, which goes
-    # to the kernel as slopes), so the documents are taken from cu_seq_lens without reading the mask back.
+    # With it, or with no padding mask given to the model, Falcon's 4D mask only restates causality, ALiBi (which goes
+    # to the kernel as slopes) and, from transformers 5.24 on, packing by position_ids (which the seam takes from
+    # cu_seq_lens or position_ids itself), so it is not read back.
     cu_seq_lens, max_length = collator_metadata(position_ids)
-    if cu_seq_lens is not None:
+    if cu_seq_lens is not None or self.__dict__[_CALL].mask_ndim is None:
         attention_mask = None
     return seam_attention(self, q, k, v, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
                           cu_seq_lens=cu_seq_lens, max_length=max_length)
+
+
+def _runs_stock(self: FalconAttention, layer_past, output_attentions: bool) -> bool:
+    """Whether this call runs the original forward; decided without reading tensor data (no host sync, and a
+    compiled decode step stays one graph)."""
+    if output_attentions or self.__dict__[_CALL].mask_ndim == 4 or runs_stock(self):
+        return True
+    if layer_past is None:
+        return False
+    if getattr(layer_past, "is_compileable", False):  # a static cache: its length is tensor data
+        return True
+    return layer_past.get_seq_length(self.layer_idx) > 0  # a dynamic cache's length is a Python int
 
 
 def patched_forward(
     self: FalconAttention, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
     use_cache=False, output_attentions=False, position_embeddings=None, **kwargs,
 ):
-    decoding = layer_past is not None and layer_past.get_seq_length(self.layer_idx) > 0
-    if decoding or output_attentions:
+    if _runs_stock(self, layer_past, output_attentions):
         return getattr(self, _ORIGINAL)(
             hidden_states, alibi, attention_mask, position_ids=position_ids, layer_past=layer_past,
             use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
@@ -108,13 +147,43 @@ def patched_forward(
     return self.dense(out.reshape(*out.shape[:2], -1)), None
 
 
+def _call_hooks(falcon: FalconModel) -> list:
+    """Note what mask each FalconModel forward is given; a call returning attention probabilities (all stock) gets
+    transformers' own packed-document search in its mask preparation. The hooks read the record from the module they
+    run on (a deep copy of the patched model shares its record with its own attention modules only)."""
+    resumes = []  # one entry per call in flight (calls nest)
+
+    def before(module, args, kwargs):
+        mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
+        module.__dict__[_CALL].mask_ndim = None if mask is None else mask.ndim
+        wanted = kwargs.get("output_attentions")
+        wanted = module.config.output_attentions if wanted is None else wanted
+        resumes.append(suspend_forward_record() if wanted and not torch.compiler.is_compiling() else None)
+
+    def after(module, args, kwargs, output):
+        resume = resumes.pop() if resumes else None
+        if resume is not None:
+            resume()
+
+    return [
+        falcon.register_forward_pre_hook(before, with_kwargs=True).remove,
+        falcon.register_forward_hook(after, with_kwargs=True, always_call=True).remove,
+    ]
+
+
 def apply(model, backend: str):
     names, undo = [], []
-    for name, module in model.named_modules():
-        if isinstance(module, FalconAttention):
-            module.__dict__[_ORIGINAL] = module.forward
-            module.forward = types.MethodType(patched_forward, module)
-            setattr(module, BACKEND_ATTR, backend)
-            names.append(name)
-            undo.append(lambda m=module: [m.__dict__.pop(a, None) for a in ("forward", _ORIGINAL, BACKEND_ATTR)])
+    for prefix, falcon in [(n, m) for n, m in model.named_modules() if isinstance(m, FalconModel)]:
+        call = falcon.__dict__[_CALL] = _ModelCall()
+        undo += _call_hooks(falcon)
+        undo.append(lambda m=falcon: m.__dict__.pop(_CALL, None))
+        for name, module in falcon.named_modules():
+            if isinstance(module, FalconAttention):
+                module.__dict__[_ORIGINAL] = module.forward
+                module.__dict__[_CALL] = call
+                module.forward = types.MethodType(patched_forward, module)
+                setattr(module, BACKEND_ATTR, backend)
+                names.append(f"{prefix}.{name}" if prefix else name)
+                undo.append(lambda m=module: [m.__dict__.pop(a, None)
+                                              for a in ("forward", _ORIGINAL, _CALL, BACKEND_ATTR)])
     return names, undo

@@ -6,7 +6,7 @@ transformers' own, so LoRA on ``query_key_value`` / ``dense`` works unchanged.
 """
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 
-from ._registry_family import patch_registry_family, training_dropout  # noqa: F401 (family API)
+from ._registry_family import ATTENTIONS, patch_registry_family, training_dropout  # noqa: F401 (family API)
 
 MODEL_TYPES = ("gpt_neox",)
 LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")

@@ -6,7 +6,7 @@ so LoRA on any projection works unchanged.
 """
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from ._registry_family import patch_registry_family, training_dropout  # noqa: F401 (family API)
+from ._registry_family import ATTENTIONS, patch_registry_family, training_dropout  # noqa: F401 (family API)
 
 MODEL_TYPES = ("llama",)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

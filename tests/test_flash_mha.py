@@ -77,7 +77,7 @@ def assert_close(a, b, tol=FP32):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch_first", [True, False])
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("padded", [False, True, "holes"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_torch_mha_outputs_and_grads(backend, batch_first, padded, causal):
     torch.manual_seed(0)
@@ -86,6 +86,9 @@ def test_matches_torch_mha_outputs_and_grads(backend, batch_first, padded, causa
     ours = FlashMHA.from_torch(torch_mha, backend=backend)
     # Causal + left padding leaves nn.MultiheadAttention's pad queries with no key (NaN), so left rows only non-causal.
     pad = padding_mask([5, 7, 3], seq, left=() if causal else (2,)) if padded else None
+    if padded == "holes":  # padding inside rows: only those keys are hidden, the row stays one sequence
+        pad = torch.zeros(3, seq, dtype=torch.bool)
+        pad[0, 2:4], pad[1, [1, 5]], pad[2, 3:5] = True, True, True
     real = torch.ones(3, seq, dtype=torch.bool) if pad is None else ~pad
     causal_mask = torch.ones(seq, seq, dtype=torch.bool).triu(1) if causal else None
     x = torch.randn(3, seq, E) if batch_first else torch.randn(seq, 3, E)

@@ -45,9 +45,55 @@ def test_documents_from_mask_and_positions(rows, extra, left):
     assert torch.equal(meta.pad(meta.unpad(x)), x * mask[..., None, None])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=1, max_size=3),
+    holes=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 15), st.integers(1, 3)), max_size=4),
+    positions=st.sampled_from(["restarting", "continuing", "slot"]),
+)
+def test_masked_slots_never_start_documents(rows, holes, positions):
+    """Holes (masked slots anywhere in a row) only remove tokens: the documents are the same real tokens."""
+    if positions != "restarting":  # one document per row, positions running on across holes or jumping over them
+        rows = [[sum(docs)] for docs in rows]
+    slots = [[(1, p) for n in docs for p in range(n)] for docs in rows]  # (real, position) per slot
+    for row, at, size in holes:
+        if row < len(slots):
+            slots[row][at:at] = [(0, 99)] * size
+    width = max(len(r) for r in slots)
+    slots = [r + [(0, 0)] * (width - len(r)) for r in slots]
+    mask = torch.tensor([[real for real, _ in r] for r in slots])
+    pos = torch.tensor([[p for _, p in r] for r in slots])
+    if positions == "continuing":  # what generate() passes
+        pos = (mask.cumsum(1) - 1).clamp_min(0)
+    elif positions == "slot":  # transformers' default positions
+        pos = torch.arange(width).expand(len(rows), width)
+    meta = varlen.from_mask_and_positions(mask, pos, len(rows), width, torch.device("cpu"))
+    lengths = [n for docs in rows for n in docs]
+    assert meta.cu_seqlens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert torch.equal(meta.indices if meta.indices is not None else torch.arange(mask.numel()),
+                       mask.flatten().nonzero().squeeze(1))
+
+
 def test_plain_batch_without_mask_or_positions_is_one_document_per_row():
     meta = varlen.from_mask_and_positions(None, None, 3, 5, torch.device("cpu"))
     assert meta.cu_seqlens.tolist() == [0, 5, 10, 15] and meta.indices is None and meta.max_seqlen == 5
+
+
+def test_holes_never_start_documents_but_restarts_do():
+    """Documents start at each row's first real token and where positions restart; a jump splits only without a
+    mask (transformers' own rule for packed rows)."""
+    cpu = torch.device("cpu")
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1]])
+    jumping = torch.arange(7)[None]  # positions jump over the hole
+    assert varlen.from_mask_and_positions(mask, jumping, 1, 7, cpu).cu_seqlens.tolist() == [0, 5]
+    continuing = torch.tensor([[0, 1, 1, 1, 2, 3, 4]])
+    assert varlen.from_mask_and_positions(mask, continuing, 1, 7, cpu).cu_seqlens.tolist() == [0, 5]
+    assert varlen.from_mask_and_positions(mask, None, 1, 7, cpu).cu_seqlens.tolist() == [0, 5]
+    restart = torch.tensor([[0, 1, 9, 9, 0, 1, 2]])  # a packed row whose second document follows a hole
+    assert varlen.from_mask_and_positions(mask, restart, 1, 7, cpu).cu_seqlens.tolist() == [0, 2, 5]
+    forward_jump = torch.tensor([[0, 1, 2, 7, 8]])
+    assert varlen.from_mask_and_positions(None, forward_jump, 1, 5, cpu).cu_seqlens.tolist() == [0, 3, 5]
+    assert varlen.from_mask_and_positions(torch.ones(1, 5), forward_jump, 1, 5, cpu).cu_seqlens.tolist() == [0, 5]
 
 
 def test_int32_overflow_is_refused():

@@ -66,8 +66,8 @@ def padding_layout(
 ) -> VarlenBatch:
     """Each row of a (B, S) batch is one sequence made of its real tokens (``key_padding_mask`` True = pad).
 
-    Unlike ``varlen.from_mask_and_positions``, a hole in the middle of a row does not split it: every real token of a
-    row attends to every other one, as in ``nn.MultiheadAttention``.
+    A hole in the middle of a row does not split it (as in ``varlen.from_mask_and_positions``): only the masked keys
+    are hidden and every real token of a row attends to the others, as in ``nn.MultiheadAttention``.
     """
     if key_padding_mask is None:
         cu = torch.arange(0, (batch_size + 1) * seq_len, seq_len, dtype=torch.int32, device=device)

@@ -1,8 +1,10 @@
 """The attention function and mask function hf_accel registers with transformers under its own name.
 
-Training and prefill calls (queries as long as keys) go through the varlen seam and the chosen kernel. Decoding
-steps with a KV cache (queries shorter than keys) run transformers' own SDPA function with SDPA's own mask, i.e.
-exactly what the unpatched model computes.
+Training and prefill calls (queries as long as keys) go through the varlen seam and the chosen kernel. Everything else
+runs transformers' own SDPA function with SDPA's own mask, i.e. exactly what the unpatched model computes: decoding
+steps behind a KV cache (queries shorter than keys), a 4D mask given by the caller, and any evaluation call traced by
+``torch.compile`` (a compiled decode step traces with ``fullgraph=True`` as the unpatched model's does; only a
+training call, module in train mode with grad enabled, crosses into the seam's eager kernels).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import transformers.masking_utils as masking_utils
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernels import AttnOptions, varlen_attention
 from .varlen import varlen_batch
@@ -25,16 +27,24 @@ BACKEND_ATTR = "_hf_accel_backend"
 
 
 def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
-    """2D padding mask (or None) for the varlen path; SDPA's 4D mask for decoding steps behind a KV cache."""
-    if q_length != kv_length:
+    """The caller's 2D padding mask, bool (B, S), or None, for the varlen seam; SDPA's own mask for the calls that run
+    transformers' SDPA function (queries shorter than keys, and anything traced by torch.compile)."""
+    if q_length != kv_length or torch.compiler.is_compiling():
         return sdpa_mask(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
             attention_mask=attention_mask, **kwargs,
         )
-    return flash_attention_mask(
-        batch_size, q_length, kv_length, q_offset, kv_offset,
-        mask_function=kwargs.get("mask_function"), attention_mask=attention_mask,
-    )
+    # Kept even when it masks nothing: a mask given to the model is the layout (positions that merely jump do not
+    # start documents then, as in transformers), and the seam reads it in the same host copy as position_ids.
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
+
+
+def runs_stock(module: torch.nn.Module) -> bool:
+    """Inside torch.compile, every call but a training one (train mode, grad enabled) takes transformers' own path.
+
+    Decided from Python state dynamo guards on, never from tensor data, so a compiled decode step stays one graph.
+    """
+    return torch.compiler.is_compiling() and not (module.training and torch.is_grad_enabled())
 
 
 def seam_attention(
@@ -63,16 +73,11 @@ def seam_attention(
     return meta.pad(out_thd)
 
 
-# Compiled decoder layers (patch(compile=True)) break here, before the seam: metadata and kernel run eagerly, and no
-# guard specialises on the per-step kwargs (max_length_q, cu_seq_lens_q). Falcon's seam caller breaks the same way.
+# Compiled decoder layers (patch(compile=True), training calls) break here, before the seam: metadata and kernel run
+# eagerly, and no guard specialises on the per-step kwargs (max_length_q, cu_seq_lens_q). Falcon's seam caller breaks
+# the same way.
 @torch.compiler.disable
-def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
-    decoding = query.shape[2] != key.shape[2] or (attention_mask is not None and attention_mask.ndim == 4)
-    if decoding:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+def _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs) -> torch.Tensor:
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     opts = AttnOptions(
         scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
@@ -80,12 +85,25 @@ def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, 
         window=(window - 1 if window else None, None),
         dropout_p=dropout,
     )
-    out = seam_attention(
+    return seam_attention(
         module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         attention_mask=attention_mask, position_ids=kwargs.get("position_ids"), opts=opts,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"), max_length=kwargs.get("max_length_q"),
     )
-    return out, None
+
+
+def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
+    stock = (
+        query.shape[2] != key.shape[2]  # a decoding step behind a KV cache (or a static cache's prefill)
+        or (attention_mask is not None and attention_mask.ndim == 4)  # the caller's own 4D mask
+        or (runs_stock(module) and attention_mask is None)  # SDPA's mask, built under compile: None = causal only
+    )
+    if stock:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    return _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
 
 
 def register() -> None:
@@ -144,6 +162,13 @@ def _install_packed_check_skip() -> None:
     masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
 
 
+def suspend_forward_record() -> Callable[[], None]:
+    """For a call that runs transformers' own attention inside a patched forward (output_attentions): its mask
+    preparation then looks for packed documents itself, as in the unpatched model. Returns the undo."""
+    token = _PATCHED_FORWARD.set(None)
+    return lambda: _PATCHED_FORWARD.reset(token)
+
+
 def forward_batch_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
     """Hooks that record a patched model's position_ids and collator metadata for the duration of its forward;
     returns their removers. Installs the packed-search skip that reads the record (once per process)."""
@@ -151,13 +176,17 @@ def forward_batch_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
     tokens = []
 
     def before(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            tokens.append(None)  # traced calls take transformers' own path, which reads no record (and dynamo
+            return  # cannot trace ContextVar.set)
         record = _ForwardBatch(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"),
                                kwargs.get("attention_mask") is not None)
         tokens.append(_PATCHED_FORWARD.set(record))
 
     def after(module, args, kwargs, output):
-        if tokens:
-            _PATCHED_FORWARD.reset(tokens.pop())
+        token = tokens.pop() if tokens else None
+        if token is not None:
+            _PATCHED_FORWARD.reset(token)
 
     return [
         model.register_forward_pre_hook(before, with_kwargs=True).remove,

@@ -86,8 +86,14 @@ def from_mask_and_positions(
 ) -> VarlenBatch:
     """Documents from a 2D padding mask (B, S) and/or position_ids (B or 1, S).
 
-    A document starts at a row's first real token, and wherever position_ids do not continue the previous real
-    token's position by +1 (packed rows restart at 0). The whole computation happens on one host copy.
+    The real tokens (mask 1) of a row are kept in order; masked slots are dropped wherever they sit (left or right
+    padding, or holes inside a row), so a real token sees every earlier real token of its document and no masked one:
+    what transformers computes for that mask. A masked slot never starts a document.
+
+    A document starts at a row's first real token and wherever position_ids restart: a real token whose position is
+    not above the previous real token's (packed rows restart at 0). Without an attention mask, a document also starts
+    wherever positions do not continue the previous token's by +1, transformers' own rule for packed rows given
+    without a mask. The whole computation happens on one host copy.
     """
     _check_int32(batch_size * seq_len)
     layout = []
@@ -99,11 +105,14 @@ def from_mask_and_positions(
         # The one host sync of the forward pass: the batch layout comes to the CPU once.
         host = torch.stack(layout).cpu()
     mask_bs = host[0].bool() if attention_mask is not None else torch.ones(batch_size, seq_len, dtype=torch.bool)
-    pos_bs = host[-1] if position_ids is not None else torch.arange(seq_len).expand(batch_size, seq_len)
-
-    prev_real = torch.nn.functional.pad(mask_bs[:, :-1], (1, 0), value=False)
-    prev_pos = torch.nn.functional.pad(pos_bs[:, :-1], (1, 0), value=-2)
-    starts_bs = mask_bs & (~prev_real | (pos_bs != prev_pos + 1))
+    starts_bs = mask_bs & ~_has_real_before(mask_bs)  # each row's first real token
+    if position_ids is not None:
+        pos_bs = host[-1]
+        prev_pos = _previous_real(pos_bs, mask_bs)
+        restarts = pos_bs <= prev_pos
+        if attention_mask is None:
+            restarts |= pos_bs != prev_pos + 1
+        starts_bs |= mask_bs & restarts
 
     real_flat = mask_bs.reshape(-1)
     starts_flat = starts_bs.reshape(-1)
@@ -124,6 +133,19 @@ def from_mask_and_positions(
         max_seqlen=max_seqlen,
         indices=None if indices is None else indices.to(device, non_blocking=True),
     )
+
+
+def _has_real_before(mask_bs: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool: some slot left of this one in its row is real."""
+    return torch.nn.functional.pad(mask_bs.cumsum(1)[:, :-1] > 0, (1, 0), value=False)
+
+
+def _previous_real(values_bs: torch.Tensor, mask_bs: torch.Tensor) -> torch.Tensor:
+    """(B, S): for every slot, ``values_bs`` at the nearest real slot to its left in the row (anything where none)."""
+    slots = torch.arange(mask_bs.shape[1]).expand_as(mask_bs)
+    last_real = torch.where(mask_bs, slots, -1).cummax(1).values  # last real slot at or left of each slot
+    before = torch.nn.functional.pad(last_real[:, :-1], (1, 0), value=-1).clamp_min(0)
+    return values_bs.gather(1, before)
 
 
 class IdentityMemo:

@@ -1,0 +1,306 @@
+"""A patched model computes what the unpatched transformers model computes, for every input transformers accepts.
+
+Live reference: the same tiny model unpatched (fp32, CPU, SDPA unless said otherwise). Logits at real tokens and every
+parameter gradient, over each family's variants: masks with holes, attention probabilities (``output_attentions``),
+each way a batch can enter (4D masks, inputs_embeds, logits_to_keep, batch size 1, an all-zero row, positions not
+starting at 0, left padding with a KV cache), and decode steps traced by ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import hf_accel
+from hf_accel.attention import varlen
+from tiny_models import VOCAB, make
+
+LOGITS_RTOL = 2e-4  # relative to the logits' scale, as in test_patch
+GRAD_RTOL = 1e-3  # relative to each gradient's scale
+ATTN_ATOL = 1e-5  # attention probabilities lie in [0, 1]
+
+VARIANTS = [
+    "llama-gqa", "llama-mqa",
+    "neox-parallel", "neox-sequential",  # partial rotary (rotary_pct 0.25), both residual layouts
+    "falcon-40b-newarch", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-mha",
+]
+ENTRY_VARIANTS = ["llama-gqa", "neox-sequential", "falcon-mha", "falcon-rw-alibi"]  # Falcon: rotary and ALiBi
+
+# Holes: zeros inside a row, not only at its ends (the issue's repro), plus plain left padding in a third row.
+HOLES = torch.tensor([[1, 1, 0, 0, 0, 1, 1], [1, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1]])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine run far faster on one thread (KNOWLEDGE.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def set_implementation(model, implementation: str) -> None:
+    if model.config.model_type == "falcon":  # Falcon's set_attn_implementation is a no-op; its forward reads the config
+        model.config._attn_implementation = implementation
+    else:
+        model.set_attn_implementation(implementation)
+
+
+def pair(variant: str, implementation: str | None = None, **config):
+    """(unpatched reference, patched copy): same weights."""
+    ref = make(variant)
+    if implementation is not None:
+        set_implementation(ref, implementation)
+    for key, value in config.items():
+        setattr(ref.config, key, value)
+    model = copy.deepcopy(ref)
+    report = hf_accel.patch(model, backend="sdpa")
+    return ref, model, report
+
+
+def ids_for(mask: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, tuple(mask.shape), generator=torch.Generator().manual_seed(seed))
+
+
+def labels_for(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """A target counts only when it and the token predicting it are real (what a model computes at a masked slot is
+    undefined)."""
+    if mask is None:
+        return ids.clone()
+    predictor_real = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=0).bool()
+    return ids.masked_fill(~(mask.bool() & predictor_real), -100)
+
+
+def run(model, real: torch.Tensor | None, **inputs):
+    """Logits at real tokens and every parameter gradient of one training-style step (the loss from the labels in
+    ``inputs``, else from the logits at real tokens)."""
+    model.zero_grad()
+    out = model(**inputs)
+    logits = out.logits if real is None else out.logits[real]
+    loss = out.loss if out.loss is not None else logits.square().mean()
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(ref, model, real: torch.Tensor | None = None, **inputs) -> None:
+    """Same logits at real tokens and same gradients; where stock refuses the input, the patched model refuses it
+    the same way."""
+    try:
+        ref_logits, ref_grads = run(ref, real, **inputs)
+    except Exception as stock_error:
+        with pytest.raises(type(stock_error)):
+            run(model, real, **inputs)
+        return
+    logits, grads = run(model, real, **inputs)
+    assert logits.shape == ref_logits.shape
+    assert rel_err(logits, ref_logits) < LOGITS_RTOL
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert rel_err(grads[name], ref_grads[name]) < GRAD_RTOL, name
+
+
+# 1. masks with holes -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("positions", ["default", "continuing"])
+def test_mask_with_holes_hides_keys_only(variant, positions):
+    """A hole hides its keys and changes nothing else: real tokens after it still see the real tokens before it."""
+    ref, model, _ = pair(variant)
+    mask, ids = HOLES, ids_for(HOLES)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    if positions == "continuing":  # what generate() passes: positions count real tokens, so they run on across a hole
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)
+    assert_same_step(ref, model, real=mask.bool(), **inputs)
+
+
+# 2. attention probabilities ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_output_attentions_returns_probabilities(variant, implementation):
+    """output_attentions=True gives the unpatched eager model's probabilities, logits and gradients; the report says
+    which implementation was replaced and what serves these calls; the next call takes the seam again."""
+    ref, model, report = pair(variant, implementation)
+    assert report.replaced_attn_implementation == implementation
+    assert report.attentions and "output_attentions" in str(report) and repr(implementation) in str(report)
+    if not variant.startswith("falcon"):  # Falcon's original forward keeps the configured math (and returns them)
+        set_implementation(ref, "eager")  # stock SDPA returns no probabilities (with a warning); eager is the reference
+    mask = HOLES
+    ids = ids_for(mask)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), output_attentions=True)
+    ref_out, out = ref(**inputs), model(**inputs)
+    assert len(out.attentions) == len(ref_out.attentions) == ref.config.num_hidden_layers
+    real = mask.bool()
+    for got, want in zip(out.attentions, ref_out.attentions):
+        assert got.shape == want.shape
+        # probabilities of real queries (a masked query's row is undefined)
+        assert (got - want).abs().permute(0, 2, 1, 3)[real].max() < ATTN_ATOL
+    assert rel_err(out.logits[real], ref_out.logits[real]) < LOGITS_RTOL
+    out.attentions[0].retain_grad()  # transformers' own attention-gradient test
+    out.loss.backward()
+    assert out.attentions[0].grad is not None
+    if not variant.startswith("falcon"):
+        assert model.config._attn_implementation == "hf_accel"  # switched for that call only
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel"])
+def test_output_attentions_from_config_then_seam_again(variant, monkeypatch):
+    """config.output_attentions=True (set before patching: transformers refuses it for non-eager names) is honoured
+    like the argument; a call with output_attentions=False then takes hf_accel's seam."""
+    ref, model, _ = pair(variant, "eager", output_attentions=True)
+    ids = ids_for(HOLES)
+    want = ref(input_ids=ids, attention_mask=HOLES).attentions
+    got = model(input_ids=ids, attention_mask=HOLES).attentions
+    assert len(got) == len(want) == 2 and all(g.shape == w.shape for g, w in zip(got, want))
+    calls = []
+    real = varlen.from_mask_and_positions
+    monkeypatch.setattr(varlen, "from_mask_and_positions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = model(input_ids=ids, attention_mask=HOLES, output_attentions=False)
+    assert calls == [1] and not out.attentions
+    ref_logits = ref(input_ids=ids, attention_mask=HOLES).logits
+    assert rel_err(out.logits[HOLES.bool()], ref_logits[HOLES.bool()]) < LOGITS_RTOL
+
+
+@pytest.mark.parametrize("variant", ["llama-mqa", "neox-sequential", "falcon-mha"])
+def test_output_attentions_on_packed_rows_as_stock(variant):
+    """A packed row (position_ids restarting, no mask, no cache) asking for probabilities: transformers' own mask
+    preparation sees the packing (hf_accel's skip of its packed search is off for that call)."""
+    ref, model, _ = pair(variant, "eager")
+    ids = ids_for(torch.ones(1, 9))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
+    inputs = dict(input_ids=ids, position_ids=positions, output_attentions=True, use_cache=False)
+    want, got = ref(**inputs), model(**inputs)
+    for g, w in zip(got.attentions, want.attentions):
+        assert (g - w).abs().max() < ATTN_ATOL
+    assert rel_err(got.logits, want.logits) < LOGITS_RTOL
+
+
+@pytest.mark.parametrize("variant", ["neox-parallel", "falcon-mha"])
+def test_deep_copy_of_a_patched_model_switches_itself(variant):
+    """A deep copy (a reference or EMA model) asks its own hooks: probabilities, and a caller's 4D mask on Falcon."""
+    ref, model, _ = pair(variant, "eager")
+    twin = copy.deepcopy(model)
+    ids = ids_for(HOLES)
+    got = twin(input_ids=ids, attention_mask=HOLES, output_attentions=True).attentions
+    want = ref(input_ids=ids, attention_mask=HOLES, output_attentions=True).attentions
+    assert len(got) == len(want) and all((g - w).abs().max() < 1 for g, w in zip(got, want))
+    assert model.config._attn_implementation == twin.config._attn_implementation
+    mask4d = _prefix_lm_mask(3, 7, prefix=3, float_mask=True)  # eager adds a bool mask as numbers
+    with torch.no_grad():
+        assert rel_err(twin(input_ids=ids, attention_mask=mask4d).logits,
+                       ref(input_ids=ids, attention_mask=mask4d).logits) < LOGITS_RTOL
+
+
+# 3. every entry point of a batch -------------------------------------------------------------------------------------
+
+def _prefix_lm_mask(batch: int, seq: int, prefix: int, float_mask: bool) -> torch.Tensor:
+    """A 4D mask transformers passes through unchanged: bidirectional over a prefix, causal after it."""
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+    allowed[:prefix, :prefix] = True
+    allowed = allowed[None, None].expand(batch, 1, seq, seq).clone()
+    allowed[1, :, :, :2] = False  # and some hidden keys
+    allowed[1, :, :2, :2] = torch.eye(2, dtype=torch.bool)  # every query still sees something
+    if not float_mask:
+        return allowed
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+ENTRY_POINTS = ["4d-bool", "4d-float", "inputs-embeds", "logits-to-keep", "batch1-no-mask", "zero-row",
+                "positions-offset", "positions-offset-masked"]
+
+
+@pytest.mark.parametrize("variant", ENTRY_VARIANTS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_batch_entry_points(variant, entry):
+    ref, model, _ = pair(variant)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    ids = ids_for(mask)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    real = mask.bool()
+    if entry.startswith("4d"):
+        inputs["attention_mask"] = _prefix_lm_mask(3, 7, prefix=3, float_mask=entry == "4d-float")
+        inputs["labels"], real = labels_for(ids, None), None
+    elif entry == "inputs-embeds":
+        inputs["inputs_embeds"] = ref.get_input_embeddings()(inputs.pop("input_ids")).detach()
+    elif entry == "logits-to-keep":
+        del inputs["labels"]  # stock's loss needs full-length logits; the loss then comes from the kept logits
+        inputs["logits_to_keep"], real = 3, real[:, -3:]
+    elif entry == "batch1-no-mask":
+        inputs = dict(input_ids=ids[:1], labels=ids[:1])
+        real = None
+    elif entry == "zero-row":
+        mask[2] = 0
+        inputs["labels"], real = labels_for(ids, mask), mask.bool()
+    elif entry == "positions-offset":  # a continuation: positions start at 5, no mask
+        del inputs["attention_mask"]
+        inputs.update(position_ids=torch.arange(5, 12)[None], labels=ids.clone())
+        real = None
+    elif entry == "positions-offset-masked":
+        inputs["position_ids"] = torch.arange(5, 12)[None].expand(3, 7)
+    assert_same_step(ref, model, real=real, **inputs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_left_padding_with_kv_cache(variant):
+    """Prefill a left-padded batch (one row with a hole) into a KV cache, then decode: every step's logits as stock."""
+    ref, model, _ = pair(variant)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 0, 0, 1, 1]])
+    ids = ids_for(mask)
+    with torch.no_grad():
+        steps = [_decode(m, m, DynamicCache(config=m.config), ids, mask, steps=3) for m in (ref, model)]
+    for want, got in zip(*steps):
+        assert rel_err(got, want) < LOGITS_RTOL
+
+
+# 4. torch.compile(fullgraph=True) of evaluation / decoding -----------------------------------------------------------
+
+def _decode(model, forward, cache, ids, mask, steps: int) -> list[torch.Tensor]:
+    """Greedy decoding through ``forward`` (prefill included): last-position logits of every step."""
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = forward(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for _ in range(steps):
+        token = logits[-1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        positions = mask.sum(-1, keepdim=True) - 1
+        out = forward(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                      use_cache=True)
+        logits.append(out.logits[:, -1])
+    return logits
+
+
+def _cache(model, kind: str):
+    return StaticCache(config=model.config, max_cache_len=8) if kind == "static" else DynamicCache(config=model.config)
+
+
+@pytest.mark.parametrize("variant, cache", [
+    ("llama-gqa", "static"), ("llama-mqa", "dynamic"), ("neox-parallel", "static"), ("neox-sequential", "dynamic"),
+    ("falcon-40b-newarch", "static"), ("falcon-rw-alibi", "dynamic"),  # stock ALiBi Falcon has no static cache path
+])
+def test_compiled_decoding_traces_with_fullgraph(variant, cache, monkeypatch):
+    """The whole module (forward hooks included) compiles with fullgraph=True for prefill and decode steps, and gives
+    the unpatched model's logits; the eager training path still takes the seam afterwards."""
+    ref, model, _ = pair(variant)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    ids = ids_for(mask)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # tracing is what breaks; no codegen needed
+    with torch.no_grad():
+        want = _decode(ref, ref, _cache(ref, cache), ids, mask, steps=1)
+        got = _decode(model, compiled, _cache(model, cache), ids, mask, steps=1)
+    torch._dynamo.reset()
+    for w, g in zip(want, got):
+        assert rel_err(g, w) < LOGITS_RTOL
+    calls = []
+    real = varlen.from_mask_and_positions
+    monkeypatch.setattr(varlen, "from_mask_and_positions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model.train()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert calls == [1]  # training still runs hf_accel's kernels
