@@ -302,7 +302,8 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
     from transformers import TrainingArguments
 
     lr = args.lr or (3e-3 if tiny_default else (2e-4 if args.lora_r else 2e-5))
-    max_steps = args.max_steps if args.max_steps is not None else (300 if tiny_default else -1)
+    default_steps = 300 if tiny_default else (100 if args.smollm2 else -1)  # --smollm2: minutes on a CPU, not hours
+    max_steps = args.max_steps if args.max_steps is not None else default_steps
     batch_size = args.batch_size or (32 if tiny_default else 8)
     return TrainingArguments(
         output_dir=args.output_dir, max_steps=max_steps, num_train_epochs=args.epochs, learning_rate=lr,
@@ -363,11 +364,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if tiny_default:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     threads = configure_threads(args, tiny_default)
+    if _is_main_process():
+        print(f"threads: {threads['threads']} ({threads['source']})", flush=True)
     model, tok = load_model_and_tokenizer(args)
     max_length = resolve_max_length(args, model)
     train, heldout, data_report = load_data(args, tok, model, max_length)
     if _is_main_process():
-        print(f"threads: {threads['threads']} ({threads['source']})", flush=True)
         print(data_report.format(), flush=True)
     if args.lora_r:
         model = add_lora(model, args)

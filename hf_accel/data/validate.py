@@ -200,6 +200,7 @@ def check_dataset(
     bad_rows: BadRows = "fail",
     locations: Sequence[str] | None = None,
     report: DataReport | None = None,
+    tokenize: dict[str, Any] | None = None,
 ) -> tuple[Any, DataReport]:
     """Check every row once and return ``(dataset to train on, report)``.
 
@@ -208,7 +209,8 @@ def check_dataset(
     ``labels``). ``vocab_size``: the model's embedding rows (ids at or past it are ``out_of_vocab``).
     ``max_length``: longer rows are truncated (counted) or, with ``truncate=False``, ``over_long`` bad rows.
     ``locations``: how to name row i in messages (e.g. ``"line 12"`` of a JSONL file); default ``"row i"``.
-    ``report``: continue a report (e.g. one that already counts malformed JSONL lines).
+    ``report``: continue a report (e.g. one that already counts malformed JSONL lines). ``tokenize``: keyword
+    arguments for ``pretokenize`` (``add_eos``, ``num_proc``, ``cache_dir``).
 
     Raises InvalidDataset when ``bad_rows="fail"`` and any row is bad, after looking at every row.
     """
@@ -243,9 +245,10 @@ def check_dataset(
         from .prepare import pretokenize, tokenize_example
 
         if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
-            dataset = pretokenize(dataset, tokenizer)
+            dataset = pretokenize(dataset, tokenizer, **(tokenize or {}))
         else:
-            dataset = [tokenize_example(example, tokenizer) for example in dataset]
+            add_eos = (tokenize or {}).get("add_eos", True)
+            dataset = [tokenize_example(example, tokenizer, add_eos) for example in dataset]
 
     keep, cut = [], set()
     cut_tokens = 0
