@@ -133,6 +133,14 @@ def detach_gguf_quantizer(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def load_gguf_model(folder: str, gguf_file: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM from a GGUF file, dequantized to ``dtype`` and trainable."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, attn_implementation="sdpa")
+    return detach_gguf_quantizer(model)
+
+
 def check_model_path(name: str) -> None:
     """Refuse a --model that names a local path which is not a model folder (before transformers reads it as a hub
     id and answers with a repo-id format error)."""
@@ -164,8 +172,7 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[torch.nn.Module,
     if args.smollm2:
         folder, gguf = smollm2_dir()
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype, attn_implementation="sdpa")
-        model = detach_gguf_quantizer(model)
+        model = load_gguf_model(folder, gguf, dtype)
     elif args.model:
         check_model_path(args.model)
         try:

@@ -196,3 +196,75 @@ def test_smollm2_trains(tmp_path, lora):
     assert (tmp_path / "out" / saved).exists()
     config = json.loads((tmp_path / "out" / "config.json").read_text()) if not lora else {}
     assert "quantization_config" not in config  # the saved model reloads as a plain checkpoint
+
+
+def write_tiny_gguf(path: Path, model: torch.nn.Module) -> None:
+    """``model`` (a Llama) as an fp32 GGUF file the way llama.cpp's converter writes one (Q/K rows permuted)."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for hf, gg in layer.items()})
+    for hf, gg in names.items():
+        w = model.state_dict()[hf + ".weight"].numpy().astype(np.float32)
+        if hf.endswith("q_proj"):
+            w = permute(w, cfg.num_attention_heads)
+        elif hf.endswith("k_proj"):
+            w = permute(w, cfg.num_key_value_heads)
+        writer.add_tensor(gg + ".weight", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gguf_checkpoint_loads_as_the_same_model_and_trains(tmp_path, sft_module, lora):
+    """What --smollm2 does, on a tiny GGUF file: transformers leaves its GGUF quantizer attached after dequantizing,
+    which makes the Trainer refuse to train; the loader detaches it."""
+    pytest.importorskip("gguf", reason="the GGUF loader needs the gguf package (in the dev extra)")
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from hf_accel.training.trainer import Trainer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(build_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    reference = LlamaForCausalLM(config).eval()
+    write_tiny_gguf(tmp_path / "tiny.gguf", reference)
+    model = sft_module.load_gguf_model(str(tmp_path), "tiny.gguf", torch.float32)
+    assert getattr(model, "hf_quantizer", None) is None and "quantization_config" not in model.config.to_dict()
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    torch.testing.assert_close(model.eval()(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    args = sft_module.parse_args(["--model", "unused", "--max-steps", "2", "--batch-size", "4", "--output-dir",
+                                  str(tmp_path / "out")] + (["--lora-r", "4"] if lora else []))
+    if lora:
+        model = sft_module.add_lora(model, args)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    tok = build_tokenizer()
+    rows = [tokenize_example(x, tok) for x in make_examples(8, seed=0)]
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                              learning_rate=1e-2, use_cpu=True, report_to="none", disable_tqdm=True)
+    Trainer(model=model, args=targs, train_dataset=rows, processing_class=tok).train()
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed and len(changed) == len(before)
