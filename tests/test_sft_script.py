@@ -195,7 +195,8 @@ def test_smollm2_trains(tmp_path, lora):
     if lora:  # LoRA's B matrices start at zero: trained ones are not
         from safetensors.torch import load_file
 
-        lora_b = [w for name, w in load_file(tmp_path / "out" / "adapter_model.safetensors").items() if "lora_B" in name]
+        adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+        lora_b = [w for name, w in adapter.items() if "lora_B" in name]
         assert lora_b and all(w.abs().sum() > 0 for w in lora_b)
     else:
         assert metrics["losses"][-1] < metrics["losses"][0]

@@ -68,7 +68,8 @@ class DataReport:
         """One line for a run's log."""
         line = f"data check: {self.rows} rows, {self.kept} kept"
         if self.max_length is not None:
-            line += f"; {self.truncated_rows} truncated to {self.max_length} tokens ({self.truncated_tokens} tokens cut)"
+            line += (f"; {self.truncated_rows} truncated to {self.max_length} tokens "
+                     f"({self.truncated_tokens} tokens cut)")
         line += f"; bad rows: {self.describe_bad()}"
         if self.dropped:
             line += f"; {self.dropped} dropped"
