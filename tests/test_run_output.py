@@ -93,3 +93,15 @@ def test_clean_resume_does_not_report_the_tied_lm_head_missing(tmp_path, transfo
 
     resumed._issue_warnings_after_load(_IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
     assert transformers_warnings[-1] == "There were missing keys in the checkpoint model loaded: ['model.norm.weight']."
+
+
+def test_heldout_evaluation_shows_progress(capsys):
+    from hf_accel.data.default_task import exact_match
+
+    tok = build_tokenizer()
+    examples = make_examples(4, seed=5)
+    score = exact_match(tiny_llama(len(tok), hidden_size=32, layers=1), tok, examples, batch_size=2, progress=True)
+    err = capsys.readouterr().err
+    assert 0.0 <= score <= 1.0 and "held-out exact match" in err and "4/4" in err, err
+    exact_match(tiny_llama(len(tok), hidden_size=32, layers=1), tok, examples, progress=False)
+    assert capsys.readouterr().err == ""
