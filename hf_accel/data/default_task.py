@@ -85,7 +85,7 @@ def exact_match(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict[
     for i, ids in enumerate(encoded):
         by_length.setdefault(len(ids), []).append(i)
     correct = done = 0
-    bar = tqdm(total=len(examples), desc="held-out exact match", unit="ex", leave=False,
+    bar = tqdm(total=len(examples), desc="held-out exact match", unit="ex",
                disable=None if progress is None else not progress)
     for indices in by_length.values():
         for s in range(0, len(indices), batch_size):
