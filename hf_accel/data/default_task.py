@@ -69,11 +69,14 @@ def chance_exact_match(examples: Sequence[dict[str, str]]) -> float:
 
 @torch.no_grad()
 def exact_match(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict[str, str]],
-                batch_size: int = 64) -> float:
+                batch_size: int = 64, progress: bool | None = None) -> float:
     """Fraction of examples whose greedy completion (up to EOS) equals the reference completion.
 
-    Prompts are grouped by token length so each generate() call needs no padding.
+    Prompts are grouped by token length so each generate() call needs no padding. ``progress``: a tqdm bar over the
+    examples (None: only on a terminal).
     """
+    from tqdm.auto import tqdm
+
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -81,7 +84,9 @@ def exact_match(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict[
     encoded = [tokenizer(ex["prompt"])["input_ids"] for ex in examples]
     for i, ids in enumerate(encoded):
         by_length.setdefault(len(ids), []).append(i)
-    correct = 0
+    correct = done = 0
+    bar = tqdm(total=len(examples), desc="held-out exact match", unit="ex",
+               disable=None if progress is None else not progress)
     for indices in by_length.values():
         for s in range(0, len(indices), batch_size):
             chunk = indices[s : s + batch_size]
@@ -94,6 +99,10 @@ def exact_match(model: torch.nn.Module, tokenizer: Any, examples: Sequence[dict[
             for row, i in enumerate(chunk):
                 text = tokenizer.decode(out_bs[row, prompt_bs.shape[1]:].tolist(), skip_special_tokens=False)
                 correct += text.split(tokenizer.eos_token)[0].strip() == examples[i]["completion"]
+            done += len(chunk)
+            bar.update(len(chunk))
+            bar.set_postfix(exact_match=f"{correct / done:.1%}", refresh=False)
+    bar.close()
     model.train(was_training)
     return correct / len(examples)
 

@@ -237,6 +237,18 @@ class AccelMixin:
             logs.update(self._meter.pop())
         super().log(logs, *args, **kwargs)
 
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """transformers warns about every key a resumed checkpoint lacks, including a tied weight (lm_head.weight
+        tied to the embedding is saved once): not missing, it shares its tensor with a loaded one. Keep the warning
+        for keys that really are missing."""
+        missing = list(getattr(load_result, "missing_keys", None) or [])
+        if missing and hasattr(load_result, "_replace"):
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            loaded = {id(p) for name, p in params.items() if name not in set(missing)}
+            missing = [name for name in missing if not (name in params and id(params[name]) in loaded)]
+            load_result = load_result._replace(missing_keys=missing)
+        super()._issue_warnings_after_load(load_result)
+
     # ---- atomic (and optionally background) checkpoints ----------------------------------------------------------
 
     def _save_checkpoint(self, model, trial) -> None:
