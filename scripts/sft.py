@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -211,13 +212,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if trainer.patch_report is not None:
         print(trainer.patch_report, flush=True)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
-    trainer.save_model(args.output_dir)
+    save_start = time.perf_counter()
+    trainer.save_model(args.output_dir)  # every rank: a sharded model's full state dict is gathered collectively
+    save_seconds = time.perf_counter() - save_start
+    if trainer.args.should_save:
+        print(f"saved the model to {args.output_dir} in {save_seconds:.1f} s", flush=True)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     metrics: dict[str, Any] = {
         "train_loss": result.training_loss, "losses": losses, "steps": trainer.state.global_step,
         "throughput": trainer.throughput_summary, "patched": not args.no_patch,
         "backend": trainer.patch_report.backend if trainer.patch_report else "stock",
         "args": {k: v for k, v in vars(args).items()}, "log_history": trainer.state.log_history,
+        "save_seconds": save_seconds,
     }
     if heldout is not None:
         after = default_task.exact_match(trainer.model, tok, heldout)
@@ -232,6 +238,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = "metrics.json" if rank == 0 else f"metrics.rank{rank}.json"
     with open(os.path.join(args.output_dir, name), "w") as f:
         json.dump(metrics, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    # Leave together (rank 0 may still be writing), then tear the process group down: a rank that exits with its
+    # NCCL communicator alive can block the others' exit. No-op in a single process.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return metrics
 
 

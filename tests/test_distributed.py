@@ -34,6 +34,7 @@ FAMILIES = ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi
 # (1 process) and, for a different grouping, the packed row layout differ, so results agree to fp32 rounding.
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
+SFT_RUN_TIMEOUT_S = 300  # a 4-step run takes ~20 s; longer means a rank waits in a collective
 
 
 # ------------------------------------------------------------------------------------------------ config files
@@ -201,6 +202,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch_or_fail(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a launcher in its own process group; on a timeout kill the whole group (no orphaned ranks) and fail."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd[-3:]} did not finish in {timeout} s (a rank hung in a collective?):\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory) -> Path:
     """A small prompt/completion jsonl and a saved tiny Llama + tokenizer (offline)."""
@@ -216,7 +232,6 @@ def sft_inputs(tmp_path_factory) -> Path:
 
 def _run_sft(root: Path, out: str, *args: str, processes: int = 1) -> tuple[dict, dict]:
     """(metrics of rank 0, model state) of scripts/sft.py run through tests/dist_sft.py."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     common = ["--model", "model", "--dataset", "data.jsonl", "--lr", "3e-3", "--max-steps", "4",
               "--logging-steps", "1", "--eval-examples", "0", "--output-dir", out, *args]
     script = str(ROOT / "tests" / "dist_sft.py")
@@ -225,13 +240,14 @@ def _run_sft(root: Path, out: str, *args: str, processes: int = 1) -> tuple[dict
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp_cpu.yaml"),
                "--num_processes", str(processes), "--main_process_port", str(_free_port()), script]
-    proc = subprocess.run(cmd + common, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _launch_or_fail(cmd + common, root, SFT_RUN_TIMEOUT_S)
     from safetensors.torch import load_file
 
     names = ["metrics.json"] + [f"metrics.rank{r}.json" for r in range(1, processes)]
     metrics = [json.loads((root / out / f"rank{r}" / names[r]).read_text()) for r in range(processes)]
     assert all(m["losses"] == metrics[0]["losses"] for m in metrics)  # every rank logs the global loss
+    for r in range(processes):  # every rank tore the process group down before exiting (no rank left waiting)
+        assert not json.loads((root / out / f"rank{r}" / "exit.json").read_text())["process_group_alive"], r
     return metrics[0], load_file(root / out / "rank0" / "model.safetensors")
 
 
@@ -280,21 +296,6 @@ def test_two_process_ddp_fused_ce_matches_one_process(sft_inputs):
 # ------------------------------------------------------------------------------------------------ 2-process FSDP2 run
 FSDP_RUN_TIMEOUT_S = 150  # the run takes ~25 s on 2 busy cores; longer means a rank waits in a collective
 FSDP_GRAD_ATOL = 1e-6  # fp32; measured: identical (two ranks' halves summed vs two micro-batches accumulated)
-
-
-def _launch_or_fail(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run a launcher in its own process group; on a timeout kill the whole group (no orphaned ranks) and fail."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd[-3:]} did not finish in {timeout} s (a rank hung in a collective?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
 @pytest.fixture(scope="module")
