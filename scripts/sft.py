@@ -238,10 +238,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = "metrics.json" if rank == 0 else f"metrics.rank{rank}.json"
     with open(os.path.join(args.output_dir, name), "w") as f:
         json.dump(metrics, f, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
-    # Leave together (rank 0 may still be writing), then tear the process group down: a rank that exits with its
-    # NCCL communicator alive can block the others' exit. No-op in a single process.
+    # Leave together: rank 0 may still be writing the model, and a rank that exits (its communicator torn down)
+    # while another is still working can block that one's exit. No-op in a single process. (Not destroy_process_group
+    # here: under DDP on gloo, the Reducer then frees the group later, holding the GIL, while gloo's thread still
+    # needs the GIL to drop the last collective: a deadlock seen on CPU.)
     trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
     return metrics
 
 

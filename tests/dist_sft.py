@@ -2,8 +2,7 @@
 
 A folder per rank keeps each process's files apart (rank 0 writes metrics.json and the saved model, rank R
 metrics.rank<R>.json). Each folder also gets ``logs.jsonl``: every log the Trainer made on that rank (the loss
-and the throughput fields are global over ranks), for the per-step comparisons in docs/MULTI_GPU.md, and
-``exit.json``: whether the process group was torn down when sft.main returned.
+and the throughput fields are global over ranks), for the per-step comparisons in docs/MULTI_GPU.md.
 With ``HF_ACCEL_HANG_DUMP_S=N`` every thread's Python stack goes to stderr every N seconds (to see where a rank waits).
 Used by tests/test_distributed.py.
 """
@@ -38,10 +37,6 @@ def main(argv: list[str]) -> None:
     sft.main(argv)
     with open(os.path.join(argv[at], "logs.jsonl"), "w") as f:
         f.writelines(json.dumps(r, default=float) + "\n" for r in records)
-    import torch.distributed as dist
-
-    with open(os.path.join(argv[at], "exit.json"), "w") as f:
-        json.dump({"process_group_alive": dist.is_available() and dist.is_initialized()}, f)
     faulthandler.cancel_dump_traceback_later()
 
 

@@ -246,8 +246,6 @@ def _run_sft(root: Path, out: str, *args: str, processes: int = 1) -> tuple[dict
     names = ["metrics.json"] + [f"metrics.rank{r}.json" for r in range(1, processes)]
     metrics = [json.loads((root / out / f"rank{r}" / names[r]).read_text()) for r in range(processes)]
     assert all(m["losses"] == metrics[0]["losses"] for m in metrics)  # every rank logs the global loss
-    for r in range(processes):  # every rank tore the process group down before exiting (no rank left waiting)
-        assert not json.loads((root / out / f"rank{r}" / "exit.json").read_text())["process_group_alive"], r
     return metrics[0], load_file(root / out / "rank0" / "model.safetensors")
 
 
