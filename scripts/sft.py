@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -405,14 +406,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if trainer.patch_report is not None:
         print(trainer.patch_report, flush=True)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
-    trainer.save_model(args.output_dir)
+    save_start = time.perf_counter()
+    trainer.save_model(args.output_dir)  # every rank: a sharded model's full state dict is gathered collectively
+    save_seconds = time.perf_counter() - save_start
+    if trainer.args.should_save:
+        print(f"saved the model to {args.output_dir} in {save_seconds:.1f} s", flush=True)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     metrics: dict[str, Any] = {
         "train_loss": result.training_loss, "losses": losses, "steps": trainer.state.global_step,
         "throughput": trainer.throughput_summary, "patched": not args.no_patch,
         "backend": trainer.patch_report.backend if trainer.patch_report else "stock", "threads": threads,
         "data_check": data_report.as_dict(), "args": {k: v for k, v in vars(args).items()},
-        "log_history": trainer.state.log_history,
+        "log_history": trainer.state.log_history, "save_seconds": save_seconds,
     }
     if heldout is not None:
         after = default_task.exact_match(trainer.model, tok, heldout)
@@ -422,7 +427,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"(chance {chance:.3%}, {len(heldout)} unseen prompts)", flush=True)
     if losses:
         print(f"loss: {losses[0]:.3f} (first log) -> {losses[-1]:.3f} (last log)", flush=True)
-    write_outputs(metrics, trainer, args.output_dir)
+    write_outputs(metrics, trainer, args.output_dir)  # metrics.json per process, training.png on rank 0
+    # Leave together: rank 0 may still be writing the model, and a rank that exits (its communicator torn down)
+    # while another is still working can block that one's exit. No-op in a single process. (Not destroy_process_group
+    # here: under DDP on gloo, the Reducer then frees the group later, holding the GIL, while gloo's thread still
+    # needs the GIL to drop the last collective: a deadlock seen on CPU.)
+    trainer.accelerator.wait_for_everyone()
     return metrics
 
 

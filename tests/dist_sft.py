@@ -2,9 +2,11 @@
 
 A folder per rank keeps each process's files apart (rank 0 writes metrics.json and the saved model, rank R
 metrics.rank<R>.json). Each folder also gets ``logs.jsonl``: every log the Trainer made on that rank (the loss
-is global, the throughput fields are this rank's), for the per-step comparisons in docs/MULTI_GPU.md.
+and the throughput fields are global over ranks), for the per-step comparisons in docs/MULTI_GPU.md.
+With ``HF_ACCEL_HANG_DUMP_S=N`` every thread's Python stack goes to stderr every N seconds (to see where a rank waits).
 Used by tests/test_distributed.py.
 """
+import faulthandler
 import json
 import os
 import sys
@@ -18,6 +20,9 @@ from hf_accel.training.trainer import AccelMixin  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
+    hang_dump_s = float(os.environ.get("HF_ACCEL_HANG_DUMP_S", 0))
+    if hang_dump_s > 0:
+        faulthandler.dump_traceback_later(hang_dump_s, repeat=True)
     at = argv.index("--output-dir") + 1
     argv[at] = os.path.join(argv[at], f"rank{os.environ.get('RANK', '0')}")
     os.makedirs(argv[at], exist_ok=True)
@@ -32,6 +37,7 @@ def main(argv: list[str]) -> None:
     sft.main(argv)
     with open(os.path.join(argv[at], "logs.jsonl"), "w") as f:
         f.writelines(json.dumps(r, default=float) + "\n" for r in records)
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

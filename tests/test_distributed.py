@@ -1,7 +1,9 @@
 """Multi-process readiness, on CPU: the accelerate configs in examples/accelerate load and say what the docs claim,
 the patch keeps what FSDP wraps and never reads weights (ZeRO-3 partitions them), checkpoint policies stand down
 under FSDP's own activation checkpointing, and a 2-process DDP run (gloo) trains exactly like 1 process over the same
-global batches. What needs GPUs (FSDP2 / ZeRO-3 runs, speed, memory) is listed in docs/MULTI_GPU.md.
+global batches, and a 2-process FSDP2 run (gloo, tests/dist_fsdp.py) with the fused loss trains like 1 process, saves
+a model that from_pretrained loads, and exits. What needs GPUs (speed, memory, bf16, ZeRO-3) is listed in
+docs/MULTI_GPU.md.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from hf_accel.memory.checkpointing import decoder_layers, policy_from_spec
 from hf_accel.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dist_fsdp  # noqa: E402
 import tiny_models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +34,7 @@ FAMILIES = ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi
 # (1 process) and, for a different grouping, the packed row layout differ, so results agree to fp32 rounding.
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
+SFT_RUN_TIMEOUT_S = 300  # a 4-step run takes ~20 s; longer means a rank waits in a collective
 
 
 # ------------------------------------------------------------------------------------------------ config files
@@ -198,6 +202,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch_or_fail(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a launcher in its own process group; on a timeout kill the whole group (no orphaned ranks) and fail."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd[-3:]} did not finish in {timeout} s (a rank hung in a collective?):\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory) -> Path:
     """A small prompt/completion jsonl and a saved tiny Llama + tokenizer (offline)."""
@@ -213,7 +232,6 @@ def sft_inputs(tmp_path_factory) -> Path:
 
 def _run_sft(root: Path, out: str, *args: str, processes: int = 1) -> tuple[dict, dict]:
     """(metrics of rank 0, model state) of scripts/sft.py run through tests/dist_sft.py."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     common = ["--model", "model", "--dataset", "data.jsonl", "--lr", "3e-3", "--max-steps", "4",
               "--logging-steps", "1", "--eval-examples", "0", "--output-dir", out, *args]
     script = str(ROOT / "tests" / "dist_sft.py")
@@ -222,8 +240,7 @@ def _run_sft(root: Path, out: str, *args: str, processes: int = 1) -> tuple[dict
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp_cpu.yaml"),
                "--num_processes", str(processes), "--main_process_port", str(_free_port()), script]
-    proc = subprocess.run(cmd + common, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _launch_or_fail(cmd + common, root, SFT_RUN_TIMEOUT_S)
     from safetensors.torch import load_file
 
     names = ["metrics.json"] + [f"metrics.rank{r}.json" for r in range(1, processes)]
@@ -272,3 +289,53 @@ def test_two_process_ddp_fused_ce_matches_one_process(sft_inputs):
     budget = ["--max-tokens-per-batch", "160", "--fused-ce"]
     _assert_same_training(_run_sft(sft_inputs, "fused-2p", *budget, processes=2),
                           _run_sft(sft_inputs, "fused-1p", *budget, "--grad-accum", "2"))
+
+
+# ------------------------------------------------------------------------------------------------ 2-process FSDP2 run
+FSDP_RUN_TIMEOUT_S = 150  # the run takes ~25 s on 2 busy cores; longer means a rank waits in a collective
+FSDP_GRAD_ATOL = 1e-6  # fp32; measured: identical (two ranks' halves summed vs two micro-batches accumulated)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("fsdp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(ROOT / "tests" / "dist_fsdp.py"), "--out", str(out)]
+    _launch_or_fail(cmd, out, FSDP_RUN_TIMEOUT_S)
+    return out, json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama-tied", "neox", "falcon"])
+def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
+    """FSDP2 over gloo, every parameter a sharded DTensor (accelerate's layout for Llama and Falcon, tied embeddings;
+    for GPT-NeoX the LM head as its own unit, freed after forward). Fused loss in 16-token chunks, so ranks run
+    different numbers of chunks. Against 1 process x grad-accum 2 on the same global micro-batches: the full gradients
+    after the first backward (the inline path's weight gradient reaches the sharded parameter through FSDP's
+    reduce-scatter), the per-step losses, and the saved model loaded with from_pretrained.
+
+    It failed before the loss ran as one call of the head: a call per chunk made one reduce-scatter per chunk, ranks
+    with different chunk counts mismatched their collectives (gloo: "Received data size doesn't match"; NCCL: a
+    hang), and torch <= 2.12 recomputed a chunk against the already re-sharded weight ("mixed torch.Tensor and
+    DTensor")."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, reports = fsdp_run
+    report = reports[case]
+    assert report["sharded"], "FSDP2 left some parameter unsharded: the run would not test sharding"
+    assert report["head_calls_forward_backward"] == 1, "the fused loss must call the LM head module exactly once"
+    assert "_GradInForwardLinearCEBackward" in report["loss_nodes"], "FSDP-wrapped nn.Linear head: inline path"
+    grads, want = (load_file(out / case / f"grads-{kind}.safetensors") for kind in ("fsdp", "reference"))
+    assert grads.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(grads[name], want[name], rtol=0, atol=FSDP_GRAD_ATOL, msg=name)
+    torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(report["reference_losses"]),
+                               rtol=LOSS_RTOL, atol=0)
+    saved, reference = (AutoModelForCausalLM.from_pretrained(out / case / kind) for kind in ("fsdp", "reference"))
+    got, expected = saved.state_dict(), reference.state_dict()
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+    initial = dist_fsdp.build(*dist_fsdp.CASES[case][:2]).state_dict()
+    assert all(not torch.equal(expected[n], initial[n]) for n in expected), "some weight did not train"

@@ -282,3 +282,45 @@ def test_labels_outside_the_vocabulary_are_a_typed_error(bad):
     labels[4] = bad
     with pytest.raises(InvalidBatch, match=r"labels must be token ids in \[0, 53\)"):
         linear_cross_entropy(hidden, nn.Linear(H, V), labels)
+
+
+class _SubclassedLinear(nn.Linear):
+    """Not exactly nn.Linear: takes the "module" path (as a PEFT LoRA head does)."""
+
+
+@pytest.mark.parametrize("method", ["inline", "recompute", "module"])
+def test_the_loss_is_one_call_of_the_head(method):
+    """The whole chunked loss runs as one call of the head's __call__, so a wrapper's hooks on the head (FSDP2 gathers
+    the weight in its forward pre-hook and reduces the gradient once after the backward; ZeRO-3 likewise) fire once,
+    see what the loss consumes (a pre-hook's replacement input) and produces; the head is left as it was. Before,
+    "inline" / "recompute" read head.weight without calling the head (zero calls) and "module" called it once per
+    chunk plus once per chunk recompute."""
+    hidden, labels = _data(8)
+    head = (_SubclassedLinear if method == "module" else nn.Linear)(H, V)
+    calls, outputs = [], []
+    head.register_forward_pre_hook(lambda module, args: calls.append(args) or (args[0] * 2, *args[1:]))
+    head.register_forward_hook(lambda module, args, out: outputs.append(out))
+    hidden.requires_grad_(True)
+    got = linear_cross_entropy(hidden, head, labels, chunk_size=8, method=method if method != "module" else "auto")
+    got.backward()
+    assert len(calls) == 1 and len(outputs) == 1 and outputs[0].dim() == 0
+    assert "forward" not in head.__dict__
+    hidden_grad = hidden.grad.clone()
+    reference = nn.Linear(H, V)
+    reference.load_state_dict(head.state_dict())
+    want = _reference(hidden.detach() * 2, reference, labels, "mean", None)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    hidden.grad = None
+    torch.autograd.backward(_reference(hidden * 2, reference, labels, "mean", None))
+    torch.testing.assert_close(hidden_grad, hidden.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_a_head_with_its_own_bound_forward_keeps_it():
+    hidden, labels = _data(9)
+    head = _SubclassedLinear(H, V)
+    own = head.forward  # e.g. a forward bound by a patch, on the instance
+    head.forward = lambda x: F.linear(x, head.weight, head.bias)
+    bound = head.forward
+    got = linear_cross_entropy(hidden, head, labels, chunk_size=8)
+    assert head.__dict__["forward"] is bound and own is not bound
+    torch.testing.assert_close(got, _reference(hidden, head, labels, "mean", None), rtol=RTOL, atol=ATOL)

@@ -7,8 +7,12 @@ Four paths, chosen per call by `linear_cross_entropy` (`method`):
 - "recompute", `_ChunkedLinearCE`: the forward keeps only the per-token log-sum-exp (N floats), the backward
   recomputes each chunk's logits (least memory; also what a no-grad forward of "inline" runs);
 - "liger": liger-kernel's fused kernel (CUDA, plain head; it synchronises with the host once per call);
-- "module", for any other head (e.g. a PEFT LoRA layer): the head *module* is called per chunk under non-reentrant
-  activation checkpointing, so adapters get their gradients and chunk logits are not kept.
+- "module", for any other head (e.g. a PEFT LoRA layer): the head's own forward is run per chunk under
+  non-reentrant activation checkpointing, so adapters get their gradients and chunk logits are not kept.
+
+Whatever the path, the whole loss runs as ONE call of the head module's ``__call__`` (`_one_head_call`): a wrapper
+that shards the head (FSDP2's ``fully_shard``, DeepSpeed ZeRO-3) then sees one forward of it, gathers its weight once
+before, and reduces the weight gradient once, after the backward has finished with it.
 """
 from __future__ import annotations
 
@@ -48,8 +52,16 @@ def liger_available() -> bool:
 
 
 def _is_plain_linear(module: nn.Module) -> bool:
-    # Exact type: subclasses (PEFT's lora.Linear is not one, but quantized heads are) may change the math.
-    return type(module) is nn.Linear
+    # Exact type: subclasses (PEFT's lora.Linear is not one, but quantized heads are) may change the math. FSDP2's
+    # fully_shard swaps a module's class for a generated FSDP<cls>(FSDPModule, cls) that keeps cls's math.
+    cls = type(module)
+    if cls is nn.Linear:
+        return True
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return cls.__bases__ == (FSDPModule, nn.Linear)
 
 
 def _chunk_ce_sum(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
@@ -215,17 +227,49 @@ def _scale_(grad: torch.Tensor, scale: torch.Tensor, block: int = 1 << 24) -> to
     return grad
 
 
-def _module_chunked_sum(hidden_nh: torch.Tensor, head: nn.Module, labels_n: torch.Tensor, chunk_size: int):
-    """Call `head` per chunk under checkpointing: LoRA adapters get gradients, chunk logits are recomputed."""
+def _module_chunked_sum(hidden_nh: torch.Tensor, head_forward: Callable[[torch.Tensor], torch.Tensor],
+                        labels_n: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Run the head's forward per chunk under checkpointing: LoRA adapters get gradients, chunk logits are
+    recomputed. `head_forward` is the head's own forward, not its __call__: the chunks run inside the one call of
+    the head (`_one_head_call`), whose wrapper hooks must fire once."""
 
     def chunk_loss(h_ch: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
-        return _chunk_ce_sum(head(h_ch), labels_c)
+        return _chunk_ce_sum(head_forward(h_ch), labels_c)
 
     total = hidden_nh.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden_nh.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
         total = total + checkpoint(chunk_loss, hidden_nh[sl], labels_n[sl], use_reentrant=False)
     return total
+
+
+def _one_head_call(head: nn.Module, summed_loss: Callable[..., torch.Tensor], hidden_nh: torch.Tensor,
+                   labels_n: torch.Tensor) -> torch.Tensor:
+    """``summed_loss(hidden_nh, labels_n, head_forward)`` run as one call of ``head.__call__``.
+
+    Reading ``head.weight`` outside the head's own call, or calling the head once per chunk, breaks a wrapper that
+    shards it. FSDP2 gathers a module's weight in its forward pre-hook, may free it after the forward, and
+    reduce-scatters the weight gradient (then frees the weight) when the gradient of that call's input is complete;
+    with one call per chunk the first chunk's reduce-scatter ran before the other chunks' backward (on torch <= 2.12
+    the next chunk's recompute then met the sharded weight: "aten.mm got mixed torch.Tensor and DTensor"). As one
+    call, the pre-hook gathers the weight once, the backward (inline gradients, recomputed chunks) runs with it, and
+    the single reduce-scatter comes after all chunks. torch's ``register_fsdp_forward_method`` does the same for a
+    named method of an already-sharded module; this works whenever the module is wrapped, and for DeepSpeed ZeRO-3,
+    whose gather hooks are also the module's forward hooks. No wrapper: the same math, one Python call more.
+    """
+    head_forward = head.forward  # the head's own forward (class or instance), for the "module" path's chunks
+    if torch.compiler.is_compiling():  # a traced model: no module hooks to satisfy, no attribute swapping
+        return summed_loss(hidden_nh, labels_n, head_forward)
+    had_own = "forward" in head.__dict__
+    own = head.__dict__.get("forward")
+    head.forward = lambda h_nh, y_n: summed_loss(h_nh, y_n, head_forward)
+    try:
+        return head(hidden_nh, labels_n)  # pre-hooks may cast / wrap hidden_nh: use what the call passes on
+    finally:
+        if had_own:
+            head.__dict__["forward"] = own
+        else:
+            del head.__dict__["forward"]
 
 
 def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor) -> torch.Tensor:
@@ -304,14 +348,18 @@ def linear_cross_entropy(
         # the recompute path upcasts a chunk's logits to fp32; the others keep them in the head's dtype
         element = 4 if path in ("recompute", "module") else hidden_nh.element_size()
         chunk_size = auto_chunk_size(hidden_nh.shape[0], vocab, element)
-    if path == "liger":
-        total = _liger_sum(hidden_nh, lm_head, labels_n)
-    elif path == "inline" and torch.is_grad_enabled():
-        total = _GradInForwardLinearCE.apply(hidden_nh, lm_head.weight, lm_head.bias, labels_n, chunk_size)
-    elif path in ("inline", "recompute"):
-        total = _ChunkedLinearCE.apply(hidden_nh, lm_head.weight, lm_head.bias, labels_n, chunk_size)
-    else:
-        total = _module_chunked_sum(hidden_nh, lm_head, labels_n, chunk_size)
+
+    def summed_loss(h_nh: torch.Tensor, y_n: torch.Tensor, head_forward: Callable) -> torch.Tensor:
+        # inside the head's call: lm_head.weight is the gathered (unsharded) weight here
+        if path == "liger":
+            return _liger_sum(h_nh, lm_head, y_n)
+        if path == "inline" and torch.is_grad_enabled():
+            return _GradInForwardLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size)
+        if path in ("inline", "recompute"):
+            return _ChunkedLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size)
+        return _module_chunked_sum(h_nh, head_forward, y_n, chunk_size)
+
+    total = _one_head_call(lm_head, summed_loss, hidden_nh, labels_n)
     if num_items_in_batch is not None:
         return total / num_items_in_batch
     if reduction == "sum":

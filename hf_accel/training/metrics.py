@@ -1,4 +1,6 @@
 """Throughput metrics per logging interval: real tokens/s, MFU, padding and data-wait fractions, peak GPU memory.
+The end summary gives the whole run and its steady part (from the end of the first logging interval, which holds
+CUDA start-up, kernel JIT and torch.compile), both global over ranks.
 
 Counted on the batches the training loop actually ran (every micro-batch), in the training process itself (a
 collator's own counters live in DataLoader workers when ``num_workers > 0``). FLOPs follow ``hf_accel.bench.flops``:
@@ -7,7 +9,8 @@ collator's own counters live in DataLoader workers when ``num_workers > 0``). FL
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -49,38 +52,46 @@ def batch_counts(batch: Mapping[str, Any]) -> tuple[Any, int, Any]:
 
 @dataclass
 class Window:
+    start: float
     tokens: Any = 0  # int, or a 0-dim tensor on the batches' device until read back
     slots: int = 0
     flops: Any = 0.0
     data_wait_s: float = 0.0
-    start: float = field(default_factory=time.perf_counter)
 
 
 class ThroughputMeter:
-    """Accumulates micro-batches and data waits; ``pop(...)`` returns the metrics of the interval and starts a new one."""
+    """Accumulates micro-batches and data waits; ``pop(...)`` returns the metrics of the interval and starts a new one;
+    ``summary()`` those of the whole run and of its steady part (after the first ``pop``)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.flop_model = FlopModel.from_model(model)
         self.peak = device_peak_flops(device)
         self.device = device
-        self.window = Window()
-        self.total = Window()
+        self.clock = clock
+        self.window = Window(start=clock())
+        self.total = Window(start=self.window.start)
+        self.steady: Window | None = None  # opens when the first interval closes
         self.total_steps = 0
+
+    def _open_windows(self) -> list[Window]:
+        return [self.window, self.total] + ([self.steady] if self.steady is not None else [])
 
     def add_batch(self, batch: Mapping[str, Any]) -> None:
         tokens, slots, squared_lengths = batch_counts(batch)
         flops = self.flop_model.flops_from_sums(tokens, squared_lengths)
-        for w in (self.window, self.total):
+        for w in self._open_windows():
             w.tokens = w.tokens + tokens  # may become a device tensor: read back in _metrics
             w.slots += slots
             w.flops = w.flops + flops
 
     def add_wait(self, seconds: float) -> None:
-        self.window.data_wait_s += seconds
-        self.total.data_wait_s += seconds
+        for w in self._open_windows():
+            w.data_wait_s += seconds
 
     def _metrics(self, w: Window, now: float) -> dict[str, float]:
-        """Metrics of a window, summed over every rank (each rank calls this at the same logging step)."""
+        """Metrics of a window over every rank: counts summed, time of the slowest rank. Every rank calls this at the
+        same logging step and at the end (each call is two small collectives)."""
         elapsed = max(now - w.start, 1e-9)
         tokens, slots, flops, wait = float(w.tokens), float(w.slots), float(w.flops), w.data_wait_s  # host reads
         world = 1
@@ -89,9 +100,12 @@ class ThroughputMeter:
             device = self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
             totals = torch.tensor([tokens, slots, flops, wait], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(totals)
-            tokens, slots, flops, wait = totals.tolist()
+            slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+            (tokens, slots, flops, wait), elapsed = totals.tolist(), slowest.item()
         out = {
             "tokens": tokens,
+            "seconds": elapsed,
             "tokens_per_s": tokens / elapsed,
             "padding_fraction": 1.0 - tokens / slots if slots else 0.0,
             "data_wait_fraction": min(1.0, wait / world / elapsed),
@@ -101,28 +115,40 @@ class ThroughputMeter:
         return out
 
     def pop(self) -> dict[str, float]:
-        now = time.perf_counter()
+        now = self.clock()
         out = self._metrics(self.window, now)
+        out.pop("seconds")
         if self.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.window = Window(start=now)
+        if self.steady is None:
+            self.steady = Window(start=now)
         return out
 
     def summary(self) -> dict[str, float]:
-        out = self._metrics(self.total, time.perf_counter())
-        out["seconds"] = time.perf_counter() - self.total.start
+        """The whole run (``tokens_per_s``, ``mfu``, ...) and, once a first logging interval has closed and more
+        tokens followed, its steady part: ``steady_tokens_per_s``, ``steady_seconds`` (and ``steady_mfu``)."""
+        now = self.clock()
+        out = self._metrics(self.total, now)
+        if self.steady is not None:  # every rank has the same number of closed intervals: the collectives match
+            steady = self._metrics(self.steady, now)
+            if steady["tokens"] > 0:
+                out.update({f"steady_{k}": steady[k] for k in ("tokens_per_s", "seconds", "mfu") if k in steady})
         if self.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
 
 def format_summary(summary: Mapping[str, float]) -> str:
-    """A small aligned table for the end of training."""
+    """A small aligned table for the end of training (all ranks together)."""
     rows = [
         ("real tokens", f"{summary['tokens']:,.0f}"),
         ("time", f"{summary['seconds']:.1f} s"),
-        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
-        ("MFU", f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (no known GPU peak)"),
+        ("tokens/s, whole run", f"{summary['tokens_per_s']:,.0f}"),
+        ("tokens/s, steady", f"{summary['steady_tokens_per_s']:,.0f} (last {summary['steady_seconds']:.1f} s, after "
+         "the first logging interval)" if "steady_tokens_per_s" in summary else "n/a (one logging interval)"),
+        ("MFU, whole run", f"{summary['mfu']:.1%}" if "mfu" in summary else "n/a (no known GPU peak)"),
+        ("MFU, steady", f"{summary['steady_mfu']:.1%}" if "steady_mfu" in summary else "n/a"),
         ("padding", f"{summary['padding_fraction']:.1%}"),
         ("data wait", f"{summary['data_wait_fraction']:.1%}"),
         ("peak GPU memory", f"{summary['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in summary else "n/a (CPU)"),
