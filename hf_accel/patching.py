@@ -321,12 +321,13 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_o
     if fused_ops:
         from .fused import ops as fused
 
-        # compiled layers fuse their own norms / MLP; inside them liger's kernels serve only eager calls
-        fused_names, fused_undo = fused.apply(model_hf, compiled_layers=compiled)
+        # liger serves eager training calls only; traced layers, evaluation and generation run the stock forwards
+        fused_names, fused_undo = fused.apply(model_hf)
         undo += fused_undo
         if compiled:
-            notes.append(f"fused_ops with compile: liger serves {len(fused_names)} modules; inside the decoder layers "
-                         "only their eager calls (op-level checkpointed layers, evaluation): inductor fuses the rest")
+            notes.append(f"fused_ops with compile: liger's kernels are bound to {len(fused_names)} modules and serve "
+                         "their eager training calls (the final norm, op-level checkpointed layers); inductor fuses "
+                         "the compiled layers' own")
     undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
     from .attention.hf_attention import forward_batch_hooks
 

@@ -41,16 +41,6 @@ def test_transaction_restores_instance_attributes_exactly():
     assert all(norm.__dict__[k] is original[k] for k in original)
 
 
-@pytest.mark.parametrize("variant, outside", [("llama-gqa", ["model.norm"]),
-                                              ("neox-parallel", ["gpt_neox.final_layer_norm"]),
-                                              ("falcon-mha", ["transformer.ln_f"])])
-def test_compiled_layers_leave_liger_only_the_modules_outside_them(variant, outside):
-    model = make(variant)
-    every = fused_ops.fusable_modules(model)
-    assert len(every) > len(outside)  # the layers' own norms (and Llama's MLPs) are fusable too
-    assert [name for name, _, _ in fused_ops.fusable_modules(model, outside_decoder_layers=True)] == outside
-
-
 def _stand_in_binders(calls: list):
     """Stand-ins for liger's binders (its Triton kernels cannot run on CPU): each bound forward records its module
     and computes what the module's own forward computes."""
@@ -63,7 +53,8 @@ def _stand_in_binders(calls: list):
 
 def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
     """Compiled layers trace the module's own forward (inductor fuses it); op-level checkpointed layers, which run
-    eagerly, get liger's; evaluation gets the module's own; the final norm always liger's. Undo restores exactly."""
+    eagerly, get liger's; evaluation gets the module's own; the final norm liger's in training. Undo restores
+    exactly."""
     from hf_accel.fused import compiling
     from hf_accel.memory.checkpointing import decoder_layers, policy_from_spec
 
@@ -71,7 +62,7 @@ def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
     model = make("llama-gqa").train()
     before = {n: dict(m.__dict__) for n, m in model.named_modules()}
     calls = []
-    names, undo = fused_ops.bind(model, _stand_in_binders(calls), compiled_layers=True)
+    names, undo = fused_ops.bind(model, _stand_in_binders(calls))
     assert "model.norm" in names and len(names) > 1
     _, compile_undo = compiling.apply(model, {"backend": "eager"})
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
@@ -91,7 +82,7 @@ def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
     model.eval()
     with torch.no_grad():
         model(input_ids=ids)
-    assert not any(id(m) in inside for m in calls)
+    assert not calls  # evaluation computes what the unpatched model computes
 
     for action in reversed(compile_undo + undo):
         action()
@@ -133,3 +124,24 @@ def test_compiled_layers_trace_the_stock_op_where_someone_else_bound_a_kernel():
     for action in reversed(undo):
         action()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-mha"])
+def test_fullgraph_compiled_eval_never_traces_liger(variant):
+    """A user's torch.compile(model, fullgraph=True) of an evaluation / decode forward traces the stock norms and MLPs,
+    never liger's bound forwards (liger's functional wrappers are compiler-disabled: a graph break), the final norm
+    included; the outputs equal the unbound model's."""
+    torch.manual_seed(0)
+    model = make(variant).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    calls = []
+    _, undo = fused_ops.bind(model, _stand_in_binders(calls))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = compiled(input_ids=ids).logits
+    assert not calls
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for action in reversed(undo):
+        action()

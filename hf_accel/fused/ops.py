@@ -5,11 +5,11 @@ Falcon) instance for liger-kernel's Triton implementation, through liger's own p
 ``apply_liger_kernel_to_*`` functions rebind classes module-wide (every model in the process) and rotary globally, so
 they are not used here. The MLP's projections are still called as modules, so LoRA keeps receiving its inputs.
 
-With compiled decoder layers (``patch(compile=True)``) inductor fuses the layers' own norms / MLPs, so inside the
-layers liger's forward serves only *eager training* calls: while dynamo traces a layer, the module's own forward runs
-(and is fused by inductor); op-level checkpointed layers, which skip the compiled path, train through liger's kernel;
-evaluation and generation run the module's own forward, exactly as compiled layers promise. Modules outside the
-layers (the final norm) always use liger's.
+Liger's forward serves only *eager training* calls (train mode, grad enabled, not being traced): evaluation and
+generation run the module's own forward, so they compute exactly what the unpatched model computes, and while dynamo
+traces (compiled decoder layers, where inductor fuses the layers' own norms / MLPs, or a user's
+``torch.compile(model, fullgraph=True)`` of a decode step) it sees the module's own forward, never liger's Triton
+kernels. Op-level checkpointed layers, which skip the compiled path, train through liger's kernels.
 """
 from __future__ import annotations
 
@@ -50,18 +50,13 @@ def _transaction(module: nn.Module, change: Callable[[nn.Module], None]) -> Call
     return undo
 
 
-def fusable_modules(model: nn.Module, outside_decoder_layers: bool = False) -> list[tuple[str, nn.Module, str]]:
+def fusable_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name, module, kind) for each module liger can fuse: kind "rms_norm" (Llama RMSNorm), "swiglu" (a Llama MLP
-    with a SiLU gate) or "layer_norm" (affine nn.LayerNorm); only those outside the decoder layers when asked."""
+    with a SiLU gate) or "layer_norm" (affine nn.LayerNorm)."""
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-    from ..memory.targets import decoder_layers
-
-    skip = {id(m) for layer in decoder_layers(model) for m in layer.modules()} if outside_decoder_layers else set()
     found = []
     for name, module in model.named_modules():
-        if id(module) in skip:
-            continue
         if isinstance(module, LlamaRMSNorm):
             found.append((name, module, "rms_norm"))
         elif isinstance(module, LlamaMLP) and module.config.hidden_act in ("silu", "swish"):
@@ -85,9 +80,9 @@ def _eager_only(module: nn.Module) -> None:
     module.forward = types.MethodType(forward, module)
 
 
-def apply(model: nn.Module, compiled_layers: bool = False) -> tuple[list[str], list[Callable[[], None]]]:
-    """Bind liger's fused norms / SwiGLU to this model's modules; with ``compiled_layers``, eager-only inside the
-    decoder layers (see the module docstring). Raises BackendUnavailable when it cannot."""
+def apply(model: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
+    """Bind liger's fused norms / SwiGLU to this model's modules, for eager training calls only (see the module
+    docstring). Raises BackendUnavailable when it cannot."""
     reason = unavailable_reason(model)
     if reason:
         raise BackendUnavailable(f"fused_ops=True needs liger-kernel on CUDA: {reason}. Pass fused_ops=False.")
@@ -104,21 +99,17 @@ def apply(model: nn.Module, compiled_layers: bool = False) -> tuple[list[str], l
         "swiglu": lambda m: _patch_swiglu_module(m, LigerSwiGLUMLP),
         "layer_norm": lambda m: _patch_layer_norm_module(m, eps=m.eps),
     }
-    return bind(model, binders, compiled_layers)
+    return bind(model, binders)
 
 
-def bind(model: nn.Module, binders: dict[str, Callable[[nn.Module], None]],
-         compiled_layers: bool) -> tuple[list[str], list[Callable[[], None]]]:
-    """Apply ``binders[kind]`` to each fusable module (eager-only inside compiled layers); names and undo actions."""
-    outside = {name for name, _, _ in fusable_modules(model, outside_decoder_layers=True)}
+def bind(model: nn.Module, binders: dict[str, Callable[[nn.Module], None]]) -> tuple[list[str], list[Callable[[], None]]]:
+    """Apply ``binders[kind]`` to each fusable module, for its eager training calls only; names and undo actions."""
     names, undo = [], []
     for name, module, kind in fusable_modules(model):
-        eager_only = compiled_layers and name not in outside
 
-        def change(m, kind=kind, eager_only=eager_only):
+        def change(m, kind=kind):
             binders[kind](m)
-            if eager_only:
-                _eager_only(m)
+            _eager_only(m)
 
         undo.append(_transaction(module, change))
         names.append(name)
