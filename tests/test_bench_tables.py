@@ -60,6 +60,9 @@ def tree(tmp_path):
         command="python scripts/bench.py --preset w1"))
     # newer, but no stock anchor ran in it: not a same-run comparison, so not current
     _write(results, "w1_newest.json", _record("w1", "2026-01-03T10:00:00+00:00", [_result("hf_accel-best", 999.0)]))
+    # newer, with an anchor, but every hf_accel row failed (a call out of time): nothing to compare, so not current
+    _write(results, "w1_partial.json", _record("w1", "2026-01-03T11:00:00+00:00", [
+        _result("trl-fa4-packed", 105.0, ratio=1.0), _result("hf_accel-best", None, status="skipped: time budget")]))
     _write(results, "w1-tiny.json", {**_record("w1", "2026-01-04T10:00:00", [_result("trl-fa4-packed", 1.0)]),
                                      "tiny": True})
     _write(results, "profile_w1.json", {"workload": "w1", "steady_step_s": 0.2})  # not a bench.py record
@@ -71,8 +74,9 @@ def tree(tmp_path):
 def test_index_current_run_and_fields(tree):
     index = build_index(tree / "benchmarks" / "results")
     runs = {r["file"]: r for r in index["runs"]}
-    assert set(runs) == {"w1_old.json", "w1_new.json", "w1_newest.json"}  # tiny and profile files left out
-    assert [r["file"] for r in index["runs"]] == ["w1_old.json", "w1_new.json", "w1_newest.json"]
+    # tiny and profile files left out
+    assert set(runs) == {"w1_old.json", "w1_new.json", "w1_newest.json", "w1_partial.json"}
+    assert [r["file"] for r in index["runs"]] == ["w1_old.json", "w1_new.json", "w1_newest.json", "w1_partial.json"]
     assert [r["file"] for r in index["runs"] if r["current"]] == ["w1_new.json"]
     assert runs["w1_new.json"]["command"] == "python scripts/bench.py --preset w1"
     assert runs["w1_old.json"]["command_source"].startswith("reconstructed")

@@ -2,7 +2,7 @@
 
 The index holds nothing a result file does not: it is rebuilt from the files (so a result cannot be edited in one place
 only), and `scripts/bench_tables.py --check` fails when it is stale. Per workload, the newest run that has a stock
-anchor measured in it (a same-run baseline) is marked `current`; BENCHMARKS.md's and README's tables show those runs.
+anchor and an hf_accel configuration measured in it (a same-run comparison) is marked `current`; BENCHMARKS.md's and README's tables show those runs.
 
 Older records lack some fields (no `command`, `steady_tokens_per_s`, time zone): an entry keeps what its file has,
 reconstructs the command from the recorded arguments (saying so) and leaves the rest out.
@@ -93,9 +93,14 @@ def entry(record: dict[str, Any], file: str) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _has_anchor(e: dict[str, Any]) -> bool:
-    return any(r["role"] == "stock" and "tokens_per_s" in r and r.get("same_computation", True)
-               and r["status"].startswith("ok") for r in e["configs"])
+def _measured(row: dict[str, Any]) -> bool:
+    return "tokens_per_s" in row and row["status"].startswith("ok")
+
+
+def _is_comparison(e: dict[str, Any]) -> bool:
+    """A stock anchor and an hf_accel configuration both measured in this run."""
+    return any(r["role"] == "stock" and _measured(r) and r.get("same_computation", True) for r in e["configs"]) \
+        and any(r["role"] != "stock" and _measured(r) for r in e["configs"])
 
 
 def _sort_key(e: dict[str, Any]) -> tuple[str, str]:
@@ -114,7 +119,7 @@ def build_index(results_dir: Path) -> dict[str, Any]:
             entries.append(entry(record, path.name))
     entries.sort(key=_sort_key)
     for workload in {e["workload"] for e in entries}:
-        anchored = [e for e in entries if e["workload"] == workload and _has_anchor(e)]
+        anchored = [e for e in entries if e["workload"] == workload and _is_comparison(e)]
         if anchored:
             anchored[-1]["current"] = True
     return {"version": INDEX_VERSION,
