@@ -22,13 +22,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .offload import ActivationOffloader, offloaded_checkpoint
 from .targets import (OP_LEVEL_ATTR, _as_packet, _hf_enable_function, _op_level_context_fn, base_model,
                                  decoder_layers, default_save_ops, fsdp_activation_checkpointing_active)
 from ..errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
-LayerChoice = str  # "none" | "op" | "full"
+LayerChoice = str  # "none" | "op" | "full" | "offload" (full, saved input kept in host memory)
 _STATE_ATTR = "_hf_accel_checkpointing"
 
 
@@ -99,6 +100,8 @@ class CheckpointingPolicy:
                                      context_fn=_op_level_context_fn(default_save_ops_for(self)))
             setattr(func, OP_LEVEL_ATTR, True)
             return func
+        if choice == "offload":
+            return functools.partial(offloaded_checkpoint, _offloader_of(self))
         return functools.partial(checkpoint, use_reentrant=self.use_reentrant)
 
     def _set_layers(self, model: nn.Module, applied: _Applied, snapshot: bool) -> None:
@@ -275,6 +278,41 @@ class PerLayer(CheckpointingPolicy):
 
 
 @dataclass(kw_only=True)
+class OffloadedCheckpointing(CheckpointingPolicy):
+    """Recompute every decoder layer, and keep each layer's saved input in host memory until its recompute.
+
+    Full checkpointing keeps one hidden-state tensor per layer on the device (at 128k tokens of Llama-3-8B, 1 GiB
+    each); this policy copies it to pinned host memory on a side stream during forward and brings it back ahead of the
+    recompute (`memory.offload`). Gradients are identical to "full". `self.offloader.stats` counts what moved.
+    """
+
+    min_bytes: int = 0  # saved inputs smaller than this stay on the device
+    prefetch: bool = True
+    offloader: ActivationOffloader = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.use_reentrant:
+            raise ConfigurationError(
+                "offloaded checkpointing works through non-reentrant checkpointing (it hooks the inputs that "
+                "checkpoint saves); got use_reentrant=True. Use checkpointing='offload' with use_reentrant=False."
+            )
+        self.offloader = ActivationOffloader(min_bytes=self.min_bytes, prefetch=self.prefetch)
+
+    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        return ["offload"] * len(layers)
+
+    def describe(self) -> str:
+        return "full checkpointing of every decoder layer, saved inputs offloaded to host memory"
+
+
+def _offloader_of(policy: CheckpointingPolicy) -> ActivationOffloader:
+    """The policy's offloader (a PerLayer plan with "offload" choices gets one on first use)."""
+    if getattr(policy, "offloader", None) is None:
+        policy.offloader = ActivationOffloader()
+    return policy.offloader
+
+
+@dataclass(kw_only=True)
 class MemoryBudget(CheckpointingPolicy):
     """The least recompute that fits `budget`: bytes, "20GiB", or a fraction (0, 1] of the device's memory.
 
@@ -387,7 +425,7 @@ def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dic
 def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True) -> CheckpointingPolicy:
     """Turn a user spec into a policy.
 
-    spec: "none" | "full" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of device
+    spec: "none" | "full" | "offload" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of device
     memory) | True / False | a CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
     """
     if isinstance(spec, CheckpointingPolicy):
@@ -398,7 +436,7 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
     if callable(spec):
         return SelectiveModules(check_fn=spec, **common)
     text = spec.strip().lower() if isinstance(spec, str) else None
-    simple = {"none": NoCheckpointing, "full": FullCheckpointing, "op": OpLevel}
+    simple = {"none": NoCheckpointing, "full": FullCheckpointing, "op": OpLevel, "offload": OffloadedCheckpointing}
     if text in simple:
         return simple[text](**common)
     if text and text.startswith("every_") and text[6:].isdigit() and int(text[6:]) >= 1:
@@ -415,7 +453,7 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
         if budget is not None:
             return MemoryBudget(budget=budget, **common)
     raise ConfigurationError(
-        f"unknown checkpointing spec {spec!r}. Allowed: 'none', 'full', 'every_N' (e.g. 'every_2'), 'op', "
+        f"unknown checkpointing spec {spec!r}. Allowed: 'none', 'full', 'offload', 'every_N' (e.g. 'every_2'), 'op', "
         "'budget:20GiB', 'budget:0.6' (fraction of device memory), True/False, a CheckpointingPolicy, or a "
         "callable check_fn(module) -> bool."
     )
