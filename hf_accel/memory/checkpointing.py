@@ -265,16 +265,17 @@ class PerLayer(CheckpointingPolicy):
 
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
         num_layers = len(layers)
-        if len(self.choices) != num_layers or set(self.choices) - {"none", "op", "full"}:
+        if len(self.choices) != num_layers or set(self.choices) - {"none", "op", "full", "offload"}:
             raise ConfigurationError(
-                f"PerLayer needs one of 'none'/'op'/'full' per decoder layer ({num_layers} layers), "
+                f"PerLayer needs one of 'none'/'op'/'full'/'offload' per decoder layer ({num_layers} layers), "
                 f"got {list(self.choices)}."
             )
         return list(self.choices)
 
     def describe(self) -> str:
-        counts = {c: list(self.choices).count(c) for c in ("full", "op", "none")}
-        return f"per layer: {counts['full']} full, {counts['op']} op-level, {counts['none']} none"
+        counts = {c: list(self.choices).count(c) for c in ("full", "op", "none", "offload")}
+        offload = f", {counts['offload']} offloaded" if counts["offload"] else ""
+        return f"per layer: {counts['full']} full, {counts['op']} op-level, {counts['none']} none{offload}"
 
 
 @dataclass(kw_only=True)
@@ -334,6 +335,7 @@ class MemoryBudget(CheckpointingPolicy):
     # H200 measured peaks ran 1-2% over plans made to the full budget (BENCHMARKS.md, checkpointing frontier).
     headroom: float = 0.03
     verbose: bool = True  # print the plan (on the first process only)
+    offload: bool = False  # let the plan keep layers' saved inputs in host memory ("offload"); spec "budget:...+offload"
     plan: object = field(default=None, init=False, repr=False)
 
     def budget_bytes(self, device: torch.device) -> int:
@@ -356,7 +358,7 @@ class MemoryBudget(CheckpointingPolicy):
 
     def apply(self, model: nn.Module) -> None:
         from .estimate import training_state_bytes
-        from .plan import format_bytes, plan_checkpointing, probe_training_memory
+        from .plan import DEVICE_MODES, format_bytes, plan_checkpointing, probe_training_memory
 
         remove_checkpointing(model)
         device = next(model.parameters()).device
@@ -371,6 +373,7 @@ class MemoryBudget(CheckpointingPolicy):
         self.plan = plan_checkpointing(
             probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer),
             budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
+            modes=(*DEVICE_MODES, "offload") if self.offload else DEVICE_MODES,
         )
         tokens = batch["input_ids"].numel()
         if not self.plan.fits:
@@ -426,7 +429,7 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
     """Turn a user spec into a policy.
 
     spec: "none" | "full" | "offload" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of device
-    memory) | True / False | a CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
+    memory) | "budget:20GiB+offload" (plans may offload layer inputs to host memory) | True / False | a CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
     """
     if isinstance(spec, CheckpointingPolicy):
         return spec
@@ -442,7 +445,8 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
     if text and text.startswith("every_") and text[6:].isdigit() and int(text[6:]) >= 1:
         return EveryN(n=int(text[6:]), **common)
     if text and text.startswith("budget:"):
-        value = text[7:]
+        value, offload = text[7:], text.endswith("+offload")
+        value = value[: -len("+offload")] if offload else value
         try:
             budget = float(value) if value.replace(".", "", 1).isdigit() and "." in value else value
             from .plan import parse_bytes
@@ -451,9 +455,9 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
         except ValueError:
             budget = None
         if budget is not None:
-            return MemoryBudget(budget=budget, **common)
+            return MemoryBudget(budget=budget, offload=offload, **common)
     raise ConfigurationError(
         f"unknown checkpointing spec {spec!r}. Allowed: 'none', 'full', 'offload', 'every_N' (e.g. 'every_2'), 'op', "
-        "'budget:20GiB', 'budget:0.6' (fraction of device memory), True/False, a CheckpointingPolicy, or a "
-        "callable check_fn(module) -> bool."
+        "'budget:20GiB', 'budget:0.6' (fraction of device memory), 'budget:20GiB+offload', True/False, a "
+        "CheckpointingPolicy, or a callable check_fn(module) -> bool."
     )
