@@ -175,7 +175,8 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
             "--fused-ce", args.fused_ce,
             "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops,
             "--best-compile", args.best_compile, "--child", str(out)]
-    for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--doc-length", args.doc_length), ("--best-checkpointing", args.best_checkpointing),
+    for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--doc-length", args.doc_length),
+                        ("--best-checkpointing", args.best_checkpointing),
                         ("--ce-chunk-size", args.ce_chunk_size),
                         ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
         if value is not None:
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts: Options, start: float) -> int:
     """Every (config, length) in its own process, shortest length first; a config's first failure (OOM, timeout,
-    error) skips its longer lengths. Table: tokens/s and MFU per length, and each config's longest length that trained."""
+    error) skips its longer lengths. Table: tokens/s and MFU per length, each config's longest length that trained."""
     from hf_accel.bench.report import long_context_table
 
     lengths = sorted(int(n) for n in args.doc_lengths.split(","))

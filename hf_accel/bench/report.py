@@ -100,7 +100,8 @@ def long_context_table(results: list[dict[str, Any]]) -> str:
             longest[r["config"]] = max(longest[r["config"]] or 0, r["doc_length"])
     lines = ["| config | longest length that trained |", "|---|---:|"]
     lines += [f"| {name} | {'none' if n is None else f'{n:,}'} |" for name, n in longest.items()]
-    lines += ["", "| config | document length | real tokens/s | MFU | peak GiB | status |", "|---|---:|---:|---:|---:|---|"]
+    lines += ["", "| config | document length | real tokens/s | MFU | peak GiB | status |",
+              "|---|---:|---:|---:|---:|---|"]
     for r in results:
         mfu = r.get("mfu")
         lines.append(

@@ -335,7 +335,7 @@ class MemoryBudget(CheckpointingPolicy):
     # H200 measured peaks ran 1-2% over plans made to the full budget (BENCHMARKS.md, checkpointing frontier).
     headroom: float = 0.03
     verbose: bool = True  # print the plan (on the first process only)
-    offload: bool = False  # let the plan keep layers' saved inputs in host memory ("offload"); spec "budget:...+offload"
+    offload: bool = False  # plans may keep layers' saved inputs in host memory; spec "budget:...+offload"
     plan: object = field(default=None, init=False, repr=False)
 
     def budget_bytes(self, device: torch.device) -> int:
@@ -429,7 +429,8 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
     """Turn a user spec into a policy.
 
     spec: "none" | "full" | "offload" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of device
-    memory) | "budget:20GiB+offload" (plans may offload layer inputs to host memory) | True / False | a CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
+    memory) | "budget:20GiB+offload" (plans may keep layer inputs in host memory) | True / False | a
+    CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
     """
     if isinstance(spec, CheckpointingPolicy):
         return spec

@@ -133,7 +133,7 @@ def test_offload_matches_full_checkpointing_and_frees_device_memory(compiled):
     assert stats.packed == 2 * layers and stats.unpacked == 2 * layers  # two steps
     assert stats.prefetched == 2 * (layers - 1)
     layer_inputs = layers * tokens * hidden * 2
-    assert peak_off <= peak_full - 0.5 * layer_inputs, (peak_off, peak_full, layer_inputs)
+    assert peak_off <= peak_full - 0.25 * layer_inputs, (peak_off, peak_full, layer_inputs)  # a prefetch in flight
 
 
 def test_offload_uses_pinned_host_memory():

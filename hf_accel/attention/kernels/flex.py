@@ -28,7 +28,8 @@ _BUCKETS_PER_OCTAVE = 8  # at most 12.5% padding, at most 8 compiled shapes per 
 
 def bucket_length(total: int) -> int:
     """The padded length a row of ``total`` tokens runs at (a few static shapes per octave)."""
-    step = max(_MIN_BUCKET_STEP, 2 ** max(0, math.floor(math.log2(max(total, 1))) - int(math.log2(_BUCKETS_PER_OCTAVE))))
+    octave = 2 ** math.floor(math.log2(max(total, 1)))
+    step = max(_MIN_BUCKET_STEP, octave // _BUCKETS_PER_OCTAVE)
     return -(-total // step) * step
 
 
