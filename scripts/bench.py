@@ -64,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=540.0, help="total seconds for all configs")
     p.add_argument("--config-timeout", type=float, default=200.0, help="seconds before a config is killed")
     p.add_argument("--tokens-per-step", type=int, default=None, help="real tokens per optimizer step (16384)")
+    p.add_argument("--doc-lengths", default=None,
+                   help="long-context sweep: comma-separated document lengths; each step trains one document of that "
+                        "length, each (config, length) in its own process, shortest first; a config stops at its "
+                        "first failure (OOM, timeout)")
+    p.add_argument("--doc-length", type=int, default=None, help=argparse.SUPPRESS)  # one length, in a child
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--fused-ce", choices=["auto", "inline", "recompute", "liger", "off"], default="auto",
@@ -101,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def data_spec(args: argparse.Namespace) -> DataSpec:
+    if args.doc_length:
+        return DataSpec.single_documents(args.doc_length, seed=args.seed)
     spec = DataSpec.tiny() if args.tiny else DataSpec()
     overrides = {"seed": args.seed}
     if args.tokens_per_step:
@@ -141,6 +148,8 @@ def child_main(args: argparse.Namespace) -> None:
             result["status"] += f" [{args.substitute_attn} substituted for flash_attention_4]"
     except Exception as exc:  # noqa: BLE001 - any failure is this configuration's result, not the run's
         result["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if isinstance(exc, torch.OutOfMemoryError):
+            result["status"] = "OOM"
         result["traceback"] = traceback.format_exc()[-4000:]
         result["notes"] = timing.notes
     args.child.write_text(json.dumps(result, default=str))
@@ -166,7 +175,8 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
             "--fused-ce", args.fused_ce,
             "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops,
             "--best-compile", args.best_compile, "--child", str(out)]
-    for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--best-checkpointing", args.best_checkpointing),
+    for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--doc-length", args.doc_length),
+                        ("--best-checkpointing", args.best_checkpointing),
                         ("--ce-chunk-size", args.ce_chunk_size),
                         ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
         if value is not None:
@@ -184,9 +194,12 @@ def run_one(args: argparse.Namespace, name: str, timeout: float) -> dict:
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-2000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return {"config": name, "status": f"error: timeout after {timeout:.0f}s", "log_tail": tail}
+            return {"config": name, "status": f"error: timeout after {timeout:.0f}s", "log_tail": tail,
+                    **({"doc_length": args.doc_length} if args.doc_length else {})}
         result = json.loads(out.read_text()) if out.exists() else {
             "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)"}
+        if args.doc_length:
+            result["doc_length"] = args.doc_length
         result["wall_seconds"] = time.perf_counter() - start
         if result.get("status") != "ok":
             result["log_tail"] = proc.stderr[-3000:]
@@ -203,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         child_main(args)
         return 0
     workload, opts, start = WORKLOADS[args.workload], options(args), time.perf_counter()
+    if args.doc_lengths:
+        return long_context_main(args, argv, workload, opts, start)
     results = []
     for name in args.configs:
         reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
@@ -228,6 +243,49 @@ def main(argv: list[str] | None = None) -> int:
                       "(as Trainer/TRL with bf16=True)" if workload.lora else "")) if args.device.startswith("cuda")
         else "fp32",
         "optimizer": "torch.optim.AdamW(fused=True), lr 1e-5", "peak_flops": peak(args),
+        "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
+        "total_seconds": time.perf_counter() - start, "results": results,
+    }
+    stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{now:%Y-%m-%dT%H%M%S}"
+    json_path, md_path = write_outputs(args.out, stem, record, table)
+    print(f"[bench] wrote {json_path} and {md_path}", flush=True)
+    print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
+    return 0
+
+
+def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts: Options, start: float) -> int:
+    """Every (config, length) in its own process, shortest length first; a config's first failure (OOM, timeout,
+    error) skips its longer lengths. Table: tokens/s and MFU per length, each config's longest length that trained."""
+    from hf_accel.bench.report import long_context_table
+
+    lengths = sorted(int(n) for n in args.doc_lengths.split(","))
+    results = []
+    for name in args.configs:
+        failed_at = None
+        for length in lengths:
+            reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
+            remaining = args.time_budget - (time.perf_counter() - start)
+            if reason is None and failed_at is not None:
+                reason = f"{failed_at} at a shorter length"
+            if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
+                reason = f"time budget exhausted ({args.time_budget:.0f}s)"
+            if reason:
+                result = {"config": name, "doc_length": length, "status": f"skipped: {reason}"}
+            else:
+                args.doc_length = length
+                result = run_one(args, name, min(args.config_timeout, remaining))
+                args.doc_length = None
+                if not str(result.get("status", "")).startswith("ok"):
+                    failed_at = "OOM" if result["status"] == "OOM" else "failed"
+            results.append(result)
+            print(f"[bench] {args.workload} {name} @ {length}: {result['status']}", flush=True)
+    table = long_context_table(results)
+    now = dt.datetime.now(dt.timezone.utc)
+    record = {
+        "workload": args.workload, "workload_notes": workload.notes, "tiny": args.tiny, "device": args.device,
+        "date": now.isoformat(timespec="seconds"), "command": command(argv), "preset": args.preset,
+        "versions": versions(), "model_config": build_config(workload, args.tiny).to_dict(),
+        "data": {"doc_lengths": lengths, "docs_per_step": 1}, "peak_flops": peak(args),
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
     }

@@ -112,7 +112,9 @@ CUDA_STACK = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
         (H200, {}, CUDA_STACK, "fa4"),
         (H200, {}, CUDA_STACK - {"fa4"}, "torch-fa2"),
         (H200, {}, CUDA_STACK | {"fa3"}, "fa4"),
-        (H200, {"alibi": True}, CUDA_STACK, "sdpa"),  # fa4 score_mod bwd, torch-fa2 slopes, flex compile: all out
+        (H200, {"alibi": True}, CUDA_STACK, "flex"),  # fa4 score_mod bwd, torch-fa2 slopes out: flex, not sdpa's bias
+        (H200, {"alibi": True, "dropout": True}, CUDA_STACK, "sdpa"),  # flex has no dropout
+        (A100, {"alibi": True, "dtype": torch.float16}, CUDA_STACK, "flex"),
         (H200, {"alibi": True}, CUDA_STACK | {"fa2"}, "fa2"),
         (H200, {"dropout": True}, CUDA_STACK, "torch-fa2"),  # fa4 has no dropout
         (H200, {"softcap": True}, CUDA_STACK, "fa4"),
@@ -223,3 +225,56 @@ def test_under_autocast_attention_runs_in_the_autocast_dtype():
         got = varlen_attention(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), opts, "reference")
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- flex ALiBi (issue 22)
+def dense_with_mods(q, k, v, mask_mod, score_mod, scale):
+    """Attention with flex's mods evaluated densely by broadcasting (what flex's math path does with vmap), so
+    autograd runs on the CPU, where torch's flex has no backward."""
+    heads, total_q, total_k = q.shape[1], q.shape[0], k.shape[0]
+    groups = heads // k.shape[1]
+    kk, vv = (x.repeat_interleave(groups, 1) for x in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    h = torch.arange(heads)[:, None, None]
+    qi, ki = torch.arange(total_q)[None, :, None], torch.arange(total_k)[None, None, :]
+    if score_mod is not None:
+        s = score_mod(s, 0, h, qi, ki)
+    s = s.masked_fill(~mask_mod(0, h, qi, ki), -math.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("name", ["alibi", "alibi-bidirectional"])
+def test_flex_alibi_mods_match_reference_forward_and_backward(name, pad):
+    """flex's document mask_mod and ALiBi score_mod (with the padding document the CUDA path adds) against the
+    reference backend's fp32 math: forward and every input gradient, float64."""
+    from hf_accel.attention.kernels import BACKENDS
+    from hf_accel.attention.kernels.flex import flex_mods, packed_layout
+
+    opts = OPTIONS[name]
+    weights = None
+    results = {}
+    for how in ("reference", "mods"):
+        q, k, v, cu = (t.requires_grad_() if t.is_floating_point() else t for t in inputs(dtype=torch.float64))
+        total = q.shape[0]
+        if how == "reference":
+            out = BACKENDS["reference"].varlen(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), opts)
+        else:
+            mask_mod, score_mod = flex_mods(*packed_layout(cu, cu, total, total, pad), opts,
+                                            opts.alibi_slopes.double())
+            padded = [torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v)]
+            out = dense_with_mods(*padded, mask_mod, score_mod, opts.scale)[:total]
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out) if weights is None else weights
+        (out * weights).sum().backward()
+        results[how] = (out.detach(), q.grad, k.grad, v.grad)
+    for got, want in zip(results["mods"], results["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_flex_bucket_lengths_bound_compiled_shapes():
+    from hf_accel.attention.kernels.flex import bucket_length
+
+    assert [bucket_length(n) for n in (1, 128, 129, 16000, 16384, 16385, 131072)] == [
+        128, 128, 256, 16384, 16384, 18432, 131072]
+    assert len({bucket_length(n) for n in range(8193, 16385)}) == 8  # 8 compiled shapes per doubling
+    assert all(n <= bucket_length(n) <= max(n + 127, n * 1.125) for n in range(1, 40000, 7))  # <= 12.5% padding

@@ -90,6 +90,28 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
     return "\n".join(lines)
 
 
+def long_context_table(results: list[dict[str, Any]]) -> str:
+    """The long-context sweep: per config, the longest document length that trained, then one row per (config,
+    length): tokens/s, MFU (attention FLOPs counted), peak GiB, status ("OOM", a timeout, or skipped after one)."""
+    longest: dict[str, int | None] = {}
+    for r in results:
+        longest.setdefault(r["config"], None)
+        if _ok(r):
+            longest[r["config"]] = max(longest[r["config"]] or 0, r["doc_length"])
+    lines = ["| config | longest length that trained |", "|---|---:|"]
+    lines += [f"| {name} | {'none' if n is None else f'{n:,}'} |" for name, n in longest.items()]
+    lines += ["", "| config | document length | real tokens/s | MFU | peak GiB | status |",
+              "|---|---:|---:|---:|---:|---|"]
+    for r in results:
+        mfu = r.get("mfu")
+        lines.append(
+            f"| {r['config']} | {r['doc_length']:,} | {_fmt(r.get('tokens_per_s'), ',.0f')}"
+            f" | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')}"
+            f" | {r.get('status', '?')} |"
+        )
+    return "\n".join(lines)
+
+
 _EVENT_WORDS = (("compiled_graphs", "compiled graphs"), ("fa4_kernels", "flash-attn-4 kernels"),
                 ("gc_full", "full GCs"))
 

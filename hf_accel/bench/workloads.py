@@ -25,6 +25,10 @@ class Workload:
     notes: str = ""
 
 
+# Llama-3.1's rope scaling (what its long-context checkpoints ship); positions up to 256k for the longest runs
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+LONG_MAX_POSITIONS = 262144
 _LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FUSED_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
@@ -66,6 +70,29 @@ WORKLOADS: dict[str, Workload] = {
                  alibi=False, parallel_attn=True, bias=False),
             notes="Falcon ~1.3B: hidden 2048, 24 layers, 32 heads MHA, rotary, parallel attn, vocab 50304, tied",
         ),
+        # issue 22: single long documents (the long-context preset), Llama-3 rope scaling as the real checkpoints
+        Workload(
+            "llama-8b-lora-long", "llama",
+            dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                 max_position_embeddings=LONG_MAX_POSITIONS, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE),
+            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False,
+                 rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Llama-3.1-8B shapes with its rope scaling, LoRA r=16 alpha=32 on all decoder linears, gradient "
+                  "checkpointing on; one document per step",
+        ),
+        Workload(
+            "llama-1b-long", "llama",
+            dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                 max_position_embeddings=LONG_MAX_POSITIONS, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE),
+            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
+                 rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
+            checkpointing=True,
+            notes="Llama-3.2-1B shapes with Llama-3 rope scaling, full FT, gradient checkpointing on; one document "
+                  "per step",
+        ),
     ]
 }
 
@@ -96,6 +123,12 @@ class DataSpec:
     @classmethod
     def tiny(cls) -> "DataSpec":
         return cls(median=24, min_len=4, max_len=96, tokens_per_step=384, padded_batch_size=4, min_samples=64)
+
+    @classmethod
+    def single_documents(cls, length: int, seed: int = 0) -> "DataSpec":
+        """One document of exactly `length` tokens per optimizer step (the long-context preset)."""
+        return cls(median=length, min_len=length, max_len=length, sigma=0.0, tokens_per_step=length,
+                   padded_batch_size=1, seed=seed, min_samples=1)
 
     def num_samples(self, steps: int) -> int:
         """Enough samples for `steps` steps without reusing data (log-normal mean = median * exp(sigma^2 / 2))."""

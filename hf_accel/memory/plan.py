@@ -18,7 +18,11 @@ _GIB = 1024**3
 
 # Recompute cost of one decoder layer, in units of that layer's forward. Op-level recomputes only element-wise ops
 # (norms, rotary, activation function): no FLOPs to speak of, memory-bound, roughly a tenth of a layer's forward.
-RECOMPUTE_COST = {"none": 0.0, "op": 0.1, "full": 1.0}
+RECOMPUTE_COST = {"none": 0.0, "op": 0.1, "full": 1.0, "offload": 1.1}
+# "offload" (full checkpointing with the saved input in host memory, memory.offload) keeps nothing on the device; its
+# copies overlap compute, so it costs a little more than "full" only so that plans prefer "full" wherever that fits.
+# Plans consider it only when asked (plan_checkpointing(modes=...), MemoryBudget(offload=True)).
+DEVICE_MODES = ("none", "op", "full")
 
 
 def parse_bytes(text: str) -> int:
@@ -46,7 +50,7 @@ class LayerActivation:
     full_bytes: int
 
     def retained(self, choice: str) -> int:
-        return {"none": self.none_bytes, "op": self.op_bytes, "full": self.full_bytes}[choice]
+        return {"none": self.none_bytes, "op": self.op_bytes, "full": self.full_bytes, "offload": 0}[choice]
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class CheckpointPlan:
             f"| full checkpointing | {len(full)} layers {full} |",
             f"| op-level checkpointing | {len(op)} layers {op} |",
             f"| no checkpointing | {self.choices.count('none')} layers |",
+            *([f"| offloaded checkpointing | {self.choices.count('offload')} layers |"]
+              if "offload" in self.choices else []),
             f"| recompute (layer forwards) | {self.recompute_cost:.1f} |",
             f"| fixed (params, grads, optimizer) | {format_bytes(self.fixed_bytes)} |",
             f"| predicted peak | {format_bytes(self.predicted_peak_bytes)} |",
@@ -88,14 +94,15 @@ def plan_cost(choices: Sequence[str]) -> float:
 
 
 def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, budget_bytes: int,
-                       extra_bytes: int = 0) -> CheckpointPlan:
+                       extra_bytes: int = 0, modes: Sequence[str] = DEVICE_MODES) -> CheckpointPlan:
     """The least-recompute per-layer choice whose predicted peak fits `budget_bytes` (pure function, exact).
 
     For each cap on the bytes one recomputed layer rebuilds, a knapsack over layers (cost in tenths of a layer
     forward) finds the least retained memory per total cost; the cheapest fitting plan wins, ties to the lower
-    peak. When nothing fits, the plan with the lowest peak is returned with fits=False.
+    peak. When nothing fits, the plan with the lowest peak is returned with fits=False. `modes`: the choices to
+    consider (add "offload" to let layers keep their input in host memory).
     """
-    units = {c: round(cost * 10) for c, cost in RECOMPUTE_COST.items()}
+    units = {c: round(RECOMPUTE_COST[c] * 10) for c in modes}
     caps = sorted({layer.none_bytes - layer.retained(c) for layer in layers for c in units})
     best_fit, best_any = None, None
     for cap in caps or [0]:

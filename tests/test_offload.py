@@ -1,0 +1,160 @@
+"""Offloaded checkpointing against full checkpointing (the live reference): the same tiny models, fp32, CPU.
+
+On the CPU the "host" copy stays on the same device, so the tests watch the hooks' bookkeeping and what autograd keeps
+alive: each decoder layer's input is copied once in forward, the original is freed (full checkpointing keeps it),
+and the copy is what the recompute reads. tests/gpu/test_long_context_gpu.py repeats the comparison on CUDA.
+"""
+import copy
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hf_accel.errors import ConfigurationError
+from hf_accel.memory.checkpointing import (FullCheckpointing, OffloadedCheckpointing, applied_policy, decoder_layers,
+                                           policy_from_spec)
+
+NUM_LAYERS = 3
+HIDDEN = 64
+
+
+def tiny_llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return LlamaForCausalLM(config).train()
+
+
+def tiny_neox() -> nn.Module:
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
+                           num_attention_heads=4, use_cache=False, attention_dropout=0.0, hidden_dropout=0.0)
+    return GPTNeoXForCausalLM(config).train()
+
+
+MODELS = {"llama": tiny_llama, "gpt_neox": tiny_neox}
+
+
+def packed_batch() -> dict:
+    torch.manual_seed(1)
+    lengths = [20, 28, 16]
+    input_ids = torch.randint(0, 128, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = input_ids.clone()
+    labels[position_ids == 0] = -100
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def step(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_offload_is_bit_identical_to_full_checkpointing(family):
+    full_model = MODELS[family]()
+    offload_model = copy.deepcopy(full_model)
+    FullCheckpointing().apply(full_model)
+    policy = policy_from_spec("offload")
+    policy.apply(offload_model)
+    batch = packed_batch()
+    loss_full, grads_full = step(full_model, batch)
+    loss_off, grads_off = step(offload_model, batch)
+    assert policy.offloader.stats.packed == NUM_LAYERS  # it acted: one saved input per decoder layer
+    assert torch.equal(loss_full, loss_off)
+    assert grads_full.keys() == grads_off.keys() and len(grads_full) > 0
+    for name, grad in grads_full.items():
+        assert torch.equal(grad, grads_off[name]), name
+
+
+def _layer_inputs_alive_after_forward(model: nn.Module, batch: dict) -> list[bool]:
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+             for layer in decoder_layers(model)]
+    loss = model(**batch).loss
+    for hook in hooks:
+        hook.remove()
+    alive = [ref() is not None for ref in inputs]
+    loss.backward()
+    return alive
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_offload_moves_each_layer_input_and_frees_the_original(family):
+    batch = packed_batch()
+    full_model = MODELS[family]()
+    FullCheckpointing().apply(full_model)
+    assert all(_layer_inputs_alive_after_forward(full_model, batch))  # full checkpointing keeps them
+
+    model = MODELS[family]()
+    policy = OffloadedCheckpointing()
+    policy.apply(model)
+    stats = policy.offloader.stats
+    seen = []  # what the recompute received
+    unpack = policy.offloader.unpack
+    policy.offloader.unpack = lambda entry: seen.append((entry, unpack(entry))) or seen[-1][1]
+    assert not any(_layer_inputs_alive_after_forward(model, batch))  # only the host copies are kept
+
+    tokens = batch["input_ids"].numel()
+    assert (stats.packed, stats.unpacked) == (NUM_LAYERS, NUM_LAYERS)
+    assert stats.packed_bytes == NUM_LAYERS * tokens * HIDDEN * 4
+    assert len(seen) == NUM_LAYERS
+    for entry, tensor in seen:
+        assert entry.host.device.type == "cpu" and tensor.data_ptr() == entry.host.data_ptr()
+
+
+def test_offload_spec_apply_remove_and_reentrant_refused():
+    model = tiny_llama()
+    policy = policy_from_spec(" Offload ")
+    assert isinstance(policy, OffloadedCheckpointing) and "offloaded" in policy.describe()
+    policy.apply(model)
+    assert applied_policy(model) is policy
+    assert all(layer.gradient_checkpointing for layer in decoder_layers(model))
+    policy.remove(model)
+    assert applied_policy(model) is None
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(model))
+    with pytest.raises(ConfigurationError, match="non-reentrant"):
+        OffloadedCheckpointing(use_reentrant=True)
+
+
+def test_offload_leaves_small_tensors_and_eval_alone():
+    model = tiny_llama()
+    policy = OffloadedCheckpointing(min_bytes=1 << 30)
+    policy.apply(model)
+    step(model, packed_batch())
+    assert policy.offloader.stats.packed == 0 and policy.offloader.stats.kept >= NUM_LAYERS
+    with torch.no_grad():
+        model(**packed_batch())
+    assert policy.offloader.stats.packed == 0
+
+
+def test_budget_plans_offload_only_when_asked_and_only_where_full_does_not_fit():
+    from hf_accel.memory.plan import DEVICE_MODES, LayerActivation, plan_checkpointing
+
+    layers = [LayerActivation(none_bytes=100, op_bytes=60, full_bytes=10)] * 4
+    # all full: 4 * 10 kept + 90 rebuilt = 130; every offloaded layer saves its 10 but rebuilds 100
+    assert not plan_checkpointing(layers, fixed_bytes=0, budget_bytes=115).fits
+    plan = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=115, modes=(*DEVICE_MODES, "offload"))
+    assert plan.fits and sorted(plan.choices) == ["full", "offload", "offload", "offload"]
+    roomy = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=130, modes=(*DEVICE_MODES, "offload"))
+    assert "offload" not in roomy.choices  # full fits: no host copies
+    assert "offloaded checkpointing | 3 layers" in plan.table()
+    policy = policy_from_spec("budget:20GiB+offload")
+    assert policy.offload and policy.budget == "20gib"
+    assert not policy_from_spec("budget:20GiB").offload
+
+
+def test_per_layer_offload_choice_matches_full():
+    from hf_accel.memory.checkpointing import PerLayer
+
+    ref, model = tiny_llama(), tiny_llama()
+    PerLayer(choices=["full", "full", "none"]).apply(ref)
+    policy = PerLayer(choices=["offload", "full", "none"])
+    policy.apply(model)
+    (loss_ref, grads_ref), (loss, grads) = step(ref, packed_batch()), step(model, packed_batch())
+    assert policy.offloader.stats.packed == 1 and "1 offloaded" in policy.describe()
+    assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], g) for n, g in grads_ref.items())
