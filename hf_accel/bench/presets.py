@@ -43,9 +43,10 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset(
-            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 + Liger vs hf_accel defaults / best",
-            "llama-1b", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST),
-            dict(steps=30, warmup=6, best_compile="on", time_budget=230, config_timeout=85),
+            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 + Liger vs hf_accel defaults / best, and "
+            "Unsloth (full_finetuning=True) where its pack is installed",
+            "llama-1b", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "unsloth"),
+            dict(steps=30, warmup=6, best_compile="on", time_budget=330, config_timeout=95),
         ),
         Preset(
             "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (liger has no GPT-NeoX kernels) vs "
@@ -61,10 +62,18 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 (full checkpointing) "
-            "vs hf_accel defaults / best (checkpointing budget:0.8)",
-            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST),
-            dict(steps=8, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=300,
-                 config_timeout=120),
+            "vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded "
+            "checkpointing) where its pack is installed",
+            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST, "unsloth"),
+            dict(steps=8, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=470,
+                 config_timeout=170),
+        ),
+        Preset(
+            "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL + "
+            "flash-attn-4 + Liger vs Unsloth's QLoRA vs hf_accel defaults, where the bitsandbytes / Unsloth packs "
+            "are installed",
+            "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora"),
+            dict(steps=8, warmup=3, time_budget=480, config_timeout=170),
         ),
         Preset(
             "long-context", "single documents of 16k, 32k, 64k and 128k tokens (Llama-3 rope scaling), Llama-3-8B "
