@@ -164,3 +164,17 @@ def test_tables_label_unsloth_rows_with_the_versions_their_child_imported():
     assert row["role"] == "stock" and row["versions"] == {"unsloth": "2026.10.9", "trl": "1.15.0"}
     assert tables._label(row) == "Unsloth FastLanguageModel + TRL padding-free (unsloth 2026.10.9, trl 1.15.0)"
     assert index.role("hf_accel-qlora") == "defaults"  # the QLoRA preset's "hf_accel defaults" line
+
+
+def test_saved_random_model_reloads_as_the_workload_with_its_tokenizer_and_is_removed():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = RunSettings(WORKLOADS["llama-8b-qlora"], "cpu", True, steps=1, warmup=1, step_time_budget=1.0)
+    with configs.saved_random_model(settings) as folder:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert AutoTokenizer.from_pretrained(folder).pad_token_id == 0
+    torch.manual_seed(settings.seed)
+    built = configs.build_model(settings, "sdpa")  # the same seed: the same random weights
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), built.state_dict().values()))
+    assert not os.path.exists(folder)

@@ -329,14 +329,18 @@ def missing_apart(need: str, sites: list[str]) -> str | None:
 def saved_random_model(settings: RunSettings) -> Iterator[str]:
     """A folder holding the workload's random-init model (settings.dtype) and the offline tokenizer, written with
     save_pretrained: Unsloth and bitsandbytes' 4-bit quantizer load from files, not from a config. In RAM (/dev/shm)
-    where there is one, removed afterwards."""
+    where the weights fit, else the temp folder; removed afterwards."""
     import tempfile
 
     from .train import offline_tokenizer
 
+    import shutil
+
     model = build_model(settings, "sdpa")
-    ram = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(dir=ram, prefix="bench-model-") as folder:
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    ram = "/dev/shm"  # containers often mount a small one: use it only when the weights fit with room to spare
+    ram_fits = os.path.isdir(ram) and os.access(ram, os.W_OK) and shutil.disk_usage(ram).free > 1.2 * size
+    with tempfile.TemporaryDirectory(dir=ram if ram_fits else None, prefix="bench-model-") as folder:
         model.save_pretrained(folder)
         offline_tokenizer().save_pretrained(folder)
         del model
