@@ -2,8 +2,9 @@
 (bf16 compute), prepare_model_for_kbit_training, PEFT LoRA on every linear, then `hf_accel.patch(model)` with its
 defaults. Trains, and per-step losses (and the first step's LoRA gradients) stay within the bf16 error of the
 unpatched QLoRA model, measured in the same test against the same quantized model computing in fp32 (flash-attn's
-test rule). The report says what stood down on the 4-bit layers: compiled layers (quantized weights) and the LoRA
-cast skip (PEFT's bnb layers cast nothing under autocast).
+test rule). The fused loss and liger's fused ops stay on (they call the modules); the report says what stood down on
+the 4-bit layers: compiled layers (quantized weights) and the LoRA cast skip (PEFT's bnb layers cast nothing under
+autocast).
 
 Needs bitsandbytes (CUDA build): `source .gpu/bnb/install.sh` first (see the lead's pack-wheels.sh line)."""
 from __future__ import annotations
@@ -97,7 +98,11 @@ def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved
     assert losses[-1] < losses[0]  # it trains
     assert grads.norm() > 0 and rel(grads, grads32) <= BF16_FACTOR * rel(grads16, grads32) + 1e-3
 
-    # what stood down on the 4-bit layers, and why
+    # what ran on the 4-bit layers (the fused loss on the fp32 LM head; liger's norms / SwiGLU, which call the
+    # projections as modules) and what stood down, and why
+    import importlib.util
+
+    assert report.fused_ce and report.fused_ops == (importlib.util.find_spec("liger_kernel") is not None), str(report)
     assert report.compiled_layers == 0
     assert any(line.startswith("compile: off") and "torch.compile does not trace them cleanly" in line
                for line in report.speedups), report.speedups
