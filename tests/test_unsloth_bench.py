@@ -105,6 +105,7 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
         @staticmethod
         def from_pretrained(**kwargs):
             calls["env"] = {k: os.environ.get(k) for k in OFFLINE}
+            calls["cache"] = os.environ.get("UNSLOTH_COMPILE_LOCATION")
             calls["load"] = kwargs
             return "model", "tokenizer"
 
@@ -114,7 +115,7 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
             return "peft-model"
 
     monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
-    for key in OFFLINE:
+    for key in (*OFFLINE, "UNSLOTH_COMPILE_LOCATION"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(configs, "saved_random_model", lambda settings: _folder("/model"))
     monkeypatch.setattr(configs, "run_trl", lambda model, data, settings, timing, **kw: calls.update(trl=(model, kw)))
@@ -124,6 +125,7 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
         calls.clear()
         CONFIGS["unsloth"].run(settings, data, Options(), Timing())
         assert calls["env"] == dict.fromkeys(OFFLINE, "1")  # set before Unsloth's import: no statistics, no hub
+        assert os.path.isabs(calls["cache"]) and not calls["cache"].startswith(str(REPO))  # not in the checkout
         load = calls["load"]
         assert load["model_name"] == "/model" and load["max_seq_length"] == DataSpec.tiny().max_len
         assert load["load_in_4bit"] is False and load["full_finetuning"] is (workload == "llama-1b")

@@ -398,7 +398,11 @@ def _unsloth(load_in_4bit: bool) -> Callable[..., nn.Module]:
     Unsloth patches it, packing=True (padding-free), on the same data and token budget as trl-fa4-packed."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+        import tempfile
+
         os.environ.update(UNSLOTH_ENV)
+        # Unsloth writes its generated modules to ./unsloth_compiled_cache by default: keep them out of the checkout
+        os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(tempfile.gettempdir(), "unsloth_compiled_cache"))
         from unsloth import FastLanguageModel  # first: Unsloth patches transformers, peft and trl on import
 
         workload = settings.workload
