@@ -334,7 +334,7 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_o
     undo += forward_batch_hooks(model_hf)
     from .fused import lora_casts
 
-    undo += lora_casts.apply(model_hf)
+    undo += lora_casts.apply(model_hf, notes)  # notes a quantized base's LoRA layers it leaves to PEFT
     report = PatchReport(
         model_type=model_hf.config.model_type, backend_requested=backend, backend=chosen.backend.name,
         selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from hf_accel.bench import flops  # noqa: E402
-from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
+from hf_accel.bench.configs import CONFIGS, Options, child_env, missing_requirement  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import add_ratios, markdown_table, versions, write_outputs  # noqa: E402
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "other flags override its settings")
     p.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama-1b")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of: {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(n for n, c in CONFIGS.items() if not c.sites),
+                   help=f"comma-separated subset of: {', '.join(CONFIGS)} (default: those that run in this "
+                        "environment; the Unsloth / QLoRA ones, whose packages are packed apart, run when named)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 2)")
@@ -84,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(auto: on CUDA)")
     p.add_argument("--substitute-attn", default=None,
                    help="run flash_attention_4 configs with this attn_implementation instead (CPU smoke of TRL)")
+    p.add_argument("--extra-site", action="append", default=[], metavar="NAME",
+                   help="a package pack to put first on every child's PYTHONPATH: NAME -> SITE_ROOT/site-NAME (what "
+                        "pack-wheels.sh NAME installs), or a folder; configs that need a pack (unsloth, bnb) name "
+                        "their own (repeatable)")
+    p.add_argument("--site-root", default="/tmp", help="the folder holding the packs' site-NAME folders")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: by GPU name)")
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     preset_name = p.parse_known_args(argv)[0].preset
@@ -118,7 +125,7 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
 def options(args: argparse.Namespace) -> Options:
     return Options(fused_ce=args.fused_ce, backend=args.best_backend, checkpointing=args.best_checkpointing,
                    ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn,
-                   fused_ops=args.best_fused_ops,
+                   fused_ops=args.best_fused_ops, extra_sites=tuple(args.extra_site), site_root=args.site_root,
                    compile=args.best_compile == "on" or (args.best_compile == "auto" and args.device.startswith("cuda")))
 
 
@@ -142,6 +149,8 @@ def child_main(args: argparse.Namespace) -> None:
         result.update(summarize(model, timing, peak(args), args.device))
         result["status"] = "ok"
         result["same_computation"] = workload.family not in config.wrong_for
+        if config.sites or args.extra_site:  # packages packed apart: what this child imported, beside the parent's
+            result["versions"] = versions()
         if not result["same_computation"]:
             result["status"] = "ok (documents attend across packed boundaries: not the same computation)"
         if args.substitute_attn and "fa4" in config.needs:
@@ -181,6 +190,8 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
                         ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
         if value is not None:
             argv += [flag, str(value)]
+    for site in args.extra_site:
+        argv += ["--extra-site", site]
     return argv + (["--tiny"] if args.tiny else [])
 
 
@@ -190,7 +201,8 @@ def run_one(args: argparse.Namespace, name: str, timeout: float) -> dict:
         out = Path(tmp) / "result.json"
         start = time.perf_counter()
         try:
-            proc = subprocess.run(child_argv(args, name, out), capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(child_argv(args, name, out), capture_output=True, text=True, timeout=timeout,
+                                  env=child_env(CONFIGS[name], options(args)))
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-2000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail

@@ -1,4 +1,5 @@
-"""LM head + cross-entropy, forward and backward, alone: hf_accel's fused_ce methods vs Liger vs the plain head.
+"""LM head + cross-entropy, forward and backward, alone: hf_accel's fused_ce methods vs Liger vs cut-cross-entropy vs
+the plain head.
 
     python scripts/bench_lm_head.py                      # Llama-3 shapes: 16,384 tokens, hidden 2048, vocab 128,256
     python scripts/bench_lm_head.py --tokens 2048 --hidden 64 --vocab 1000 --device cpu   # smoke
@@ -6,10 +7,15 @@
 Each method runs the summed loss / N on the same bf16 inputs; reported: median ms for forward + backward (CUDA
 events), peak memory above the inputs, and the error of loss and gradients against an fp32 reference of the plain
 head. Prints a table last; --out writes the JSON.
+
+cut-cross-entropy (Apple's CCE, what Unsloth uses; CUDA, Triton) runs as "cce" (its default: gradient entries below a
+bf16-level threshold are filtered out, filter_eps="high") and "cce-nofilter" (filter_eps=None: every entry). Methods
+whose package or device is missing are rows saying so.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -26,14 +32,49 @@ def plain(hidden, head, labels):
     return F.cross_entropy(head(hidden).float(), labels, ignore_index=-100, reduction="sum")
 
 
+def cce(hidden, head, labels, filter_eps):
+    from cut_cross_entropy import linear_cross_entropy as cce_loss
+
+    return cce_loss(hidden, head.weight, labels, ignore_index=-100, reduction="sum", filter_eps=filter_eps)
+
+
+# method -> why it cannot run on `device` (None: it can); methods not named run everywhere
+def _cce_missing(device: torch.device) -> str | None:
+    if importlib.util.find_spec("cut_cross_entropy") is None:
+        return "cut-cross-entropy not installed (pip install cut-cross-entropy==25.1.1)"
+    return None if device.type == "cuda" else "cut-cross-entropy's Triton kernels need CUDA"
+
+
+REQUIREMENTS = {
+    "liger": lambda device: None if liger_available() and device.type == "cuda" else "needs liger-kernel and CUDA",
+    "cce": _cce_missing,
+    "cce-nofilter": _cce_missing,
+}
+METHODS = "plain,liger,cce,cce-nofilter,recompute,inline,inline:1024,inline:4096,inline:8192"
+
+
 def run_method(name, chunk, hidden, head, labels, n_items):
     if name == "plain":
         return plain(hidden, head, labels) / n_items
+    if name in ("cce", "cce-nofilter"):
+        return cce(hidden, head, labels, "high" if name == "cce" else None) / n_items
     return linear_cross_entropy(hidden, head, labels, num_items_in_batch=n_items, chunk_size=chunk, method=name)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    found = {}
+    for name in ("liger-kernel", "cut-cross-entropy", "triton"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def main() -> None:
@@ -43,7 +84,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--methods", default="plain,liger,recompute,inline,inline:1024,inline:4096,inline:8192")
+    p.add_argument("--methods", default=METHODS)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -68,8 +109,9 @@ def main() -> None:
     rows = []
     for spec in args.methods.split(","):
         name, _, chunk = spec.partition(":")
-        if name == "liger" and not (liger_available() and dev.type == "cuda"):
-            rows.append({"method": spec, "status": "skipped: needs liger-kernel and CUDA"})
+        missing = REQUIREMENTS[name](dev) if name in REQUIREMENTS else None
+        if missing:
+            rows.append({"method": spec, "status": f"skipped: {missing}"})
             continue
         times, loss, grads = [], None, None
         for i in range(args.iters + 3):
@@ -103,6 +145,7 @@ def main() -> None:
 
     result = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": str(dtype),
               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+              "versions": _versions(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

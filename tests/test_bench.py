@@ -263,9 +263,10 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
             continue
         assert preset.workload in WORKLOADS and set(preset.configs) <= set(CONFIGS), preset.name
         # issue 18's comparison: a stock anchor, hf_accel with no flags, hf_accel with the best flags (the
-        # long-context sweeps of issue 22 compare the stock stacks with hf_accel's best only)
+        # long-context sweeps of issue 22 compare the stock stacks with hf_accel's best only; QLoRA's hf_accel row is
+        # patch(model) with no flags)
         if "doc_lengths" not in preset.settings:
-            assert {"hf_accel-defaults", "hf_accel-best"} <= set(preset.configs)
+            assert {"hf_accel-defaults", "hf_accel-best"} <= set(preset.configs) or "hf_accel-qlora" in preset.configs
         assert any(CONFIGS[c].stock for c in preset.configs)
 
 
@@ -277,7 +278,7 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2():
         sys.path.remove(str(REPO / "scripts"))
     args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
     assert (args.workload, args.steps, args.warmup, args.best_checkpointing) == ("llama-8b-lora", 4, 3, "budget:0.8")
-    assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best"]
+    assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best", "unsloth"]
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--preset", "multi-gpu"])
     assert exc.value.code == 2

@@ -24,6 +24,7 @@ _ARGS = (("steps", "--steps", None), ("warmup", "--warmup", None), ("tokens_per_
          ("best_fused_ops", "--best-fused-ops", "auto"), ("best_compile", "--best-compile", "auto"),
          ("time_budget", "--time-budget", None), ("config_timeout", "--config-timeout", None))
 
+APART_VERSIONS = ("unsloth", "unsloth_zoo", "bitsandbytes", "trl", "datasets", "transformers")  # per-row versions
 ROW_FIELDS = ("tokens_per_s", "steady_tokens_per_s", "ratio_to_best_stock", "steady_ratio_to_best_stock", "peak_gib",
               "mfu", "timed_steps", "same_computation")
 _DIGITS = {"tokens_per_s": 1, "steady_tokens_per_s": 1, "ratio_to_best_stock": 4, "steady_ratio_to_best_stock": 4,
@@ -34,7 +35,8 @@ def role(config: str) -> str:
     """stock | defaults | best | plain (hf_accel with every fast path off) | other hf_accel configurations."""
     if not config.startswith("hf_accel"):
         return "stock"
-    return {"hf_accel-defaults": "defaults", "hf_accel-best": "best", "hf_accel": "plain"}.get(config, "hf_accel")
+    return {"hf_accel-defaults": "defaults", "hf_accel-qlora": "defaults", "hf_accel-best": "best",
+            "hf_accel": "plain"}.get(config, "hf_accel")
 
 
 def is_bench_record(record: Any) -> bool:
@@ -72,6 +74,9 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
         row["checkpointing"] = plan.removeprefix("checkpointing: ")
     if result.get("description"):
         row["description"] = result["description"]
+    apart = {k: v for k, v in (result.get("versions") or {}).items() if k in APART_VERSIONS and v}
+    if apart:  # a child that ran with packages packed apart (Unsloth, bitsandbytes): their versions
+        row["versions"] = apart
     return row
 
 

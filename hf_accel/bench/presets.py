@@ -7,7 +7,9 @@ The four workload presets are issue 18's comparison: the stock anchors measured 
 stack that computes the same thing, and HF's padded path where that is the only correct one), "hf_accel defaults"
 (`hf_accel.patch(model)`, no flags) and "hf_accel best" (`patch(model, fused_ce=True, fused_ops=True,
 compile=True)`). Timings were sized from the 2026-11-29 runs (each configuration 35-60 s in its own process on one
-H200): every preset fits one 10-minute device call, `llama-1b` (the standard bench) in about 3 minutes.
+H200): every preset fits one 10-minute device call, `llama-1b` (the standard bench) in about 3 minutes (about 5 with
+the Unsloth row, whose import, model files and load take ~1 minute; issue 20's rows run only where their packs are
+installed: bench.py reports "not installed" otherwise).
 
 A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
 "not implemented yet: issue N" and what it will run.
@@ -46,9 +48,10 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset(
-            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 + Liger vs hf_accel defaults / best",
-            "llama-1b", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST),
-            dict(steps=30, warmup=6, best_compile="on", time_budget=230, config_timeout=85),
+            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 + Liger vs hf_accel defaults / best, and "
+            "Unsloth (full_finetuning=True) where its pack is installed",
+            "llama-1b", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "unsloth"),
+            dict(steps=30, warmup=6, best_compile="on", time_budget=360, config_timeout=120),
         ),
         Preset(
             "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (liger has no GPT-NeoX kernels) vs "
@@ -64,10 +67,18 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 (full checkpointing) "
-            "vs hf_accel defaults / best (checkpointing budget:0.8)",
-            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST),
-            dict(steps=8, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=300,
-                 config_timeout=120),
+            "vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded "
+            "checkpointing) where its pack is installed",
+            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST, "unsloth"),
+            dict(steps=8, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=470,
+                 config_timeout=170),
+        ),
+        Preset(
+            "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL + "
+            "flash-attn-4 + Liger vs Unsloth's QLoRA vs hf_accel defaults, where the bitsandbytes / Unsloth packs "
+            "are installed",
+            "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora"),
+            dict(steps=8, warmup=3, time_budget=480, config_timeout=170),
         ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first
         # OOM or timeout. Lengths past ~64k do not fit one 10-minute device call: run them apart with --doc-lengths

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import torch
 
 DISTRIBUTIONS = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "liger-kernel", "flash-attn-4",
-                 "triton", "hf_accel")
+                 "triton", "hf_accel", "unsloth", "unsloth_zoo", "bitsandbytes", "cut-cross-entropy", "torchao")
 
 
 def versions() -> dict[str, Any]:

@@ -20,6 +20,7 @@ WORKLOAD_TITLES = {
     "llama-1b": "Llama-3.2-1B shapes, full FT",
     "neox-1.4b": "GPT-NeoX 1.4B shapes, full FT",
     "llama-8b-lora": "Llama-3-8B shapes, LoRA r=16 + checkpointing",
+    "llama-8b-qlora": "Llama-3-8B shapes, QLoRA (NF4 base) r=16 + checkpointing",
     "falcon-1b": "Falcon ~1B, full FT",
 }
 CONFIG_LABELS = {
@@ -32,6 +33,10 @@ CONFIG_LABELS = {
     "hf_accel": "`patch(model)` with every fast path off (attention + packing)",
     "hf_accel-defaults": "`hf_accel.patch(model)`, no arguments",
     "hf_accel-best": "`patch(model, fused_ce=True, fused_ops=True, compile=True)`",
+    "unsloth": "Unsloth FastLanguageModel + TRL padding-free",
+    "unsloth-qlora": "Unsloth FastLanguageModel 4-bit + TRL padding-free",
+    "trl-qlora": "QLoRA, TRL SFTTrainer packing + flash-attn-4 + Liger",
+    "hf_accel-qlora": "QLoRA, `hf_accel.patch(model)`, no arguments",
 }
 ROLE_LABELS = {"stock": "stock anchor", "defaults": "hf_accel defaults", "best": "hf_accel best",
                "plain": "hf_accel, fast paths off", "hf_accel": "hf_accel"}
@@ -73,6 +78,8 @@ def _ratio(row: dict[str, Any]) -> str:
 
 def _label(row: dict[str, Any]) -> str:
     text = CONFIG_LABELS.get(row["config"], row.get("description", row["config"]))
+    if row.get("versions"):  # packages its child ran apart from the run's own (Unsloth's pins, bitsandbytes)
+        text += " (" + ", ".join(f"{k} {v}" for k, v in row["versions"].items()) + ")"
     if row.get("checkpointing") and row["role"] != "stock":
         text += f", checkpointing {row['checkpointing']}"
     return text

@@ -292,8 +292,10 @@ def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
     return StepTimer()
 
 
-def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool) -> None:
-    """TRL SFTTrainer, packing=True (bfd => padding-free): rows of max_len, tokens_per_step // max_len rows a step."""
+def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool,
+            sft_overrides: dict[str, Any] | None = None, processing_class: Any = None) -> None:
+    """TRL SFTTrainer, packing=True (bfd => padding-free): rows of max_len, tokens_per_step // max_len rows a step.
+    ``sft_overrides`` replace SFTConfig arguments (Unsloth: its own checkpointing instead of TRL's)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -311,7 +313,7 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
     spec = data.spec
     cuda = settings.device.startswith("cuda")
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(
+        args = SFTConfig(**{**dict(
             output_dir=out, max_steps=settings.warmup + settings.steps, max_length=spec.max_len, packing=True,
             per_device_train_batch_size=max(1, spec.tokens_per_step // spec.max_len), gradient_accumulation_steps=1,
             learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
@@ -319,10 +321,11 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
             gradient_checkpointing_kwargs={"use_reentrant": False}, save_strategy="no",  # TRL's logging_steps
             report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
             use_liger_kernel=liger, shuffle_dataset=False,
-        )
+        ), **(sft_overrides or {})})
         trainer = CountingSFTTrainer(
             model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
-            processing_class=offline_tokenizer(), callbacks=[_timing_callback(settings, timing, clock)],
+            processing_class=processing_class or offline_tokenizer(),
+            callbacks=[_timing_callback(settings, timing, clock)],
         )
         trainer.train()
     timing.step_seconds = clock.step_seconds()

@@ -53,6 +53,16 @@ WORKLOADS: dict[str, Workload] = {
             notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
         Workload(
+            "llama-8b-qlora", "llama",
+            dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5),
+            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Llama-3-8B shapes, QLoRA: the base in bitsandbytes NF4 (bf16 compute), LoRA r=16 alpha=32 on all "
+                  "decoder linears, gradient checkpointing on (the QLoRA configs quantize; others would not)",
+        ),
+        Workload(
             "neox-1.4b", "gpt_neox",
             dict(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                  num_attention_heads=16, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False,

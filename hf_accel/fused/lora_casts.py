@@ -13,6 +13,11 @@ variant) with no dropout (dropout's random mask is laid out per dtype, so with d
 else PEFT's own method runs. The skip is bound per layer instance (an instance attribute shadowing PEFT's method), on
 LoRA layers present at ``patch()`` and on those PEFT adds later (checked at each forward of the patched model);
 ``unpatch`` removes it.
+
+LoRA layers on quantized bases (QLoRA: ``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt``, and PEFT's other
+quantized backends) are different classes, left to PEFT's own forward, and the patch report says so: under autocast
+PEFT's bitsandbytes layers cast nothing (they cast the input only when autocast is off, where the cast is no round
+trip), so there is nothing to skip. They are recognised by class module and name: bitsandbytes is never imported.
 """
 from __future__ import annotations
 
@@ -32,6 +37,41 @@ def _lora_linear_cls() -> type | None:
     except ImportError:  # PEFT not installed: nothing to bind
         return None
     return Linear
+
+
+def _lora_layer_cls() -> type | None:
+    try:
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:
+        return None
+    return LoraLayer
+
+
+def left_to_peft(model: nn.Module) -> dict[str, int]:
+    """LoRA layers the skip is not bound to, by kind ("bnb.Linear4bit": count): PEFT LoRA layers on quantized bases
+    (classes from ``peft.tuners.lora.<backend>`` other than ``layer``; peft defines the bitsandbytes ones only when
+    bitsandbytes imports, so they are found by name, not by import)."""
+    lora_layer = _lora_layer_cls()
+    if lora_layer is None:
+        return {}
+    found: dict[str, int] = {}
+    for module in model.modules():
+        cls = type(module)
+        backend = cls.__module__.removeprefix("peft.tuners.lora.")
+        if isinstance(module, lora_layer) and backend != cls.__module__ and backend != "layer":
+            key = f"{backend}.{cls.__name__}"
+            found[key] = found.get(key, 0) + 1
+    return found
+
+
+def stand_down_note(model: nn.Module) -> str | None:
+    """The patch report's line for LoRA layers left to PEFT, or None when there are none."""
+    kinds = left_to_peft(model)
+    if not kinds:
+        return None
+    what = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    return (f"LoRA cast skip: not bound to {what} LoRA layers (quantized base layers): PEFT's own forward runs there; "
+            "under autocast it casts nothing on bitsandbytes layers, so no round trip is left to skip")
 
 
 def round_trip_only(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -85,15 +125,25 @@ def _adapters_key(model: nn.Module):
     return None if config is None else (id(config), tuple(config))
 
 
-def apply(model: nn.Module) -> list[Callable[[], None]]:
-    """Bind now, re-bind when PEFT adds adapters (checked cheaply at each forward); returns the undo actions."""
+def _note(model: nn.Module, notes: list[str] | None) -> None:
+    line = stand_down_note(model) if notes is not None else None
+    if line is None:
+        return
+    notes[:] = [n for n in notes if not n.startswith("LoRA cast skip: ")] + [line]  # the latest count only
+
+
+def apply(model: nn.Module, notes: list[str] | None = None) -> list[Callable[[], None]]:
+    """Bind now, re-bind when PEFT adds adapters (checked cheaply at each forward); returns the undo actions.
+    ``notes`` (the patch report's) gets a line for LoRA layers left to PEFT, now or when PEFT adds them."""
     bind(model)
+    _note(model, notes)
     seen = [_adapters_key(model)]
 
     def rebind_if_adapters_changed(module, args):
         key = _adapters_key(module)
         if key != seen[0]:
             bind(module)
+            _note(module, notes)
             seen[0] = key
 
     handle = model.register_forward_pre_hook(rebind_if_adapters_changed)

@@ -1,0 +1,110 @@
+"""QLoRA through PEFT with hf_accel.patch (issue 20b): a small random Llama saved and reloaded in bitsandbytes NF4
+(bf16 compute), prepare_model_for_kbit_training, PEFT LoRA on every linear, then `hf_accel.patch(model)` with its
+defaults. Trains, and per-step losses (and the first step's LoRA gradients) stay within the bf16 error of the
+unpatched QLoRA model, measured in the same test against the same quantized model computing in fp32 (flash-attn's
+test rule). The fused loss and liger's fused ops stay on (they call the modules); the report says what stood down on
+the 4-bit layers: compiled layers (quantized weights) and the LoRA cast skip (PEFT's bnb layers cast nothing under
+autocast).
+
+Needs bitsandbytes (CUDA build): `source .gpu/bnb/install.sh` first (see the lead's pack-wheels.sh line)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_accel
+from test_models_gpu import packed
+
+pytestmark = pytest.mark.gpu
+bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes not installed (pack-wheels.sh bnb bitsandbytes==...)")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+STEPS = 4
+BF16_FACTOR = 2.0  # ours vs the bf16 unpatched run may differ by this much times the unpatched run's own error
+LOSS_FLOOR = 1e-4  # relative: when the unpatched run's error happens to be ~0 at every step
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                         tie_word_embeddings=False)).to(torch.bfloat16)
+    folder = tmp_path_factory.mktemp("qlora-llama")
+    model.save_pretrained(folder)
+    return folder
+
+
+def qlora(folder, compute_dtype: torch.dtype, patch: str | None):
+    """NF4 base (compute in `compute_dtype`), kbit preparation, LoRA r=16 on every linear (random B, seeded), and
+    hf_accel.patch(model) before or after LoRA (or not at all); returns (model, report)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa", device_map={"": 0})
+    model.config.use_cache = False
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    report = hf_accel.patch(model) if patch == "before-lora" else None
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
+                                             init_lora_weights=False, task_type="CAUSAL_LM"))
+    if patch == "after-lora":
+        report = hf_accel.patch(model)
+    return model.train(), report
+
+
+def train(model, autocast: bool) -> tuple[list[float], torch.Tensor]:
+    """STEPS AdamW steps on one packed batch (documents restart position_ids): losses, and the first step's LoRA grads."""
+    batch = {k: v.cuda() for k, v in packed(32000).items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    losses, first_grads = [], None
+    for _ in range(STEPS):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        if first_grads is None:
+            first_grads = torch.cat([p.grad.float().flatten() for p in params])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, first_grads
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("order", ["after-lora", "before-lora"])
+def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved_llama, order):
+    ref32, _ = qlora(saved_llama, torch.float32, patch=None)
+    losses32, grads32 = train(ref32, autocast=False)
+    del ref32
+    ref16, _ = qlora(saved_llama, torch.bfloat16, patch=None)
+    losses16, grads16 = train(ref16, autocast=True)
+    del ref16
+    ours, report = qlora(saved_llama, torch.bfloat16, patch=order)
+    losses, grads = train(ours, autocast=True)
+    print(report, "\nlosses fp32", losses32, "\nunpatched bf16", losses16, "\npatched", losses)
+
+    baseline = max(abs(a - b) / abs(b) for a, b in zip(losses16, losses32))
+    for step, (got, want) in enumerate(zip(losses, losses16)):
+        assert abs(got - want) / abs(want) <= BF16_FACTOR * baseline + LOSS_FLOOR, (step, losses, losses16, losses32)
+    assert losses[-1] < losses[0]  # it trains
+    assert grads.norm() > 0 and rel(grads, grads32) <= BF16_FACTOR * rel(grads16, grads32) + 1e-3
+
+    # what ran on the 4-bit layers (the fused loss on the fp32 LM head; liger's norms / SwiGLU, which call the
+    # projections as modules) and what stood down, and why
+    import importlib.util
+
+    assert report.fused_ce and report.fused_ops == (importlib.util.find_spec("liger_kernel") is not None), str(report)
+    assert report.compiled_layers == 0
+    assert any(line.startswith("compile: off") and "torch.compile does not trace them cleanly" in line
+               for line in report.speedups), report.speedups
+    note = next(n for n in report.notes if n.startswith("LoRA cast skip"))
+    assert f"{4 * len(TARGETS)} bnb.Linear4bit LoRA layers" in note, note  # every adapted linear of the 4 layers

@@ -1,0 +1,182 @@
+"""Unsloth and QLoRA bench configs (issue 20) without Unsloth or bitsandbytes: they are skipped with a reason that says
+what is not installed and where it was looked for; a pack's folder goes first on the child's PYTHONPATH (ahead of the
+parent's path, so Unsloth's pinned trl / datasets shadow the newer ones) and the child records what it imported; the
+Unsloth config calls FastLanguageModel as its notebooks do (checked against a stand-in module)."""
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hf_accel.bench import configs
+from hf_accel.bench.configs import CONFIGS, Options, child_env, missing_requirement
+from hf_accel.bench.train import RunSettings, Timing
+from hf_accel.bench.workloads import WORKLOADS, DataSpec
+
+REPO = Path(__file__).resolve().parents[1]
+# what Unsloth 2026.10.9 reads before any network call (unsloth/models/_utils.py: get_statistics, has_internet)
+OFFLINE = ("UNSLOTH_DISABLE_STATISTICS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+APART = ("unsloth", "unsloth-qlora", "trl-qlora", "hf_accel-qlora")
+
+
+def fake_pack(root: Path, name: str, packages: dict[str, str]) -> Path:
+    """<root>/site-<name> holding `packages` (name -> version): a module and its dist-info, as pip --target writes."""
+    site = root / f"site-{name}"
+    for package, version in packages.items():
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+        info = site / f"{package}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    return site
+
+
+@pytest.mark.parametrize("name", APART)
+def test_apart_configs_say_what_is_not_installed_and_where_they_looked(name, tmp_path):
+    reason = missing_requirement(CONFIGS[name], "cpu", "llama", Options(site_root=str(tmp_path)))
+    module = "unsloth" if name.startswith("unsloth") else "bitsandbytes"
+    assert reason.startswith(f"{module} not installed") and str(tmp_path / "site-") in reason, reason
+
+
+def test_a_pack_folder_makes_the_config_available(tmp_path, monkeypatch):
+    monkeypatch.setitem(configs.REQUIREMENTS, "cuda", lambda device, fam: None)  # no GPU here
+    options = Options(site_root=str(tmp_path))
+    assert "not installed" in missing_requirement(CONFIGS["unsloth"], "cuda", "llama", options)
+    fake_pack(tmp_path, "unsloth", {"unsloth": "2026.10.9"})
+    assert missing_requirement(CONFIGS["unsloth"], "cuda", "llama", options) is None
+    assert "Llama workloads only" in missing_requirement(CONFIGS["unsloth"], "cuda", "gpt_neox", options)
+    assert "bitsandbytes not installed" in missing_requirement(CONFIGS["unsloth-qlora"], "cuda", "llama", options)
+
+
+def test_child_path_puts_the_packs_first_and_they_shadow_installed_packages(tmp_path):
+    import trl  # installed in the main environment; the pack's older pin must win in the child
+
+    fake_pack(tmp_path, "unsloth", {"trl": "1.15.0"})
+    fake_pack(tmp_path, "bnb", {"bitsandbytes": "0.50.2"})
+    options = Options(site_root=str(tmp_path), extra_sites=("extra",))
+    env = child_env(CONFIGS["unsloth"], options, base={"PYTHONPATH": "/parent/path", "PATH": os.environ["PATH"]})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "site-unsloth"), str(tmp_path / "site-bnb"),
+                                                   str(tmp_path / "site-extra"), "/parent/path"]
+    out = subprocess.run([sys.executable, "-c", "import trl, bitsandbytes; print(trl.__version__, trl.__file__)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "1.15.0" != trl.__version__ and out[1].startswith(str(tmp_path / "site-unsloth"))
+    # configs that need no pack keep the parent's environment exactly
+    assert child_env(CONFIGS["hf_accel-defaults"], Options(), base={"PYTHONPATH": "/p"}) == {"PYTHONPATH": "/p"}
+
+
+def _run_bench(tmp_path, *args):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--device", "cpu", "--tiny",
+                    "--out", str(tmp_path / "out"), *args], env=env, capture_output=True, text=True, timeout=600,
+                   check=True)
+    return json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+
+
+def test_bench_rows_say_not_installed_and_default_configs_leave_them_out(tmp_path):
+    record = _run_bench(tmp_path, "--workload", "llama-8b-qlora", "--configs", ",".join(APART),
+                        "--site-root", str(tmp_path))
+    statuses = {r["config"]: r["status"] for r in record["results"]}
+    assert statuses.keys() == set(APART)
+    assert all(s.startswith("skipped: ") and "not installed" in s for s in statuses.values()), statuses
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    assert not set(APART) & set(bench.parse_args([]).configs)  # run only when named (or by a preset)
+
+
+@pytest.mark.slow
+def test_child_records_the_versions_it_imported_from_a_pack(tmp_path):
+    site = fake_pack(tmp_path, "probe", {"unsloth": "9.9.9"})
+    record = _run_bench(tmp_path, "--configs", "hf-sdpa-padded", "--steps", "1", "--extra-site", str(site))
+    result = record["results"][0]
+    assert result["status"] == "ok", result
+    assert result["versions"]["unsloth"] == "9.9.9" and record["versions"]["unsloth"] is None  # the child's, not ours
+
+
+def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monkeypatch):
+    calls = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(**kwargs):
+            calls["env"] = {k: os.environ.get(k) for k in OFFLINE}
+            calls["cache"] = os.environ.get("UNSLOTH_COMPILE_LOCATION")
+            calls["load"] = kwargs
+            return "model", "tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            calls["lora"] = kwargs
+            return "peft-model"
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    for key in (*OFFLINE, "UNSLOTH_COMPILE_LOCATION"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(configs, "saved_random_model", lambda settings: _folder("/model"))
+    monkeypatch.setattr(configs, "run_trl", lambda model, data, settings, timing, **kw: calls.update(trl=(model, kw)))
+    data = types.SimpleNamespace(spec=DataSpec.tiny())
+    for workload in ("llama-8b-lora", "llama-1b"):
+        settings = RunSettings(WORKLOADS[workload], "cuda", True, steps=1, warmup=1, step_time_budget=1.0)
+        calls.clear()
+        CONFIGS["unsloth"].run(settings, data, Options(), Timing())
+        assert calls["env"] == dict.fromkeys(OFFLINE, "1")  # set before Unsloth's import: no statistics, no hub
+        assert os.path.isabs(calls["cache"]) and not calls["cache"].startswith(str(REPO))  # not in the checkout
+        load = calls["load"]
+        assert load["model_name"] == "/model" and load["max_seq_length"] == DataSpec.tiny().max_len
+        assert load["load_in_4bit"] is False and load["full_finetuning"] is (workload == "llama-1b")
+        if workload == "llama-8b-lora":
+            assert load["use_gradient_checkpointing"] == "unsloth" == calls["lora"]["use_gradient_checkpointing"]
+            assert calls["lora"]["r"] == 16 and calls["lora"]["lora_alpha"] == 32
+            assert set(calls["lora"]["target_modules"]) == set(WORKLOADS[workload].lora_targets)
+            assert calls["trl"][0] == "peft-model"
+        else:
+            assert "lora" not in calls and load["use_gradient_checkpointing"] is False and calls["trl"][0] == "model"
+        # TRL's own checkpointing stays off (Unsloth's is on the model); Unsloth's tokenizer is the processing class
+        assert calls["trl"][1] == {"liger": False, "sft_overrides": {"gradient_checkpointing": False},
+                                   "processing_class": "tokenizer"}
+
+
+def test_qlora_needs_a_lora_workload():
+    settings = RunSettings(WORKLOADS["llama-1b"], "cuda", True, steps=1, warmup=1, step_time_budget=1.0)
+    with pytest.raises(ValueError, match="has no LoRA"):
+        configs.qlora_base(settings, "sdpa")
+
+
+class _folder:
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        return self.path
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_tables_label_unsloth_rows_with_the_versions_their_child_imported():
+    from hf_accel.bench import index, tables
+
+    row = index._row({"config": "unsloth", "status": "ok", "tokens_per_s": 1.0,
+                      "versions": {"unsloth": "2026.10.9", "trl": "1.15.0", "torch": "2.11.0", "peft": None}})
+    assert row["role"] == "stock" and row["versions"] == {"unsloth": "2026.10.9", "trl": "1.15.0"}
+    assert tables._label(row) == "Unsloth FastLanguageModel + TRL padding-free (unsloth 2026.10.9, trl 1.15.0)"
+    assert index.role("hf_accel-qlora") == "defaults"  # the QLoRA preset's "hf_accel defaults" line
+
+
+def test_saved_random_model_reloads_as_the_workload_with_its_tokenizer_and_is_removed():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = RunSettings(WORKLOADS["llama-8b-qlora"], "cpu", True, steps=1, warmup=1, step_time_budget=1.0)
+    with configs.saved_random_model(settings) as folder:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert AutoTokenizer.from_pretrained(folder).pad_token_id == 0
+    torch.manual_seed(settings.seed)
+    built = configs.build_model(settings, "sdpa")  # the same seed: the same random weights
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), built.state_dict().values()))
+    assert not os.path.exists(folder)
