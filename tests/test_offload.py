@@ -10,41 +10,15 @@ import weakref
 import pytest
 import torch
 from torch import nn
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_accel.errors import ConfigurationError
+from tests.test_checkpointing import NUM_LAYERS, packed_batch, tiny_llama, tiny_neox
 from hf_accel.memory.checkpointing import (FullCheckpointing, OffloadedCheckpointing, applied_policy, decoder_layers,
                                            policy_from_spec)
 
-NUM_LAYERS = 3
-HIDDEN = 64
-
-
-def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    return LlamaForCausalLM(config).train()
-
-
-def tiny_neox() -> nn.Module:
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-                           num_attention_heads=4, use_cache=False, attention_dropout=0.0, hidden_dropout=0.0)
-    return GPTNeoXForCausalLM(config).train()
-
+HIDDEN = 64  # the hidden size of the tiny models shared with test_checkpointing
 
 MODELS = {"llama": tiny_llama, "gpt_neox": tiny_neox}
-
-
-def packed_batch() -> dict:
-    torch.manual_seed(1)
-    lengths = [20, 28, 16]
-    input_ids = torch.randint(0, 128, (1, sum(lengths)))
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    labels = input_ids.clone()
-    labels[position_ids == 0] = -100
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
 
 
 def step(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -152,8 +126,8 @@ def test_per_layer_offload_choice_matches_full():
     from hf_accel.memory.checkpointing import PerLayer
 
     ref, model = tiny_llama(), tiny_llama()
-    PerLayer(choices=["full", "full", "none"]).apply(ref)
-    policy = PerLayer(choices=["offload", "full", "none"])
+    PerLayer(choices=["full", "full", "none", "op"]).apply(ref)
+    policy = PerLayer(choices=["offload", "full", "none", "op"])
     policy.apply(model)
     (loss_ref, grads_ref), (loss, grads) = step(ref, packed_batch()), step(model, packed_batch())
     assert policy.offloader.stats.packed == 1 and "1 offloaded" in policy.describe()
