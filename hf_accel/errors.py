@@ -37,3 +37,15 @@ class ConfigurationError(HFAccelError, ValueError):
 class CheckpointError(HFAccelError, RuntimeError):
     """A checkpoint cannot be written or read back: a damaged or partial file (named), a full disk, or a checkpoint
     of another run or another base model."""
+
+
+def run_cli(main, argv: list[str] | None, prog: str) -> int:
+    """Run a script's ``main(argv)``; hf_accel's own errors print as one line (no traceback) and give exit status 1."""
+    import sys
+
+    try:
+        main(argv)
+    except HFAccelError as e:
+        print(f"{prog}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0

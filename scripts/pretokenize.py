@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from hf_accel.data.validate import DataReport, check_dataset, report_for_jsonl, scan_jsonl  # noqa: E402
-from hf_accel.errors import ConfigurationError, HFAccelError  # noqa: E402
+from hf_accel.errors import ConfigurationError, run_cli  # noqa: E402
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -91,12 +91,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    try:
-        main(argv)
-    except HFAccelError as e:
-        print(f"pretokenize.py: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    """main() for the command line: hf_accel's own errors print as one message (no traceback), exit status 1."""
+    return run_cli(main, argv, "pretokenize.py")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from hf_accel.data import default_task  # noqa: E402
 from hf_accel.data.validate import DataReport, check_dataset, report_for_jsonl, scan_jsonl  # noqa: E402
-from hf_accel.errors import ConfigurationError, HFAccelError  # noqa: E402
+from hf_accel.errors import ConfigurationError, run_cli  # noqa: E402
 from hf_accel.training.progress import ProgressBar, plot_training  # noqa: E402
 from hf_accel.training.run_dir import check_output_dir  # noqa: E402
 from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
@@ -438,12 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     """main() for the command line: hf_accel's own errors print as one message (no traceback), exit status 1."""
-    try:
-        main(argv)
-    except HFAccelError as e:
-        print(f"sft.py: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return run_cli(main, argv, "sft.py")
 
 
 if __name__ == "__main__":
