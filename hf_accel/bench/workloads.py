@@ -31,33 +31,36 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 LONG_MAX_POSITIONS = 262144
 _LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FUSED_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+# Llama-3.2-1B and Llama-3-8B shapes (each workload adds its positions / rope), and their CPU smoke shapes
+_LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rms_norm_eps=1e-5)
+_LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5)
+_LLAMA_1B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True)
+_LLAMA_8B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
+_LONG_ROPE = dict(max_position_embeddings=LONG_MAX_POSITIONS, rope_parameters=LLAMA3_ROPE)
+_LONG_ROPE_TINY = dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64))
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
         Workload(
             "llama-1b", "llama",
-            dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0,
-                 max_position_embeddings=131072, rms_norm_eps=1e-5),
-            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True),
+            dict(_LLAMA_1B, rope_theta=500000.0, max_position_embeddings=131072),
+            dict(_LLAMA_1B_TINY),
             notes="Llama-3.2-1B shapes (rope scaling omitted: it does not change cost)",
         ),
         Workload(
             "llama-8b-lora", "llama",
-            dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
-                 max_position_embeddings=8192, rms_norm_eps=1e-5),
-            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False),
+            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            dict(_LLAMA_8B_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
         Workload(
             "llama-8b-qlora", "llama",
-            dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
-                 max_position_embeddings=8192, rms_norm_eps=1e-5),
-            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False),
+            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            dict(_LLAMA_8B_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, QLoRA: the base in bitsandbytes NF4 (bf16 compute), LoRA r=16 alpha=32 on all "
                   "decoder linears, gradient checkpointing on (the QLoRA configs quantize; others would not)",
@@ -83,22 +86,16 @@ WORKLOADS: dict[str, Workload] = {
         # issue 22: single long documents (the long-context preset), Llama-3 rope scaling as the real checkpoints
         Workload(
             "llama-8b-lora-long", "llama",
-            dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
-                 max_position_embeddings=LONG_MAX_POSITIONS, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE),
-            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False,
-                 rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
+            dict(_LLAMA_8B, **_LONG_ROPE),
+            dict(_LLAMA_8B_TINY, **_LONG_ROPE_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3.1-8B shapes with its rope scaling, LoRA r=16 alpha=32 on all decoder linears, gradient "
                   "checkpointing on; one document per step",
         ),
         Workload(
             "llama-1b-long", "llama",
-            dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
-                 max_position_embeddings=LONG_MAX_POSITIONS, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE),
-            dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
-                 rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
+            dict(_LLAMA_1B, **_LONG_ROPE),
+            dict(_LLAMA_1B_TINY, **_LONG_ROPE_TINY),
             checkpointing=True,
             notes="Llama-3.2-1B shapes with Llama-3 rope scaling, full FT, gradient checkpointing on; one document "
                   "per step",
