@@ -1,0 +1,143 @@
+"""The 2-GPU vs 1-GPU FSDP2 runs of tests/gpu/test_multi_gpu.py: the cases, their commands, the launch under a
+timeout, and the checks of the results. Kept apart from the GPU test so tests/test_multi_gpu_runs.py can check the
+commands and the comparisons on CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "examples" / "accelerate"
+DIST_SFT = ROOT / "tests" / "dist_sft.py"
+
+STEPS = 20
+TOKENS_PER_BATCH = 4096  # per micro-batch: 2 x 20 steps need 40 bins; EXAMPLES digit rows give ~75
+EXAMPLES = 24000  # of the embedded digit task, ~13 tokens each
+LR = {"full": "1e-4", "lora": "1e-3"}  # 20 steps: enough for the loss to fall clearly, not enough to diverge
+LAUNCH_TIMEOUT_S = 300  # a small case takes ~30-60 s (start-up, compile); longer means a rank waits in a collective
+HANG_DUMP_S = "120"  # a rank still running after this prints every thread's stack (tests/dist_sft.py)
+# Step 1: same weights, same samples, same kernels; only the order of the loss / gradient reductions differs:
+# within about one bf16 ulp (2**-8 = 3.9e-3).
+STEP1_RTOL = 4e-3
+# Steps 2-20: FSDP2 mixed precision keeps fp32 master weights (so both runs update the same fp32 weights), but the
+# gradients are computed in bf16 and reduced in a different order (reduce-scatter over 2 ranks vs accumulation of 2
+# micro-batches on 1), and those rounding differences compound through 19 AdamW updates: a few bf16 ulps.
+LOSS_RTOL = 2e-2
+
+# Llama-1B (issue 19's hang): start-up, ~20 s compile, 30 steps, a ~5 GB fp32 save, exit
+REAL_SIZE_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: str  # scripts/sft.py --model-shape
+    config: str  # examples/accelerate/<config>
+    extra: tuple[str, ...] = ()
+
+    @property
+    def lora(self) -> bool:
+        return "--lora-r" in self.extra
+
+
+CASES = {
+    "llama-full": Case("llama-small", "fsdp2.yaml", ("--checkpointing", "full")),
+    "llama-lora": Case("llama-small", "fsdp2_checkpointing.yaml", ("--lora-r", "16")),
+    "neox-full": Case("neox-small", "fsdp2.yaml"),
+    "neox-lora": Case("neox-small", "fsdp2.yaml", ("--lora-r", "16", "--checkpointing", "every_2")),
+    "falcon-full": Case("falcon-small", "fsdp2_checkpointing.yaml"),
+    "falcon-lora": Case("falcon-small", "fsdp2.yaml", ("--lora-r", "16")),
+}
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(config: str, processes: int, sft_args: list[str]) -> list[str]:
+    """``accelerate launch`` of tests/dist_sft.py with ``sft_args`` (a free rendezvous port per launch)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+            "--num_processes", str(processes), "--main_process_port", str(_free_port()), str(DIST_SFT), *sft_args]
+
+
+def case_args(case: Case, data: Path, out: Path, grad_accum: int) -> list[str]:
+    """sft.py's arguments for one run of ``case``: no --no-* flag, so every speed-up stays at its CUDA default."""
+    return ["--model-shape", case.shape, "--dataset", str(data), "--bf16", "--seed", "0",
+            "--max-steps", str(STEPS), "--max-tokens-per-batch", str(TOKENS_PER_BATCH), "--grad-accum", str(grad_accum),
+            "--logging-steps", "1", "--eval-examples", "0", "--lr", LR["lora" if case.lora else "full"],
+            "--output-dir", str(out), *case.extra]
+
+
+def launch_or_fail(cmd: list[str], cwd: Path, timeout: float, log: Path) -> str:
+    """Run a launcher in its own process group under ``timeout``; on a timeout kill the whole group (no orphaned
+    ranks) and fail, saying it hung. The output goes to ``log`` too. Returns the output."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_ACCEL_HANG_DUMP_S": HANG_DUMP_S,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        log.write_text(out)
+        pytest.fail(f"HANG: the launch did not exit within {timeout} s (a rank waits in a collective?); "
+                    f"log {log}, its tail:\n{out[-6000:]}")
+    log.write_text(out)
+    if proc.returncode != 0:
+        pytest.fail(f"the launch exited with {proc.returncode}; log {log}, its tail:\n{out[-6000:]}")
+    return out
+
+
+def read_run(out: Path, processes: int) -> dict:
+    """Rank 0's metrics.json, after checking that every rank logged the same (global) per-step losses."""
+    names = ["metrics.json"] + [f"metrics.rank{r}.json" for r in range(1, processes)]
+    metrics = [json.loads((out / f"rank{r}" / names[r]).read_text()) for r in range(processes)]
+    for r, m in enumerate(metrics[1:], start=1):
+        assert m["losses"] == metrics[0]["losses"], f"rank {r} logged other losses than rank 0"
+    return metrics[0]
+
+
+def assert_same_losses(two: list[float], one: list[float], steps: int = STEPS) -> None:
+    """Per-step losses of 2 processes vs 1 process over the same global batches (tolerances: see the top)."""
+    assert len(two) == len(one) == steps, f"expected {steps} logged losses, got {len(two)} and {len(one)}"
+    torch.testing.assert_close(torch.tensor(two[:1]), torch.tensor(one[:1]), rtol=STEP1_RTOL, atol=0,
+                               msg=lambda m: f"step 1 (same weights and samples): {m}")
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=LOSS_RTOL, atol=0,
+                               msg=lambda m: f"2 processes {two}\n1 process {one}\n{m}")
+
+
+def assert_loss_fell(losses: list[float]) -> None:
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first, f"the loss did not go down (first 5 steps {first:.3f}, last 5 {last:.3f}): {losses}"
+
+
+def saved_tensors(folder: Path, lora: bool) -> dict[str, torch.Tensor]:
+    """What the run wrote: the adapter (LoRA) or every model.safetensors shard (full fine-tune)."""
+    from safetensors.torch import load_file
+
+    files = [folder / "adapter_model.safetensors"] if lora else sorted(folder.glob("model*.safetensors"))
+    assert files and all(f.is_file() for f in files), f"no saved weights in {folder}: {sorted(os.listdir(folder))}"
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def assert_loaded_equals_saved(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    """Every saved tensor arrived in the loaded model unchanged (up to the cast to the model's dtype)."""
+    missing = sorted(set(saved) - set(loaded))
+    assert not missing, f"saved but not in the loaded model: {missing[:5]}"
+    for name, want in saved.items():
+        got = loaded[name].detach().cpu()
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,64 @@
+"""tests/gpu/test_multi_gpu.py's plan, on CPU: both runs of a case see the same global batches with every speed-up
+left on, and the loss and saved-weight comparisons pass and fail where they should."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multi_gpu_runs import (CASES, CONFIGS, STEPS, assert_loaded_equals_saved, assert_loss_fell,  # noqa: E402
+                            assert_same_losses, case_args, launch_command, saved_tensors)
+
+
+def test_case_commands_keep_the_defaults_and_equal_global_batches(tmp_path):
+    """Both runs of a case: same config, data, budget, seed and steps; W x grad-accum equal; no speed-up turned off."""
+    case = CASES["neox-lora"]
+    two = launch_command(case.config, 2, case_args(case, tmp_path / "d.jsonl", tmp_path / "o", 1))
+    one = launch_command(case.config, 1, case_args(case, tmp_path / "d.jsonl", tmp_path / "o", 2))
+
+    def value(cmd: list[str], flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert int(value(two, "--num_processes")) * int(value(two, "--grad-accum")) == \
+        int(value(one, "--num_processes")) * int(value(one, "--grad-accum")) == 2
+    for flag in ("--config_file", "--model-shape", "--dataset", "--max-tokens-per-batch", "--seed", "--max-steps",
+                 "--lr", "--lora-r", "--checkpointing", "--logging-steps"):
+        assert value(two, flag) == value(one, flag), flag
+    assert not [a for a in two if a.startswith("--no-")] and "--bf16" in two
+    assert all((CONFIGS / c.config).is_file() for c in CASES.values())
+    assert value(two, "--output-dir") == value(one, "--output-dir")  # the test gives each its own; here both "o"
+    assert len(CASES) * 2 <= 12  # each launch costs ~30-60 s of GPU time
+
+
+def test_loss_comparison_tolerances():
+    base = [10.0 - 0.3 * i for i in range(STEPS)]
+    assert_same_losses([x * (1 + 1e-3) for x in base], base)
+    with pytest.raises(AssertionError, match="step 1"):
+        assert_same_losses([base[0] * 1.01, *base[1:]], base)
+    with pytest.raises(AssertionError):
+        assert_same_losses([*base[:-1], base[-1] * 1.05], base)
+    with pytest.raises(AssertionError, match="expected 20"):
+        assert_same_losses(base[:-1], base[:-1])
+    assert_loss_fell(base)
+    with pytest.raises(AssertionError, match="did not go down"):
+        assert_loss_fell(base[::-1])
+
+
+def test_saved_files_are_read_and_compared(tmp_path):
+    from safetensors.torch import save_file
+
+    weights = {"a.weight": torch.randn(3, 2), "b.lora_B.weight": torch.zeros(2, 2)}
+    save_file({"a.weight": weights["a.weight"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b.lora_B.weight": weights["b.lora_B.weight"]}, tmp_path / "model-00002-of-00002.safetensors")
+    saved = saved_tensors(tmp_path, lora=False)
+    assert_loaded_equals_saved({k: v.clone() for k, v in weights.items()}, saved)
+    assert_loaded_equals_saved({k: v.to(torch.bfloat16) for k, v in weights.items()}, saved)  # bf16 model
+    with pytest.raises(AssertionError, match="a.weight"):
+        assert_loaded_equals_saved({**weights, "a.weight": weights["a.weight"] + 1}, saved)
+    with pytest.raises(AssertionError, match="not in the loaded"):
+        assert_loaded_equals_saved({"a.weight": weights["a.weight"]}, saved)
+    with pytest.raises(AssertionError, match="no saved weights"):
+        saved_tensors(tmp_path, lora=True)
