@@ -1,6 +1,7 @@
 """Benchmark harness: workload data, token-budget steps, the FLOP formula (hand count and torch's FLOP counter),
 the results table, and scripts/bench.py --device cpu --tiny as a subprocess."""
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -387,6 +388,7 @@ def test_multi_gpu_records_are_indexed_but_never_current(tmp_path):
     assert runs["two.json"]["nproc"] == [2] and runs["two.json"]["configs"][0]["nproc"] == 2
 
 
+RANDOM_LOSS_ATOL = 0.6  # tiny random-init Llama on uniform tokens: 6.1-6.6 measured over 20 steps, log(512) = 6.24
 FULL_BIN_RTOL = 0.1  # best-fit bins of 384 tokens from documents of 4-96: the fullest ones hold >= 370 (measured 383)
 NPROC_RUN_TIMEOUT_S = 420  # 4 launches of 1-2 tiny CPU processes (~35 s on 2 cores); longer: a rank hung
 
@@ -400,7 +402,8 @@ def test_script_nproc_runs_ranks_under_a_launcher_and_sums_their_tokens(tmp_path
     start = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench.py"), "--device", "cpu", "--tiny",
-                             "--substitute-attn", "sdpa", "--configs", "hf_accel-defaults,trl-fa4-packed,hf-sdpa-padded",
+                             "--substitute-attn", "sdpa",
+                             "--configs", "hf_accel-defaults,trl-fa4-packed,hf-sdpa-padded",
                              "--nproc", "1,2", "--accelerate-config", "examples/accelerate/ddp_cpu.yaml",
                              "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -426,6 +429,8 @@ def test_script_nproc_runs_ranks_under_a_launcher_and_sums_their_tokens(tmp_path
             assert all(t <= budget for rank in r["rank_step_tokens"] for t in rank)  # a rank's share of a step
             assert r["step_tokens"] == [sum(step) for step in zip(*r["rank_step_tokens"])]
             assert r["real_tokens"] == sum(r["step_tokens"]) and r["loss_finite"]
+            # random tokens: the step's loss is near log(vocab) (not one rank's share of it)
+            assert r["losses"] == pytest.approx([math.log(512)] * len(r["losses"]), abs=RANDOM_LOSS_ATOL)
         assert all(t > budget for t in two["step_tokens"])  # two ranks' shares: more than one rank can hold
         # the same budget per rank: twice the fullest step of one process (an epoch's last bin can be short)
         assert max(two["step_tokens"]) == pytest.approx(2 * max(one["step_tokens"]), rel=FULL_BIN_RTOL)

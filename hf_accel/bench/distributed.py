@@ -75,17 +75,23 @@ def run_group(argv: list[str], env: dict[str, str], timeout: float) -> subproces
 def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
     """Every rank's step documents and peak memory, on every rank (call it on all of them, after the run).
 
-    Returns the global timing (rank 0's step times and losses, each step's documents from every rank) and what the
-    result JSON records per rank: nproc, rank_step_tokens (per rank, per timed step), peak_gib_per_rank and its max
-    peak_gib (CUDA: max_memory_allocated) or peak_rss_gib_per_rank (CPU: the process's peak resident set)."""
+    Returns the global timing (rank 0's step times, each step's documents from every rank, each step's loss as the
+    mean of the ranks' losses: under transformers' average_tokens_across_devices a rank's loss is its summed
+    cross-entropy over the step's global target count times the world size, so one rank's alone is not the step's
+    loss) and what the result JSON records per rank: nproc, rank_step_tokens (per rank, per timed step),
+    peak_gib_per_rank and its max peak_gib (CUDA: max_memory_allocated) or peak_rss_gib_per_rank (CPU: the
+    process's peak resident set)."""
     import resource
 
     import torch.distributed as dist
 
     cuda = device.startswith("cuda")
-    # ru_maxrss is in KiB on Linux
-    peak_bytes = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    mine = {"step_docs": timing.step_docs, "steps": len(timing.step_seconds), "peak_bytes": peak_bytes}
+    if cuda:
+        peak_bytes = torch.cuda.max_memory_allocated()
+    else:
+        peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    mine = {"step_docs": timing.step_docs, "steps": len(timing.step_seconds), "peak_bytes": peak_bytes,
+            "losses": timing.losses}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
@@ -94,7 +100,9 @@ def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
     steps = min(min(r["steps"], len(r["step_docs"])) for r in ranks)
     merged = Timing(step_seconds=timing.step_seconds[:steps],
                     step_docs=[[n for r in ranks for n in r["step_docs"][i]] for i in range(steps)],
-                    losses=timing.losses[:steps], notes=timing.notes, host_events=timing.host_events)
+                    losses=[sum(r["losses"][i] for r in ranks) / len(ranks)
+                            for i in range(min(steps, *(len(r["losses"]) for r in ranks)))],
+                    notes=timing.notes, host_events=timing.host_events)
     info: dict[str, Any] = {"nproc": len(ranks),
                             "rank_step_tokens": [[sum(d) for d in r["step_docs"][:steps]] for r in ranks]}
     peaks = [r["peak_bytes"] / 2**30 for r in ranks]

@@ -146,7 +146,8 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
         loss = losses[step - 1] if step and len(losses) >= step else r.get("loss")
         nproc = f" {_fmt(r.get('nproc'), 'd')} |" if nprocs else ""
         lines.append(
-            f"| {r['config']} |{nproc} {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('ratio_to_best_stock'), '.2f')}"
+            f"| {r['config']} |{nproc} {_fmt(r.get('tokens_per_s'), ',.0f')}"
+            f" | {_fmt(r.get('ratio_to_best_stock'), '.2f')}"
             f" | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')}"
             f" | {_fmt(loss, '.4f')} | {_fmt(r.get('steady_tokens_per_s'), ',.0f')}"
             f" | {_fmt(r.get('steady_ratio_to_best_stock'), '.2f')} | {_slowest(r)} | {r.get('status', '?')} |"
