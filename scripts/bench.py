@@ -8,6 +8,16 @@ per-configuration timeout inside a total time budget. Results: JSON + markdown u
     python scripts/bench.py --workload llama-1b                 # all configurations, ~9 min on one H200
     python scripts/bench.py --workload neox-1.4b --configs hf-sdpa-padded,hf_accel
     python scripts/bench.py --device cpu --tiny                 # CI smoke: tiny model, CUDA-only configs skipped
+    python scripts/bench.py --preset multi-gpu                  # FSDP2 on 1 and 2 GPUs: scaling, ~9 min on 2 H200
+
+Multi-GPU (--nproc N, or a list such as 1,2: each config at each count, each in its own launch): the child runs under
+`accelerate launch --config_file <--accelerate-config, default examples/accelerate/fsdp2.yaml> --num_processes N`,
+one process per GPU, in its own process group (killed as a group on a timeout). TRL configs run SFTTrainer as they
+do on one GPU (FSDP2 comes from the launcher); hf_accel configs run through hf_accel.Trainer with a token budget of
+the step's tokens per rank (the plain loop cannot run under FSDP2). Each rank trains that many tokens per step
+(weak scaling); tokens/s sums the ranks, step times are rank 0's, peak GiB is the largest rank's (every rank's in
+peak_gib_per_rank), MFU divides by N GPUs. --nproc 1 is the same launched path on one GPU (the scaling reference);
+without --nproc a config runs in a plain process, as before. Configs without a launched path are skipped.
 
 Flags given with --preset override the preset's settings. Results are indexed and turned into BENCHMARKS.md's and
 README's tables by scripts/bench_tables.py.
@@ -35,14 +45,17 @@ from pathlib import Path
 for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                      ("TOKENIZERS_PARALLELISM", "false")):
     os.environ.setdefault(_key, _value)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
 from hf_accel.bench import flops  # noqa: E402
 from hf_accel.bench.configs import CONFIGS, Options, child_env, missing_requirement  # noqa: E402
+from hf_accel.bench.distributed import Rank, gather_ranks, launch_argv, run_group  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
-from hf_accel.bench.report import add_ratios, markdown_table, versions, write_outputs  # noqa: E402
+from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, scaling_table,  # noqa: E402
+                                   versions, write_outputs)
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
 
@@ -92,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "their own (repeatable)")
     p.add_argument("--site-root", default="/tmp", help="the folder holding the packs' site-NAME folders")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 dense peak for MFU (default: by GPU name)")
+    p.add_argument("--nproc", default=None,
+                   help="run each config under accelerate launch on N processes (GPUs), FSDP2 by default; a "
+                        "comma-separated list runs each config at each count (e.g. 1,2: scaling). Default: one plain "
+                        "process, no launcher")
+    p.add_argument("--accelerate-config", default="examples/accelerate/fsdp2.yaml",
+                   help="accelerate config for --nproc (relative paths: to the repository root); "
+                        "examples/accelerate/ddp_cpu.yaml runs CPU processes over gloo (tests)")
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     preset_name = p.parse_known_args(argv)[0].preset
     if preset_name:
@@ -109,7 +129,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    if args.nproc is not None:
+        try:
+            args.nproc = [int(n) for n in str(args.nproc).split(",") if n.strip()]
+        except ValueError:
+            args.nproc = []
+        if not args.nproc or min(args.nproc) < 1:
+            p.error(f"--nproc takes process counts >= 1, e.g. 2 or 1,2; got {parse_known(argv, '--nproc')!r}")
+        if args.doc_lengths:
+            p.error("--nproc and --doc-lengths cannot be combined (the long-context sweep runs on one GPU)")
     return args
+
+
+def parse_known(argv: list[str] | None, flag: str) -> str | None:
+    """The raw value of `flag` in argv (for error messages)."""
+    argv = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def accelerate_config(args: argparse.Namespace) -> Path:
+    path = Path(args.accelerate_config)
+    return path if path.is_absolute() else REPO / path
 
 
 def data_spec(args: argparse.Namespace) -> DataSpec:
@@ -140,13 +185,28 @@ def child_main(args: argparse.Namespace) -> None:
     name = args.configs[0]
     config, workload = CONFIGS[name], WORKLOADS[args.workload]
     result = {"config": name, "description": config.description}
-    settings = RunSettings(workload, args.device, args.tiny, args.steps, args.warmup, args.step_time_budget, args.seed)
+    launched, rank = args.nproc is not None, Rank.from_env()
+    device, budget = args.device, args.step_time_budget
     timing = Timing()
+    if launched:  # each rank on its own GPU; all ranks run the same number of steps (one stopping alone would hang)
+        device, budget = rank.device(args.device), float("inf")
+        timing.notes.append(f"{rank.world_size} processes under accelerate launch ({args.accelerate_config}); "
+                            "step-time budget off")
+    settings = RunSettings(workload, device, args.tiny, args.steps, args.warmup, budget, args.seed)
     try:
+        if launched and config.launched is None:
+            raise RuntimeError(f"{name} has no multi-process path (runs without --nproc only)")
         spec = data_spec(args)
-        data = make_data(spec, build_config(workload, args.tiny).vocab_size, args.steps + args.warmup)
-        model = config.run(settings, data, options(args), timing)
-        result.update(summarize(model, timing, peak(args), args.device))
+        # every rank draws the same samples and takes its share: enough for all ranks' steps without reuse
+        data = make_data(spec, build_config(workload, args.tiny).vocab_size,
+                         (args.steps + args.warmup) * rank.world_size)
+        model = (config.launched if launched else config.run)(settings, data, options(args), timing)
+        ranks: dict = {}
+        if launched:
+            timing, ranks = gather_ranks(timing, device)
+        gpu_peak = peak(args)
+        result.update(summarize(model, timing, gpu_peak * rank.world_size if gpu_peak else None, device))
+        result.update(ranks)
         result["status"] = "ok"
         result["same_computation"] = workload.family not in config.wrong_for
         if config.sites or args.extra_site:  # packages packed apart: what this child imported, beside the parent's
@@ -161,7 +221,10 @@ def child_main(args: argparse.Namespace) -> None:
             result["status"] = "OOM"
         result["traceback"] = traceback.format_exc()[-4000:]
         result["notes"] = timing.notes
-    args.child.write_text(json.dumps(result, default=str))
+    if launched:
+        result["nproc"] = rank.world_size
+    if rank.rank == 0:
+        args.child.write_text(json.dumps(result, default=str))
 
 
 def command(argv: list[str]) -> str:
@@ -177,8 +240,9 @@ def command(argv: list[str]) -> str:
     return shlex.join(["python", "scripts/bench.py", *kept])
 
 
-def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--workload", args.workload, "--configs", name,
+def child_argv(args: argparse.Namespace, name: str, out: Path, nproc: int | None = None) -> list[str]:
+    """The child's command line: plain python, or (nproc) under accelerate launch with --nproc N passed on."""
+    argv = [str(Path(__file__).resolve()), "--workload", args.workload, "--configs", name,
             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--step-time-budget", str(args.step_time_budget), "--seed", str(args.seed),
             "--fused-ce", args.fused_ce,
@@ -192,24 +256,30 @@ def child_argv(args: argparse.Namespace, name: str, out: Path) -> list[str]:
             argv += [flag, str(value)]
     for site in args.extra_site:
         argv += ["--extra-site", site]
-    return argv + (["--tiny"] if args.tiny else [])
+    argv += ["--tiny"] if args.tiny else []
+    if nproc is None:
+        return [sys.executable, *argv]
+    argv += ["--nproc", str(nproc), "--accelerate-config", args.accelerate_config]
+    return launch_argv(accelerate_config(args), nproc, argv)
 
 
-def run_one(args: argparse.Namespace, name: str, timeout: float) -> dict:
-    """One configuration in a fresh subprocess; a timeout, crash or missing result becomes an error status."""
+def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | None = None) -> dict:
+    """One configuration in a fresh subprocess (its own process group, or a launcher's with `nproc` ranks, killed as
+    a group on a timeout); a timeout, crash or missing result becomes an error status."""
+    extra = {"nproc": nproc} if nproc else {}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         start = time.perf_counter()
         try:
-            proc = subprocess.run(child_argv(args, name, out), capture_output=True, text=True, timeout=timeout,
-                                  env=child_env(CONFIGS[name], options(args)))
+            proc = run_group(child_argv(args, name, out, nproc), child_env(CONFIGS[name], options(args)), timeout)
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-2000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return {"config": name, "status": f"error: timeout after {timeout:.0f}s", "log_tail": tail,
+            return {"config": name, "status": f"error: timeout after {timeout:.0f}s", "log_tail": tail, **extra,
                     **({"doc_length": args.doc_length} if args.doc_length else {})}
         result = json.loads(out.read_text()) if out.exists() else {
-            "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)"}
+            "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)",
+            **extra}
         if args.doc_length:
             result["doc_length"] = args.doc_length
         result["wall_seconds"] = time.perf_counter() - start
@@ -231,19 +301,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc_lengths:
         return long_context_main(args, argv, workload, opts, start)
     results = []
-    for name in args.configs:
-        reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
-        remaining = args.time_budget - (time.perf_counter() - start)
-        if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
-            reason = f"time budget exhausted ({args.time_budget:.0f}s)"
-        if reason:
-            result = {"config": name, "status": f"skipped: {reason}"}
-        else:
-            result = run_one(args, name, min(args.config_timeout, remaining))
-        results.append(result)
-        print(f"[bench] {args.workload} {name}: {result['status']}", flush=True)
-    best = add_ratios(results, [n for n, c in CONFIGS.items() if c.stock])
+    for nproc in args.nproc or [None]:
+        for name in args.configs:
+            reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts) or \
+                launch_unmet(args, name, nproc)
+            remaining = args.time_budget - (time.perf_counter() - start)
+            if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
+                reason = f"time budget exhausted ({args.time_budget:.0f}s)"
+            if reason:
+                result = {"config": name, "status": f"skipped: {reason}", **({"nproc": nproc} if nproc else {})}
+            else:
+                result = run_one(args, name, min(args.config_timeout, remaining), nproc)
+            results.append(result)
+            print(f"[bench] {args.workload} {name}{f' x{nproc}' if nproc else ''}: {result['status']}", flush=True)
+    stock = [n for n, c in CONFIGS.items() if c.stock]
+    best = add_ratios_per_nproc(results, stock) if args.nproc else add_ratios(results, stock)
     table = markdown_table(results, best)
+    if args.nproc:
+        table += "\n\n" + scaling_table(results, stock)
     spec = data_spec(args)
     now = dt.datetime.now(dt.timezone.utc)
     record = {
@@ -258,11 +333,27 @@ def main(argv: list[str] | None = None) -> int:
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
     }
-    stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{now:%Y-%m-%dT%H%M%S}"
+    if args.nproc:
+        record.update(nproc=args.nproc, accelerate_config=args.accelerate_config)
+    nprocs = f"-nproc{'-'.join(map(str, args.nproc))}" if args.nproc else ""
+    stem = f"{args.workload}{'-tiny' if args.tiny else ''}{nprocs}_{now:%Y-%m-%dT%H%M%S}"
     json_path, md_path = write_outputs(args.out, stem, record, table)
     print(f"[bench] wrote {json_path} and {md_path}", flush=True)
     print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
     return 0
+
+
+def launch_unmet(args: argparse.Namespace, name: str, nproc: int | None) -> str | None:
+    """Why `name` cannot run on `nproc` launched processes here (None: it can, or no launcher)."""
+    if nproc is None:
+        return None
+    if CONFIGS[name].launched is None:
+        return "no multi-process path (--nproc): runs in one plain process only"
+    if args.device.startswith("cuda") and torch.cuda.device_count() < nproc:
+        return f"needs {nproc} GPUs, {torch.cuda.device_count()} visible"
+    if not accelerate_config(args).exists():
+        return f"accelerate config {args.accelerate_config} not found"
+    return None
 
 
 def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts: Options, start: float) -> int:

@@ -1,6 +1,7 @@
 """Benchmark harness: workload data, token-budget steps, the FLOP formula (hand count and torch's FLOP counter),
 the results table, and scripts/bench.py --device cpu --tiny as a subprocess."""
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -264,23 +265,35 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
         assert preset.workload in WORKLOADS and set(preset.configs) <= set(CONFIGS), preset.name
         # issue 18's comparison: a stock anchor, hf_accel with no flags, hf_accel with the best flags (the
         # long-context sweeps of issue 22 compare the stock stacks with hf_accel's best only; QLoRA's hf_accel row is
-        # patch(model) with no flags)
-        if "doc_lengths" not in preset.settings:
+        # patch(model) with no flags; issue 19's multi-GPU runs compare TRL with hf_accel defaults)
+        if "nproc" in preset.settings:
+            assert all(CONFIGS[c].launched for c in preset.configs), preset.name
+            assert "hf_accel-defaults" in preset.configs
+        elif "doc_lengths" not in preset.settings:
             assert {"hf_accel-defaults", "hf_accel-best"} <= set(preset.configs) or "hf_accel-qlora" in preset.configs
         assert any(CONFIGS[c].stock for c in preset.configs)
 
 
-def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2():
+def _bench_module():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import bench
     finally:
         sys.path.remove(str(REPO / "scripts"))
+    return bench
+
+
+def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(monkeypatch):
+    from hf_accel.bench import presets
+
+    bench = _bench_module()
     args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
     assert (args.workload, args.steps, args.warmup, args.best_checkpointing) == ("llama-8b-lora", 4, 3, "budget:0.8")
     assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best", "unsloth"]
+    assert args.nproc is None  # no launcher unless asked for
+    monkeypatch.setitem(presets.PRESETS, "later", presets.Preset("later", "not yet", pending="issue 99"))
     with pytest.raises(SystemExit) as exc:
-        bench.parse_args(["--preset", "multi-gpu"])
+        bench.parse_args(["--preset", "later"])
     assert exc.value.code == 2
     assert bench.command(["--preset", "llama-1b", "--out", "/x/y", "--steps", "3"]) == \
         "python scripts/bench.py --preset llama-1b --steps 3"
@@ -318,3 +331,108 @@ def test_gpu_check_lists_what_did_not_fit_with_the_command_to_run_it(tmp_path):
     line = next(ln for ln in summary.read_text().splitlines() if ln.startswith("Not started"))
     files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "gpu").glob("test_*.py"))
     assert files and line == f"Not started (time): `bash scripts/gpu_check.sh tests {' '.join(files)}`"
+
+
+# ------------------------------------------------------------------------------------------------ --nproc (issue 19)
+def test_multi_gpu_preset_and_nproc_flags():
+    bench = _bench_module()
+    args = bench.parse_args(["--preset", "multi-gpu"])
+    assert (args.workload, args.configs, args.nproc) == ("llama-1b", ["trl-fa4-packed-liger", "hf_accel-defaults"],
+                                                          [1, 2])
+    assert (args.steps, args.warmup, args.config_timeout, args.time_budget) == (20, 6, 130, 540)
+    assert bench.accelerate_config(args) == REPO / "examples" / "accelerate" / "fsdp2.yaml"
+    assert bench.accelerate_config(bench.parse_args(["--preset", "multi-gpu-8b"])).name == "fsdp2_checkpointing.yaml"
+    assert bench.parse_args(["--preset", "multi-gpu", "--nproc", "2"]).nproc == [2]
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--nproc", bad])
+    argv = bench.child_argv(args, "hf_accel-defaults", Path("r.json"), nproc=2)
+    launch = argv.index("accelerate.commands.launch")
+    assert argv[launch + 1: launch + 5] == ["--config_file", str(REPO / "examples/accelerate/fsdp2.yaml"),
+                                            "--num_processes", "2"]
+    assert argv[argv.index("--nproc") + 1] == "2" and argv[launch + 7].endswith("bench.py")
+    assert bench.child_argv(args, "hf_accel-defaults", Path("r.json"))[1].endswith("bench.py")  # plain python
+
+
+def test_scaling_and_ratios_per_process_count():
+    from hf_accel.bench.report import add_ratios_per_nproc, scaling, scaling_table
+
+    def ok(config, nproc, steady):
+        return {"config": config, "nproc": nproc, "status": "ok", "tokens_per_s": steady, "steady_tokens_per_s": steady}
+
+    results = [ok("trl", 1, 100.0), ok("acc", 1, 150.0), ok("trl", 2, 180.0), ok("acc", 2, 285.0),
+               {"config": "acc-best", "nproc": 2, "status": "OOM"}]
+    numbers = scaling(results, ["trl"])
+    assert numbers["scaling"] == pytest.approx({"trl": 1.8, "acc": 1.9})
+    assert numbers["vs_stock"] == {1: pytest.approx({"acc": 1.5}), 2: pytest.approx({"acc": 285 / 180})}
+    assert add_ratios_per_nproc(results, ["trl"]) == "trl"
+    assert results[3]["steady_ratio_to_best_stock"] == pytest.approx(285 / 180)  # against TRL on 2, not on 1
+    table = scaling_table(results, ["trl"])
+    assert "| acc | 150 | 285 | 1.90 | 1.50 | 1.58 |" in table and "acc-best" not in table
+    assert "| trl | 100 | 180 | 1.80 | - | - |" in table
+
+
+def test_multi_gpu_records_are_indexed_but_never_current(tmp_path):
+    from hf_accel.bench.index import build_index
+
+    def record(date, nproc):
+        rows = [{"config": c, "status": "ok", "tokens_per_s": 1.0, **({"nproc": nproc} if nproc else {})}
+                for c in ("trl-fa4-packed-liger", "hf_accel-defaults")]
+        return {"workload": "llama-1b", "tiny": False, "date": date, "args": {}, "results": rows,
+                **({"nproc": [nproc]} if nproc else {})}
+
+    (tmp_path / "one.json").write_text(json.dumps(record("2026-01-01T00:00:00+00:00", None)))
+    (tmp_path / "two.json").write_text(json.dumps(record("2026-02-01T00:00:00+00:00", 2)))
+    runs = {e["file"]: e for e in build_index(tmp_path)["runs"]}
+    assert runs["one.json"]["current"] and not runs["two.json"]["current"]
+    assert runs["two.json"]["nproc"] == [2] and runs["two.json"]["configs"][0]["nproc"] == 2
+
+
+RANDOM_LOSS_ATOL = 0.6  # tiny random-init Llama on uniform tokens: 6.1-6.6 measured over 20 steps, log(512) = 6.24
+FULL_BIN_RTOL = 0.1  # best-fit bins of 384 tokens from documents of 4-96: the fullest ones hold >= 370 (measured 383)
+NPROC_RUN_TIMEOUT_S = 420  # 4 launches of 1-2 tiny CPU processes (~35 s on 2 cores); longer: a rank hung
+
+
+@pytest.mark.slow
+def test_script_nproc_runs_ranks_under_a_launcher_and_sums_their_tokens(tmp_path):
+    """--nproc 1,2 over gloo (ddp_cpu.yaml): an hf_accel config (through hf_accel.Trainer) and a TRL one, each at 1
+    and 2 processes. A rank trains at most the step's token budget, so a global step above it is a sum over ranks."""
+    import time
+
+    start = time.perf_counter()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench.py"), "--device", "cpu", "--tiny",
+                             "--substitute-attn", "sdpa",
+                             "--configs", "hf_accel-defaults,trl-fa4-packed,hf-sdpa-padded",
+                             "--nproc", "1,2", "--accelerate-config", "examples/accelerate/ddp_cpu.yaml",
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=NPROC_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        pytest.fail(f"bench.py --nproc 1,2 did not finish in {NPROC_RUN_TIMEOUT_S} s:\n{proc.communicate()[0][-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    assert time.perf_counter() - start < NPROC_RUN_TIMEOUT_S
+    (json_path,) = tmp_path.glob("llama-1b-tiny-nproc1-2_*.json")
+    record = json.loads(json_path.read_text())
+    assert record["nproc"] == [1, 2] and "--nproc 1,2" in record["command"]
+    results = {(r["config"], r["nproc"]): r for r in record["results"]}
+    assert results[("hf-sdpa-padded", 2)]["status"].startswith("skipped: no multi-process path")
+    budget = DataSpec.tiny().tokens_per_step
+    for config in ("hf_accel-defaults", "trl-fa4-packed"):
+        one, two = results[(config, 1)], results[(config, 2)]
+        for r, n in ((one, 1), (two, 2)):
+            assert r["status"].startswith("ok") and r["nproc"] == n, r
+            assert len(r["rank_step_tokens"]) == n and len(r["peak_rss_gib_per_rank"]) == n
+            assert all(p > 0 for p in r["peak_rss_gib_per_rank"])
+            assert all(t <= budget for rank in r["rank_step_tokens"] for t in rank)  # a rank's share of a step
+            assert r["step_tokens"] == [sum(step) for step in zip(*r["rank_step_tokens"])]
+            assert r["real_tokens"] == sum(r["step_tokens"]) and r["loss_finite"]
+            # random tokens: the step's loss is near log(vocab) (not one rank's share of it)
+            assert r["losses"] == pytest.approx([math.log(512)] * len(r["losses"]), abs=RANDOM_LOSS_ATOL)
+        assert all(t > budget for t in two["step_tokens"])  # two ranks' shares: more than one rank can hold
+        # the same budget per rank: twice the fullest step of one process (an epoch's last bin can be short)
+        assert max(two["step_tokens"]) == pytest.approx(2 * max(one["step_tokens"]), rel=FULL_BIN_RTOL)
+    md = json_path.with_suffix(".md").read_text()
+    assert "| config | nproc |" in md and "| hf_accel-defaults | 2 |" in md and "scaling" in md

@@ -44,6 +44,8 @@ class BenchConfig:
     description: str
     wrong_for: tuple[str, ...] = field(default=())  # families where this config computes something else
     sites: tuple[str, ...] = field(default=())  # package packs its child puts first on PYTHONPATH (see child_env)
+    # how it runs under a launcher (bench.py --nproc, FSDP2); None: one process only (--nproc skips it)
+    launched: Callable[[RunSettings, BenchData, Options, Timing], nn.Module] | None = None
 
 
 def _has(module: str) -> bool:
@@ -248,6 +250,33 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
     return run
 
 
+def _hf_accel_trainer(kind: str) -> Callable[..., nn.Module]:
+    """An hf_accel configuration under a launcher: hf_accel.Trainer (it patches the model; FSDP2 comes from the
+    launcher's environment) with a token budget of the step's tokens per rank. `kind`: "defaults" (AccelArguments'
+    own choices: patch(model)'s), "plain" (every fast path off) or "best" (the --best-* options, as hf_accel-best)."""
+
+    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+        from hf_accel import AccelArguments
+
+        from .distributed import run_accel_trainer
+
+        model = add_lora(build_model(settings, "sdpa"), settings.workload)
+        accel = AccelArguments(max_tokens_per_batch=data.spec.tokens_per_step)
+        if kind == "plain":
+            accel.fused_ce = accel.fused_ops = accel.compile = False
+        elif kind == "best":
+            from hf_accel.fused.ops import unavailable_reason
+
+            accel.backend, accel.checkpointing, accel.fused_ce = options.backend, options.checkpointing, True
+            accel.fused_ops = options.fused_ops == "on" or (options.fused_ops == "auto"
+                                                            and unavailable_reason(causal_lm(model)) is None)
+            accel.compile = options.compile
+            timing.notes.append("fused_ce=True (AccelArguments; --fused-ce methods are not used under a launcher)")
+        return run_accel_trainer(model, data, settings, timing, accel)
+
+    return run
+
+
 _FALCON_LEAK = ("falcon",)  # Falcon ignores packed position_ids under sdpa/TRL: documents attend to each other
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c
@@ -261,17 +290,21 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("liger-sdpa-padded", True, ("cuda", "liger", "liger-family"), _liger_padded,
                     "liger_kernel on stock sdpa, padded"),
         BenchConfig("trl-fa4-packed", True, ("fa4", "trl"), _trl(liger=False),
-                    "TRL SFTTrainer packing=True (bfd, padding-free), flash_attention_4", wrong_for=_FALCON_LEAK),
+                    "TRL SFTTrainer packing=True (bfd, padding-free), flash_attention_4", wrong_for=_FALCON_LEAK,
+                    launched=_trl(liger=False)),
         BenchConfig("trl-fa4-packed-liger", True, ("fa4", "trl", "cuda", "liger", "liger-family"), _trl(liger=True),
-                    "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_FALCON_LEAK),
+                    "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_FALCON_LEAK,
+                    launched=_trl(liger=True)),
         BenchConfig("hf_accel", False, ("hf_accel",), _hf_accel(best=False),
                     "hf_accel.patch(model, fused_ce=False, fused_ops=False, compile=False) + TokenBudgetBatchSampler "
-                    "+ DataCollatorForPacking: attention and packing only (what patch(model) did before issue 18)"),
+                    "+ DataCollatorForPacking: attention and packing only (what patch(model) did before issue 18)",
+                    launched=_hf_accel_trainer("plain")),
         BenchConfig("hf_accel-defaults", False, ("hf_accel",), _hf_accel_defaults,
-                    "hf_accel.patch(model), no arguments (the library's own choices) + the same packing"),
+                    "hf_accel.patch(model), no arguments (the library's own choices) + the same packing",
+                    launched=_hf_accel_trainer("defaults")),
         BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
                     "hf_accel.patch(model, fused_ce=True, fused_ops=True, compile=True) + the same packing, with "
-                    "the --fused-ce / --best-* options"),
+                    "the --fused-ce / --best-* options", launched=_hf_accel_trainer("best")),
     ]
 }
 

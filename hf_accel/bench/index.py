@@ -6,6 +6,9 @@ anchor and an hf_accel configuration measured in it (a same-run comparison) is m
 
 Older records lack some fields (no `command`, `steady_tokens_per_s`, time zone): an entry keeps what its file has,
 reconstructs the command from the recorded arguments (saying so) and leaves the rest out.
+
+Multi-GPU runs (bench.py --nproc: the record and each row carry `nproc`) are indexed but never `current`: the
+per-workload tables compare single-GPU runs.
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ _ARGS = (("steps", "--steps", None), ("warmup", "--warmup", None), ("tokens_per_
          ("seed", "--seed", "0"), ("fused_ce", "--fused-ce", "auto"), ("ce_chunk_size", "--ce-chunk-size", "None"),
          ("best_backend", "--best-backend", "auto"), ("best_checkpointing", "--best-checkpointing", "None"),
          ("best_fused_ops", "--best-fused-ops", "auto"), ("best_compile", "--best-compile", "auto"),
-         ("time_budget", "--time-budget", None), ("config_timeout", "--config-timeout", None))
+         ("time_budget", "--time-budget", None), ("config_timeout", "--config-timeout", None),
+         ("nproc", "--nproc", "None"))
 
 APART_VERSIONS = ("unsloth", "unsloth_zoo", "bitsandbytes", "trl", "datasets", "transformers")  # per-row versions
 ROW_FIELDS = ("tokens_per_s", "steady_tokens_per_s", "ratio_to_best_stock", "steady_ratio_to_best_stock", "peak_gib",
-              "mfu", "timed_steps", "same_computation")
+              "mfu", "timed_steps", "same_computation", "nproc")
 _DIGITS = {"tokens_per_s": 1, "steady_tokens_per_s": 1, "ratio_to_best_stock": 4, "steady_ratio_to_best_stock": 4,
            "peak_gib": 2, "mfu": 4}
 
@@ -89,7 +93,7 @@ def entry(record: dict[str, Any], file: str) -> dict[str, Any]:
         "gpu": versions.get("gpu") or record.get("device"),
         "command": recorded or reconstructed_command(record["args"]),
         "command_source": "recorded" if recorded else "reconstructed from the record's arguments",
-        "preset": record.get("preset"),
+        "preset": record.get("preset"), "nproc": record.get("nproc"),
         "versions": {k: versions[k] for k in ("torch", "transformers", "trl", "peft", "liger-kernel", "flash-attn-4",
                                               "hf_accel_commit") if versions.get(k)},
         "current": False,
@@ -124,7 +128,7 @@ def build_index(results_dir: Path) -> dict[str, Any]:
             entries.append(entry(record, path.name))
     entries.sort(key=_sort_key)
     for workload in {e["workload"] for e in entries}:
-        anchored = [e for e in entries if e["workload"] == workload and _is_comparison(e)]
+        anchored = [e for e in entries if e["workload"] == workload and _is_comparison(e) and not e.get("nproc")]
         if anchored:
             anchored[-1]["current"] = True
     return {"version": INDEX_VERSION,

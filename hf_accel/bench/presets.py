@@ -11,6 +11,15 @@ H200): every preset fits one 10-minute device call, `llama-1b` (the standard ben
 the Unsloth row, whose import, model files and load take ~1 minute; issue 20's rows run only where their packs are
 installed: bench.py reports "not installed" otherwise).
 
+The multi-GPU presets (issue 19, `bench.py --nproc`) need a machine with 2 GPUs (`nvidia-h200-x2`): each config runs
+under `accelerate launch` with FSDP2 (examples/accelerate/fsdp2.yaml; the 8B full-FT preset fsdp2_checkpointing.yaml),
+TRL + flash-attn-4 + Liger through SFTTrainer and hf_accel defaults through hf_accel.Trainer (token budget: the step's
+16k tokens per GPU, so N GPUs train N times the tokens per step), and the table ends with the scaling (steady tokens/s
+on 2 GPUs / on 1) and hf_accel / TRL at each count. Each launch costs ~40-90 s of start-up and compile: `multi-gpu`
+(4 launches of Llama-1B) fits one 10-minute device call (about 7 minutes); `multi-gpu-8b-lora` (4 launches of 8B)
+is sized for one call but its last launch may be cut by the time budget (then `--nproc 2` alone); `multi-gpu-8b`
+(8B full FT) runs on 2 GPUs only: its fp32 master weights and AdamW states (~128 GB) leave one H200 no room.
+
 A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
 "not implemented yet: issue N" and what it will run.
 """
@@ -41,6 +50,7 @@ class Preset:
 
 _DEFAULTS_AND_BEST = ("hf_accel-defaults", "hf_accel-best")
 _LONG_CONFIGS = ("trl-fa4-packed-liger", "hf-sdpa-padded", "hf_accel-best")
+_MULTI_CONFIGS = ("trl-fa4-packed-liger", "hf_accel-defaults")
 _LONG_SETTINGS = dict(doc_lengths="16384,32768,65536,131072,262144", steps=2, warmup=1, best_checkpointing="offload",
                       best_compile="off", time_budget=560, config_timeout=400)
 
@@ -93,11 +103,24 @@ PRESETS: dict[str, Preset] = {
             "long-context-1b", "as long-context, Llama-3.2-1B shapes, full FT",
             "llama-1b-long", _LONG_CONFIGS, _LONG_SETTINGS,
         ),
+        # issue 19: FSDP2 on 1 and 2 GPUs (bench.py --nproc), each (config, count) in its own launch
         Preset(
-            "multi-gpu", "2 GPUs vs 1 (bench.py --nproc 2, FSDP2): Llama-1B full FT, Llama-8B full FT with "
-            "checkpointing, Llama-8B LoRA; steady tokens/s, per-GPU memory, hf_accel vs TRL + flash-attn-4 + Liger "
-            "under the same FSDP2 config",
-            pending="issue 19",
+            "multi-gpu", "Llama-3.2-1B shapes, full FT, FSDP2 on 1 and 2 GPUs: scaling (steady tokens/s on 2 / on "
+            "1) and hf_accel defaults vs TRL + flash-attn-4 + Liger under the same FSDP2 config, per-GPU memory",
+            "llama-1b", _MULTI_CONFIGS,
+            dict(nproc="1,2", steps=20, warmup=6, time_budget=540, config_timeout=130),
+        ),
+        Preset(
+            "multi-gpu-8b-lora", "as multi-gpu, Llama-3-8B shapes, LoRA r=16 + checkpointing",
+            "llama-8b-lora", _MULTI_CONFIGS,
+            dict(nproc="1,2", steps=6, warmup=3, time_budget=550, config_timeout=150),
+        ),
+        Preset(
+            "multi-gpu-8b", "Llama-3-8B shapes, full FT with FSDP2's activation checkpointing "
+            "(fsdp2_checkpointing.yaml) on 2 GPUs: hf_accel defaults vs TRL + flash-attn-4 + Liger",
+            "llama-8b", _MULTI_CONFIGS,
+            dict(nproc="2", accelerate_config="examples/accelerate/fsdp2_checkpointing.yaml", steps=6, warmup=3,
+                 time_budget=540, config_timeout=260),
         ),
     ]
 }

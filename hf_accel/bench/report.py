@@ -57,6 +57,63 @@ def add_ratios(results: list[dict[str, Any]], stock: Iterable[str]) -> str | Non
     return best["config"]
 
 
+def add_ratios_per_nproc(results: list[dict[str, Any]], stock: Iterable[str]) -> str | None:
+    """add_ratios within each process count (bench.py --nproc): a config is compared with the best stock config
+    measured on as many GPUs. Returns "NAME" (one best stock everywhere), "NAME at N, ..." or None."""
+    best = {}
+    for nproc in dict.fromkeys(r.get("nproc") for r in results):
+        best[nproc] = add_ratios([r for r in results if r.get("nproc") == nproc], stock)
+    named = {n: b for n, b in best.items() if b}
+    if len(set(named.values())) <= 1:
+        return next(iter(named.values()), None)
+    return ", ".join(f"{b} at {n}" for n, b in named.items())
+
+
+def scaling(results: list[dict[str, Any]], stock: Iterable[str]) -> dict[str, Any]:
+    """The multi-GPU comparison from bench.py --nproc results (steady tokens/s, summed over ranks):
+    by_config: {config: {nproc: steady tokens/s}} (ok results only);
+    scaling: {config: steady at the largest nproc / steady at the smallest} (configs measured at two counts or more);
+    vs_stock: {nproc: {hf_accel config: its steady tokens/s / the best stock config's at that nproc}}."""
+    stock = set(stock)
+    by_config: dict[str, dict[int, float]] = {}
+    for r in results:
+        if _ok(r) and r.get("nproc") and r.get("steady_tokens_per_s"):
+            by_config.setdefault(r["config"], {})[int(r["nproc"])] = float(r["steady_tokens_per_s"])
+    out: dict[str, Any] = {"by_config": by_config, "scaling": {}, "vs_stock": {}}
+    for name, rates in by_config.items():
+        if len(rates) >= 2:
+            out["scaling"][name] = rates[max(rates)] / rates[min(rates)]
+    for nproc in sorted({n for rates in by_config.values() for n in rates}):
+        anchors = [rates[nproc] for name, rates in by_config.items() if name in stock and nproc in rates]
+        if anchors:
+            out["vs_stock"][nproc] = {name: rates[nproc] / max(anchors) for name, rates in by_config.items()
+                                      if name not in stock and nproc in rates}
+    return out
+
+
+def scaling_table(results: list[dict[str, Any]], stock: Iterable[str]) -> str:
+    """config | steady tokens/s at each nproc | scaling (largest / smallest nproc) | vs best stock at each nproc."""
+    stock = list(stock)
+    numbers = scaling(results, stock)
+    counts = sorted({n for rates in numbers["by_config"].values() for n in rates})
+    if not counts:
+        return "scaling: no configuration finished under --nproc"
+    lines = [
+        f"scaling = steady tokens/s (summed over ranks) on {counts[-1]} GPUs / on {counts[0]}; vs best stock = steady "
+        "tokens/s / the best stock config's on as many GPUs",
+        "",
+        "| config | " + " | ".join(f"steady tokens/s x{n}" for n in counts) + " | scaling | "
+        + " | ".join(f"vs best stock x{n}" for n in counts) + " |",
+        "|---|" + "---:|" * (2 * len(counts) + 1),
+    ]
+    for name, rates in numbers["by_config"].items():
+        cells = [_fmt(rates.get(n), ",.0f") for n in counts]
+        ratios = [_fmt(numbers["vs_stock"].get(n, {}).get(name), ".2f") for n in counts]
+        lines.append(f"| {name} | {' | '.join(cells)} | {_fmt(numbers['scaling'].get(name), '.2f')} "
+                     f"| {' | '.join(ratios)} |")
+    return "\n".join(lines)
+
+
 def common_loss_step(results: list[dict[str, Any]]) -> int | None:
     """The last timed step every finished config reached (configs stopped by the step-time budget run fewer)."""
     counts = [len(r["losses"]) for r in results if _ok(r) and r.get("losses")]
@@ -67,6 +124,7 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
     """config | tokens/s | x best stock | MFU | peak GiB | loss at a step every config reached | steady tokens/s |
     steady x best stock | slowest step | status."""
     step = common_loss_step(results)
+    nprocs = any(r.get("nproc") for r in results)  # bench.py --nproc: a process-count column, peak per GPU
     lines = [
         f"ratio = tokens/s / tokens/s of the best stock config ({best_stock or 'none ran'}); loss at timed step "
         f"{step or '-'} (the last one every config reached; TRL packs other batches, so compare its loss loosely); "
@@ -77,12 +135,19 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
         "| slowest step | status |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    if nprocs:
+        lines[0] += ("; nproc = GPUs (processes) of the run, tokens/s summed over them, MFU per GPU; peak GiB/GPU = "
+                     "the largest rank's")
+        lines[2] = lines[2].replace("| config |", "| config | nproc |").replace("| peak GiB |", "| peak GiB/GPU |")
+        lines[3] = "|---|---:" + lines[3][4:]
     for r in results:
         mfu = r.get("mfu")
         losses = r.get("losses") or []
         loss = losses[step - 1] if step and len(losses) >= step else r.get("loss")
+        nproc = f" {_fmt(r.get('nproc'), 'd')} |" if nprocs else ""
         lines.append(
-            f"| {r['config']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('ratio_to_best_stock'), '.2f')}"
+            f"| {r['config']} |{nproc} {_fmt(r.get('tokens_per_s'), ',.0f')}"
+            f" | {_fmt(r.get('ratio_to_best_stock'), '.2f')}"
             f" | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')}"
             f" | {_fmt(loss, '.4f')} | {_fmt(r.get('steady_tokens_per_s'), ',.0f')}"
             f" | {_fmt(r.get('steady_ratio_to_best_stock'), '.2f')} | {_slowest(r)} | {r.get('status', '?')} |"

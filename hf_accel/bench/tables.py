@@ -150,14 +150,19 @@ def summary_table(index: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _on_gpus(row: dict[str, Any]) -> str:
+    """The config's name, with " xN" for a multi-GPU (bench.py --nproc) row."""
+    return f"{row['config']} x{row['nproc']}" if row.get("nproc") else row["config"]
+
+
 def runs_log(index: dict[str, Any]) -> str:
     """Every indexed run, newest first: date, workload, GPU, results, file and command."""
     lines = ["| date | workload | GPU | configuration: tokens/s (peak GiB) | run | command |",
              "|---|---|---|---|---|---|"]
     for run in reversed(index["runs"]):
         results = "; ".join(
-            f"{r['config']} {_int(r['tokens_per_s'])} ({_gib(r.get('peak_gib'))})" if _ok(r)
-            else f"{r['config']}: {r['status'][:60]}" for r in run["configs"])
+            f"{_on_gpus(r)} {_int(r['tokens_per_s'])} ({_gib(r.get('peak_gib'))})" if _ok(r)
+            else f"{_on_gpus(r)}: {r['status'][:60]}" for r in run["configs"])
         current = " **current**" if run.get("current") else ""
         lines.append(f"| {_date(run)}{current} | {run['workload']} | {run.get('gpu')} | {results} "
                      f"| [`{run['file']}`](benchmarks/results/{run['file']}) | `{run['command']}` |")

@@ -57,6 +57,13 @@ WORKLOADS: dict[str, Workload] = {
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
+        Workload(  # issue 19: multi-GPU only (preset multi-gpu-8b); FSDP2's own activation checkpointing
+            "llama-8b", "llama",
+            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            dict(_LLAMA_8B_TINY),
+            notes="Llama-3-8B shapes, full FT, no checkpointing of its own: for bench.py --nproc with "
+                  "fsdp2_checkpointing.yaml (FSDP2 checkpoints every decoder layer)",
+        ),
         Workload(
             "llama-8b-qlora", "llama",
             dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),

@@ -1,0 +1,155 @@
+"""bench.py --nproc N: each configuration's child under `accelerate launch` (FSDP2 by default), what its ranks gather
+to rank 0, and hf_accel's configurations run through hf_accel.Trainer (a plain loop cannot run under FSDP2).
+
+Under a launcher every rank builds the model on its own GPU (cuda:LOCAL_RANK) and trains on its own share of the
+data; after the run rank 0 gathers every rank's step tokens and documents and peak memory. A step's global tokens
+are the sum over ranks; its time is rank 0's (the ranks meet in collectives every step, so they keep in step).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .flops import doc_lengths_from_batch
+from .train import RunSettings, StepClock, Timing, _timing_callback
+from .workloads import BenchData
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place under a launcher (torchrun's environment; one process without it)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Rank":
+        env = os.environ if env is None else env
+        return cls(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)))
+
+    def device(self, device: str) -> str:
+        """cuda:LOCAL_RANK for a CUDA run (made the current device), else `device` unchanged."""
+        if not device.startswith("cuda"):
+            return device
+        torch.cuda.set_device(self.local_rank)
+        return f"cuda:{self.local_rank}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_argv(accelerate_config: Path, nproc: int, script_argv: list[str]) -> list[str]:
+    """`python -m accelerate.commands.launch ... SCRIPT ARGS` for `nproc` processes on a free rendezvous port."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+            "--num_processes", str(nproc), "--main_process_port", str(free_port()), *script_argv]
+
+
+def run_group(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `argv` in its own process group; on a timeout kill the whole group (launcher and every rank) and raise
+    subprocess.TimeoutExpired carrying the captured stderr."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from exc
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
+    """Every rank's step documents and peak memory, on every rank (call it on all of them, after the run).
+
+    Returns the global timing (rank 0's step times, each step's documents from every rank, each step's loss as the
+    mean of the ranks' losses: under transformers' average_tokens_across_devices a rank's loss is its summed
+    cross-entropy over the step's global target count times the world size, so one rank's alone is not the step's
+    loss) and what the result JSON records per rank: nproc, rank_step_tokens (per rank, per timed step),
+    peak_gib_per_rank and its max peak_gib (CUDA: max_memory_allocated) or peak_rss_gib_per_rank (CPU: the
+    process's peak resident set)."""
+    import resource
+
+    import torch.distributed as dist
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        peak_bytes = torch.cuda.max_memory_allocated()
+    else:
+        peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    mine = {"step_docs": timing.step_docs, "steps": len(timing.step_seconds), "peak_bytes": peak_bytes,
+            "losses": timing.losses}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
+    steps = min(min(r["steps"], len(r["step_docs"])) for r in ranks)
+    merged = Timing(step_seconds=timing.step_seconds[:steps],
+                    step_docs=[[n for r in ranks for n in r["step_docs"][i]] for i in range(steps)],
+                    losses=[sum(r["losses"][i] for r in ranks) / len(ranks)
+                            for i in range(min(steps, *(len(r["losses"]) for r in ranks)))],
+                    notes=timing.notes, host_events=timing.host_events)
+    info: dict[str, Any] = {"nproc": len(ranks),
+                            "rank_step_tokens": [[sum(d) for d in r["step_docs"][:steps]] for r in ranks]}
+    peaks = [r["peak_bytes"] / 2**30 for r in ranks]
+    if cuda:
+        info.update(peak_gib_per_rank=peaks, peak_gib=max(peaks))
+    else:
+        info["peak_rss_gib_per_rank"] = peaks
+    return merged, info
+
+
+def run_accel_trainer(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing,
+                      accel: Any) -> nn.Module:
+    """hf_accel.Trainer with `accel` (AccelArguments: its patch, token-budget packing), bf16 on CUDA, the same
+    step timing as run_trl. One micro-batch of at most accel.max_tokens_per_batch tokens per rank and step."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from hf_accel import Trainer
+
+    all_docs: list[list[int]] = []
+    all_losses: list[torch.Tensor] = []
+    clock = StepClock(settings.device)
+
+    class CountingTrainer(Trainer):
+        def training_step(self, model, inputs, *args, **kwargs):
+            all_docs.append(doc_lengths_from_batch(inputs))
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            all_losses.append(loss.detach())  # read after the run: no sync from the harness
+            return loss
+
+    cuda = settings.device.startswith("cuda")
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, max_steps=settings.warmup + settings.steps, per_device_train_batch_size=1,
+            gradient_accumulation_steps=1, learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0,
+            optim="adamw_torch_fused", bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none",
+            disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed, ddp_find_unused_parameters=False,
+            logging_nan_inf_filter=False,  # its check reads every step's loss back (a host sync)
+        )
+        accel.print_summary = False
+        trainer = CountingTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
+                                  accel=accel, callbacks=[_timing_callback(settings, timing, clock)])
+        if trainer.patch_report is not None:
+            timing.notes.append(f"patch: {trainer.patch_report}")
+        trainer.train()
+    timing.step_seconds = clock.step_seconds()
+    timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
+    timing.step_docs.extend(all_docs[timed])
+    timing.losses = [float(x) for x in all_losses[timed]]
+    return model
