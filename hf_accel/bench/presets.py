@@ -16,7 +16,7 @@ under `accelerate launch` with FSDP2 (examples/accelerate/fsdp2.yaml; the 8B ful
 TRL + flash-attn-4 + Liger through SFTTrainer and hf_accel defaults through hf_accel.Trainer (token budget: the step's
 16k tokens per GPU, so N GPUs train N times the tokens per step), and the table ends with the scaling (steady tokens/s
 on 2 GPUs / on 1) and hf_accel / TRL at each count. Each launch costs ~40-90 s of start-up and compile: `multi-gpu`
-(4 launches of Llama-1B) fits one 10-minute device call (about 7 minutes); `multi-gpu-8b-lora` (4 launches of 8B)
+(6 launches of Llama-1B) fits one 10-minute device call (about 7 minutes); `multi-gpu-8b-lora` (4 launches of 8B)
 is sized for one call but its last launch may be cut by the time budget (then `--nproc 2` alone); `multi-gpu-8b`
 (8B full FT) runs on 2 GPUs only: its fp32 master weights and AdamW states (~128 GB) leave one H200 no room.
 
@@ -106,9 +106,10 @@ PRESETS: dict[str, Preset] = {
         # issue 19: FSDP2 on 1 and 2 GPUs (bench.py --nproc), each (config, count) in its own launch
         Preset(
             "multi-gpu", "Llama-3.2-1B shapes, full FT, FSDP2 on 1 and 2 GPUs: scaling (steady tokens/s on 2 / on "
-            "1) and hf_accel defaults vs TRL + flash-attn-4 + Liger under the same FSDP2 config, per-GPU memory",
-            "llama-1b", _MULTI_CONFIGS,
-            dict(nproc="1,2", steps=20, warmup=6, time_budget=540, config_timeout=130),
+            "1) and hf_accel defaults / best (compiled layers) vs TRL + flash-attn-4 + Liger under the same FSDP2 "
+            "config, per-GPU memory",
+            "llama-1b", (*_MULTI_CONFIGS, "hf_accel-best"),
+            dict(nproc="1,2", steps=20, warmup=6, best_compile="on", time_budget=540, config_timeout=130),
         ),
         Preset(
             "multi-gpu-8b-lora", "as multi-gpu, Llama-3-8B shapes, LoRA r=16 + checkpointing",

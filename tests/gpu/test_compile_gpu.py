@@ -17,6 +17,17 @@ pytestmark = pytest.mark.gpu
 OTHER_LENGTHS = [[40, 700, 333], [1500, 90, 91, 260, 7]]  # new token counts and document counts after the first step
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts from dynamo's state in a new process: its graph counts and automatic-dynamic decisions are
+    per code object, so layers compiled by earlier tests of a one-process run (`pytest -m gpu tests/gpu`) would shift
+    them (seen: one extra graph at the second new length, after test_budget_gpu compiled the same layer class)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 def packed_of(vocab: int, lengths: list[int]) -> dict:
     g = torch.Generator().manual_seed(len(lengths))
     ids = torch.cat([torch.randint(0, vocab, (n,), generator=g) for n in lengths])[None]
