@@ -6,8 +6,9 @@ activation checkpointing (``fsdp2_apply_ac``: a ``CheckpointWrapper`` around eac
 ``fsdp2_prepare_model`` (one unit per decoder layer, the tail unit, the root), a few SGD steps, then the Trainer's final
 save under FSDP2: accelerate's full state dict (``get_model_state_dict``: full, broadcast from rank 0, on CPU) on every
 rank and ``_save`` of an hf_accel Trainer holding the model on rank 0 (transformers' ``save_model`` does exactly this;
-the Trainer only saves here, the loop above is by hand). Output under --out: <layout>/adapter/ and <layout>/trained.safetensors (every LoRA tensor after training,
-gathered from the shards, keyed by the unsharded PEFT model's parameter names).
+the Trainer only saves here, the loop above is by hand). Output under --out: <layout>/adapter/ and
+<layout>/trained.safetensors (every LoRA tensor after training, gathered from the shards, keyed by the unsharded PEFT
+model's parameter names).
 """
 from __future__ import annotations
 
