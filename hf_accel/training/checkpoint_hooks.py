@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import checkpoint_io, selective, shards
+from . import adapters, checkpoint_io, selective, shards
 from . import run_dir as run_dir_module
 from ..errors import CheckpointError, ConfigurationError
 
@@ -166,7 +166,7 @@ class CheckpointFilesMixin:
             elif not hasattr(unwrapped, "peft_config"):  # streamed from the buffers: no serializer copy
                 shards.save_single_file(unwrapped, staged, snapshot["model"])
             else:
-                unwrapped.save_pretrained(staged, state_dict=snapshot["model"], safe_serialization=True)
+                adapters.save_adapter(unwrapped, staged, snapshot["model"])
             if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                 processing_class.save_pretrained(staged)
             torch.save(snapshot["args"], os.path.join(staged, transformers.trainer.TRAINING_ARGS_NAME))
@@ -268,6 +268,21 @@ class CheckpointFilesMixin:
                 shards.save_layer_shards(unwrapped, output_dir)
             if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(output_dir)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """transformers' ``_save`` (the writing process only), with a PEFT model's adapter selected by
+        ``adapters.save_adapter``: under FSDP's activation checkpointing peft's own selection found no key of the
+        gathered state dict and wrote an empty adapter."""
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if not adapters.is_peft_model(unwrapped):
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        adapters.save_adapter(unwrapped, output_dir, state_dict if state_dict is not None else unwrapped.state_dict())
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not selective.is_selective(resume_from_checkpoint):
