@@ -246,3 +246,42 @@ def test_chunks_inside_compiled_layers():
     assert counter.calls == 2 * -(-sum(LENGTHS) // CHUNK) * len(decoder_mlps(ours))
     assert graphs_compiled() > 0  # the layers did take the compiled path
     torch._dynamo.reset()
+
+
+def test_bench_best_flag_reaches_the_child_and_patch(monkeypatch):
+    """hf_accel-best takes patch()'s default ("auto": on for the long-context preset's 32k-256k documents);
+    --best-mlp-chunks overrides it, and the plain hf_accel config keeps it off."""
+    import sys
+    from pathlib import Path
+
+    from hf_accel.bench import configs
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import bench
+    finally:
+        sys.path.remove(scripts)
+    assert bench.options(bench.parse_args(["--preset", "long-context"])).mlp_chunks == "auto"
+    args = bench.parse_args(["--preset", "long-context", "--best-mlp-chunks", "8192"])
+    assert bench.options(args).mlp_chunks == 8192
+    argv = bench.child_argv(args, "hf_accel-best", Path("r.json"))
+    assert argv[argv.index("--best-mlp-chunks") + 1] == "8192"
+    assert configs.Options().mlp_chunks == "auto"
+
+
+def test_sft_flag_and_accel_arguments():
+    import sys
+    from pathlib import Path
+
+    from hf_accel.training.trainer import AccelArguments
+
+    assert AccelArguments().mlp_chunks == "auto"
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import sft
+    finally:
+        sys.path.remove(scripts)
+    assert [sft.parse_args(a).mlp_chunks for a in ([], ["--mlp-chunks", "8192"], ["--mlp-chunks", "off"])] == \
+        ["auto", 8192, 0]
