@@ -37,6 +37,7 @@ class PatchReport:
     fused_ops: bool = False
     fused_ce: bool = False
     compiled_layers: int = 0
+    mlp_chunks: str = "off"  # what mlp_chunks resolved to, one line
     speedups: list[str] = field(default_factory=list)  # one line per fused_ce / fused_ops / compile: chosen, and why
     replaced_attn_implementation: str | None = None  # the model's attn_implementation before patch ("eager", "sdpa")
     attentions: str | None = None  # what runs a call asking for attention probabilities (output_attentions=True)
@@ -60,6 +61,7 @@ class PatchReport:
             lines.append("  fused ops: liger-kernel norms / SwiGLU bound to this instance")
         if self.fused_ce:
             lines.append("  fused cross-entropy: training loss from hidden states, no full logits")
+        lines.append(f"  mlp_chunks: {self.mlp_chunks}")
         if self.compiled_layers:
             lines.append(f"  compiled: {self.compiled_layers} decoder layers' training forwards (torch.compile, "
                          "attention left to the kernel above)")
@@ -73,6 +75,7 @@ class _PatchState:
     report: PatchReport
     undo: list[Callable[[], None]]
     compile_options: dict | None = None
+    mlp_chunking: object = None  # memory.mlp_chunks.MlpChunking or None
 
 
 def _compile_options(compile: bool | dict) -> dict | None:
@@ -237,6 +240,7 @@ def patch(
     fused_ops: bool | str = AUTO,
     fused_ce: bool | str = AUTO,
     compile: bool | dict | str = AUTO,
+    mlp_chunks: int | bool | str = AUTO,
 ) -> PatchReport:
     """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
 
@@ -252,6 +256,10 @@ def patch(
     generate are unchanged.
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles each decoder layer's training forward with
     inductor, attention excluded (see hf_accel.fused.compiling); it takes over the layers' norms / MLP from ``fused_ops``.
+    ``mlp_chunks`` runs each decoder layer's MLP over chunks of tokens, each chunk checkpointed, so backward rebuilds
+    one chunk's intermediate at a time (hf_accel.memory.mlp_chunks): "auto" (default) for training calls over 32768
+    tokens with ~1 GiB of intermediates per chunk, an int = the chunk size in tokens (calls with more tokens are
+    chunked), False or 0 = off. Same math per token; results differ by rounding and summation order only.
     """
     check_transformers_version()
     model_hf = base_model(model)
@@ -263,6 +271,9 @@ def patch(
     speedups = resolve_speedups(model_hf, request.device, fused_ce=fused_ce, fused_ops=fused_ops, compile=compile)
     fused_ce, fused_ops = speedups["fused_ce"].on, speedups["fused_ops"].on
     compile_options = _compile_options(compile if compile != AUTO else speedups["compile"].on)
+    from .memory import mlp_chunks as mlp_chunking
+
+    chunking = mlp_chunking.resolve(mlp_chunks, mlp_chunking.intermediate_size(config), request.dtype.itemsize)
     state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
     if state is not None:
         same = (
@@ -271,6 +282,7 @@ def patch(
             and state.report.fused_ops == fused_ops
             and state.report.fused_ce == fused_ce
             and state.compile_options == compile_options
+            and state.mlp_chunking == chunking
         )
         if same:
             return state.report
@@ -290,6 +302,14 @@ def patch(
             layers, compile_undo = compiling.apply(model_hf, compile_options)
             undo += compile_undo
             report.compiled_layers = len(layers)
+        if chunking is not None:
+            chunked, chunk_undo = mlp_chunking.apply(model_hf, chunking)
+            undo += chunk_undo
+            report.mlp_chunks = f"{chunking.describe()} ({len(chunked)} MLPs)"
+            if compile_options is not None:
+                report.mlp_chunks += "; inside compiled layers a chunked MLP runs eagerly (one graph break)"
+        else:
+            report.mlp_chunks = f"off (mlp_chunks={mlp_chunks!r})"
         if fused_ce:
             from .fused.cross_entropy import bind_fused_loss
 
@@ -310,7 +330,7 @@ def patch(
         for action in reversed(undo):
             action()
         raise
-    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo, compile_options)
+    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo, compile_options, chunking)
     logger.info("%s", report)
     return report
 

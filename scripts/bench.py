@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--best-compile", choices=["auto", "on", "off"], default="auto",
                    help="hf_accel-best: patch(compile=True), the decoder layers' training forwards through inductor "
                         "(auto: on CUDA)")
+    p.add_argument("--best-mlp-chunks", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="hf_accel-best: patch(mlp_chunks=...): auto (training calls over 32768 tokens), a chunk size "
+                        "in tokens, or 0 (off)")
     p.add_argument("--substitute-attn", default=None,
                    help="run flash_attention_4 configs with this attn_implementation instead (CPU smoke of TRL)")
     p.add_argument("--extra-site", action="append", default=[], metavar="NAME",
@@ -170,7 +173,7 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
 def options(args: argparse.Namespace) -> Options:
     return Options(fused_ce=args.fused_ce, backend=args.best_backend, checkpointing=args.best_checkpointing,
                    ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn,
-                   fused_ops=args.best_fused_ops, extra_sites=tuple(args.extra_site), site_root=args.site_root,
+                   fused_ops=args.best_fused_ops, mlp_chunks=args.best_mlp_chunks, extra_sites=tuple(args.extra_site), site_root=args.site_root,
                    compile=args.best_compile == "on" or (args.best_compile == "auto" and args.device.startswith("cuda")))
 
 
@@ -247,7 +250,7 @@ def child_argv(args: argparse.Namespace, name: str, out: Path, nproc: int | None
             "--step-time-budget", str(args.step_time_budget), "--seed", str(args.seed),
             "--fused-ce", args.fused_ce,
             "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops,
-            "--best-compile", args.best_compile, "--child", str(out)]
+            "--best-compile", args.best_compile, "--best-mlp-chunks", str(args.best_mlp_chunks), "--child", str(out)]
     for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--doc-length", args.doc_length),
                         ("--best-checkpointing", args.best_checkpointing),
                         ("--ce-chunk-size", args.ce_chunk_size),

@@ -83,6 +83,16 @@ def build_model_shape(name: str, seed: int, device: torch.device | str) -> torch
     return model.to(torch.bfloat16)
 
 
+def _mlp_chunks(text: str) -> str | int:
+    """--mlp-chunks: "auto", a chunk size in tokens, or 0 / off (patch()'s mlp_chunks)."""
+    if text.lower() in ("auto", "off", "false"):
+        return "auto" if text.lower() == "auto" else 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, a chunk size in tokens or 0 (off); got {text!r}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model and data (default: the embedded offline task)")
@@ -132,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     acc.add_argument("--compile", action=argparse.BooleanOptionalAction, default="auto",
                      help="decoder layers' training forwards through torch.compile (attention stays on the kernel)"
                      + auto)
+    acc.add_argument("--mlp-chunks", type=_mlp_chunks, default="auto",
+                     help="MLP in token chunks, each checkpointed: auto (training calls over 32768 tokens), a chunk "
+                          "size in tokens, or 0 (off)")
     lo = p.add_argument_group("LoRA (PEFT)")
     lo.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = full fine-tuning")
     lo.add_argument("--lora-alpha", type=int, default=None, help="default: 2 * r")
@@ -391,7 +404,7 @@ def make_trainer(model: torch.nn.Module, tok: Any, train: Any, args: argparse.Na
     accel = AccelArguments(
         patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
         max_tokens_per_batch=args.max_tokens_per_batch, fused_ce=args.fused_ce, async_save=args.async_save,
-        fused_ops=args.fused_ops, compile=args.compile,
+        fused_ops=args.fused_ops, compile=args.compile, mlp_chunks=args.mlp_chunks,
     )
     accel.save, accel.overwrite_output_dir = args.save, args.overwrite  # checkpoint files (see parse_args)
     targs = training_arguments(args, tiny_default)

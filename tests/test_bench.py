@@ -301,7 +301,7 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(mon
 
 @pytest.mark.parametrize("name, want", [
     ("hf_accel-defaults", {}),  # no flags at all: whatever patch() chooses by itself
-    ("hf_accel", {"backend": "auto", "fused_ce": False, "fused_ops": False, "compile": False}),
+    ("hf_accel", {"backend": "auto", "fused_ce": False, "fused_ops": False, "compile": False, "mlp_chunks": False}),
 ])
 def test_hf_accel_configs_pass_exactly_their_flags(monkeypatch, name, want):
     import hf_accel

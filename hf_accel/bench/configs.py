@@ -31,6 +31,7 @@ class Options:
     substitute_attn: str | None = None  # e.g. "sdpa": run FA4 configs with it (CPU smoke of the TRL path)
     fused_ops: str = "auto"  # auto | on | off: hf_accel.patch(fused_ops=...) (liger norms / SwiGLU)
     compile: bool = False  # hf_accel.patch(compile=True): decoder layers' training forwards through inductor
+    mlp_chunks: str | int = "auto"  # hf_accel.patch(mlp_chunks=...): auto | a chunk size in tokens | 0 (off)
     extra_sites: tuple[str, ...] = ()  # bench.py --extra-site: more package folders first on every child's path
     site_root: str = "/tmp"  # where pack-wheels' install.sh puts a pack NAME: <site_root>/site-NAME
 
@@ -228,7 +229,8 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
 
         model = build_model(settings, "sdpa")
         # every fast path is named explicitly, so `hf_accel` stays "attention + packing only" whatever the defaults
-        kwargs: dict[str, Any] = {"backend": options.backend if best else "auto", "fused_ops": False}
+        kwargs: dict[str, Any] = {"backend": options.backend if best else "auto", "fused_ops": False,
+                                  "mlp_chunks": options.mlp_chunks if best else False}
         if best and options.fused_ops != "off":
             from hf_accel.fused.ops import unavailable_reason
 
@@ -263,14 +265,14 @@ def _hf_accel_trainer(kind: str) -> Callable[..., nn.Module]:
         model = add_lora(build_model(settings, "sdpa"), settings.workload)
         accel = AccelArguments(max_tokens_per_batch=data.spec.tokens_per_step)
         if kind == "plain":
-            accel.fused_ce = accel.fused_ops = accel.compile = False
+            accel.fused_ce = accel.fused_ops = accel.compile = accel.mlp_chunks = False
         elif kind == "best":
             from hf_accel.fused.ops import unavailable_reason
 
             accel.backend, accel.checkpointing, accel.fused_ce = options.backend, options.checkpointing, True
             accel.fused_ops = options.fused_ops == "on" or (options.fused_ops == "auto"
                                                             and unavailable_reason(causal_lm(model)) is None)
-            accel.compile = options.compile
+            accel.compile, accel.mlp_chunks = options.compile, options.mlp_chunks
             timing.notes.append("fused_ce=True (AccelArguments; --fused-ce methods are not used under a launcher)")
         return run_accel_trainer(model, data, settings, timing, accel)
 
@@ -296,7 +298,8 @@ CONFIGS: dict[str, BenchConfig] = {
                     "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_FALCON_LEAK,
                     launched=_trl(liger=True)),
         BenchConfig("hf_accel", False, ("hf_accel",), _hf_accel(best=False),
-                    "hf_accel.patch(model, fused_ce=False, fused_ops=False, compile=False) + TokenBudgetBatchSampler "
+                    "hf_accel.patch(model, fused_ce=False, fused_ops=False, compile=False, mlp_chunks=False) + "
+                    "TokenBudgetBatchSampler "
                     "+ DataCollatorForPacking: attention and packing only (what patch(model) did before issue 18)",
                     launched=_hf_accel_trainer("plain")),
         BenchConfig("hf_accel-defaults", False, ("hf_accel",), _hf_accel_defaults,

@@ -72,6 +72,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def decoder_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each decoder layer's ``mlp`` (Llama, GPT-NeoX and Falcon all name it so), in forward order."""
+    names = {id(m): n for n, m in base_model(model).named_modules()}
+    found = []
+    for layer in decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, nn.Module):
+            found.append((names.get(id(mlp), "mlp"), mlp))
+    return found
+
+
 def _hf_enable_function(model: nn.Module) -> Callable:
     """transformers 5.23 names it activation_checkpointing_enable; 5.17 gradient_checkpointing_enable."""
     for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):

@@ -50,6 +50,8 @@ class AccelArguments:
         True or a dict of torch.compile options). Costs a compile at the first steps; eval / generate stay eager.
     fused_ce, fused_ops and compile default to "auto": ``patch()``'s choice (on CUDA all three where they apply, off
         elsewhere; the report says why); "auto" compile also stands down under ``torch_compile``, FSDP and DeepSpeed.
+    mlp_chunks: each decoder layer's MLP over chunks of tokens, each chunk checkpointed (``patch(mlp_chunks=...)``):
+        "auto" (training calls over 32768 tokens), a chunk size in tokens, or False.
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     save: what a checkpoint holds of the model: "full" (every weight, loadable by ``from_pretrained``) or
         "trainable" (only the parameters that train, plus a fingerprint of the frozen part that resume checks).
@@ -72,6 +74,7 @@ class AccelArguments:
     fused_ce: Any = "auto"
     fused_ops: Any = "auto"
     compile: Any = "auto"
+    mlp_chunks: Any = "auto"
     async_save: bool = False
     save: str = "full"
     layer_shards: bool = False
@@ -92,7 +95,7 @@ class AccelMixin(CheckpointFilesMixin):
         if self.accel.patch:
             self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self._accel_policy(),
                                       fused_ops=self.accel.fused_ops, fused_ce=self._accel_fused_ce(),
-                                      compile=self._accel_compile())
+                                      compile=self._accel_compile(), mlp_chunks=self.accel.mlp_chunks)
             logger.info("%s", self.patch_report)
         elif self.accel.checkpointing is not None:
             self._accel_policy().apply(self.model)

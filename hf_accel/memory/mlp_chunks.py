@@ -1,0 +1,150 @@
+"""The MLP in token chunks, each under its own checkpoint, for calls long enough that its intermediate is the peak.
+
+At long context a decoder layer's MLP intermediate is the largest tensor of the step: Llama-3-8B at 262,144 tokens
+has gate, up and their product at 262144 x 14336 bf16 = 7.5 GB each, alive together in forward and again in the
+layer's checkpoint recompute and backward. The MLP is per token, so ``patch(model, mlp_chunks=...)`` replaces each
+decoder layer's MLP *instance* ``forward`` with one that splits the tokens into chunks and runs each chunk through
+``torch.utils.checkpoint.checkpoint(forward, chunk, use_reentrant=False)``: forward keeps only the chunk inputs
+(views of the MLP's input), and backward rebuilds one chunk's intermediate at a time. The cost is one more MLP
+forward per chunked call (its recompute). The math is the same per token, equal up to rounding: a matmul over fewer
+rows may round differently (BLAS picks kernels by shape), and weight gradients are the same sums in another order.
+
+Only *training* calls over the threshold are chunked (module in train mode, grad enabled, more tokens than
+``min_tokens``); evaluation, no-grad and shorter calls run the forward that was bound before, unchanged. That forward
+is whatever was there at bind time (the class's, liger's fused SwiGLU bound by ``fused_ops``), and the projections
+are still called as modules, so PEFT LoRA adapters inside the MLP train as before. Chunk checkpoints nest inside
+the decoder layer's own (full, offloaded, op-level).
+
+Inside a compiled decoder layer (``hf_accel.fused.compiling``) the chunk loop is kept out of the graph
+(``torch._dynamo.disable``): a chunked call breaks the layer's graph around its MLP, which then runs eagerly; calls
+under the threshold trace the MLP as before (dynamo guards on the token count, so crossing it recompiles once).
+
+Liger-kernel 0.8.5 ships ``LigerTiledMLPFunction`` (after DeepSpeed ALST's ``TiledMLP``); it is not used here: its
+backward runs a nested ``torch.autograd.backward`` per shard that accumulates parameter gradients straight into
+``.grad`` instead of returning them (so ``torch.autograd.grad`` and gradient hooks see none), and it needs
+liger/Triton where the CPU tests run. Nested non-reentrant checkpoints give the same memory with autograd's own
+bookkeeping.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .targets import decoder_mlps
+from ..errors import ConfigurationError
+
+AUTO = "auto"
+AUTO_MIN_TOKENS = 32768  # "auto" chunks training calls with more tokens than this
+AUTO_CHUNK_BYTES = 1 << 30  # "auto" sizes a chunk so its intermediate tensors take about this much
+AUTO_MIN_CHUNK = 4096  # ... but never fewer tokens per chunk than this (matmuls stay large)
+_INTERMEDIATES = 3  # tensors of (tokens, intermediate_size) alive together: gate, up and their product (SwiGLU)
+_ALIGN = 1024  # auto chunk sizes are multiples of this many tokens
+
+
+def auto_chunk_tokens(intermediate_size: int, element_size: int) -> int:
+    """Tokens per chunk whose MLP intermediates take about AUTO_CHUNK_BYTES (at least AUTO_MIN_CHUNK).
+
+    Llama-3-8B in bf16: 2**30 // (14336 * 2 * 3) = 12483, rounded down to 12288 tokens (one chunk's three
+    intermediates: 1.0 GiB, against 22 GiB for 262,144 tokens unchunked)."""
+    tokens = AUTO_CHUNK_BYTES // (intermediate_size * element_size * _INTERMEDIATES)
+    return max(AUTO_MIN_CHUNK, tokens // _ALIGN * _ALIGN)
+
+
+@dataclass(frozen=True)
+class MlpChunking:
+    """Training calls with more than ``min_tokens`` tokens run the MLP in chunks of ``chunk_tokens`` tokens."""
+
+    chunk_tokens: int
+    min_tokens: int
+    auto: bool = False
+
+    def chunk_for(self, hidden_states: torch.Tensor, training: bool) -> int:
+        """This call's chunk size, or 0: run the forward unchanged. Reads only the (host-side) shape."""
+        if not (training and torch.is_grad_enabled()) or hidden_states.ndim < 2:
+            return 0
+        tokens = hidden_states.numel() // hidden_states.shape[-1]
+        return self.chunk_tokens if tokens > max(self.min_tokens, self.chunk_tokens) else 0
+
+    def describe(self) -> str:
+        if self.auto:
+            return (f"auto: training calls over {self.min_tokens} tokens run each decoder layer's MLP in chunks of "
+                    f"{self.chunk_tokens} tokens (~1 GiB of intermediates each), each chunk checkpointed; shorter "
+                    "calls unchanged")
+        return (f"training calls over {self.min_tokens} tokens run each decoder layer's MLP in chunks of "
+                f"{self.chunk_tokens} tokens, each chunk checkpointed")
+
+
+def resolve(setting, intermediate_size: int, element_size: int) -> MlpChunking | None:
+    """patch()'s ``mlp_chunks``: "auto", a chunk size in tokens (int > 0), or False / 0 / None (off)."""
+    if setting is None or setting is False or (isinstance(setting, int) and not isinstance(setting, bool)
+                                               and setting == 0):
+        return None
+    if setting == AUTO:
+        return MlpChunking(auto_chunk_tokens(intermediate_size, element_size), AUTO_MIN_TOKENS, auto=True)
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
+        return MlpChunking(setting, setting)
+    raise ConfigurationError(
+        f"mlp_chunks must be 'auto', a chunk size in tokens (a positive int, e.g. 8192) or False; got {setting!r}."
+    )
+
+
+def intermediate_size(config) -> int:
+    """The MLP's hidden width from a transformers config (Llama / GPT-NeoX: intermediate_size; Falcon:
+    ffn_hidden_size, default 4 x hidden_size)."""
+    for name in ("intermediate_size", "ffn_hidden_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 4 * config.hidden_size
+
+
+@torch._dynamo.disable  # a chunked call runs eagerly even inside a compiled decoder layer (see the module docstring)
+def run_in_chunks(forward: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor,
+                  chunk_tokens: int) -> torch.Tensor:
+    """``forward(hidden_states)`` for a per-token ``forward``, over chunks of ``chunk_tokens`` tokens, each chunk
+    under its own non-reentrant checkpoint. hidden_states: (..., H); the leading dimensions are the tokens."""
+    hidden_th = hidden_states.reshape(-1, hidden_states.shape[-1])
+    outs_th = [checkpoint(forward, chunk_th, use_reentrant=False)
+               for chunk_th in hidden_th.split(chunk_tokens, dim=0)]
+    out_th = torch.cat(outs_th, dim=0)
+    return out_th.view(*hidden_states.shape[:-1], out_th.shape[-1])
+
+
+def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking) -> Callable:
+    @functools.wraps(forward)
+    def chunked(*args, **kwargs):
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            return forward(*args, **kwargs)
+        chunk = chunking.chunk_for(args[0], module.training)
+        return run_in_chunks(forward, args[0], chunk) if chunk else forward(args[0])
+
+    chunked.__hf_accel_mlp_chunks__ = chunking
+    return chunked
+
+
+def apply(model: nn.Module, chunking: MlpChunking) -> tuple[list[str], list[Callable[[], None]]]:
+    """Bind the chunked forward to each decoder layer's MLP; the MLP names and the undo actions."""
+    names, undo = [], []
+    for name, mlp in decoder_mlps(model):
+        had_own, previous = "forward" in mlp.__dict__, mlp.__dict__.get("forward")
+        mlp.forward = _chunked_forward(mlp, mlp.forward, chunking)
+
+        def restore(mlp=mlp, had_own=had_own, previous=previous) -> None:
+            if had_own:
+                mlp.__dict__["forward"] = previous
+            else:
+                mlp.__dict__.pop("forward", None)
+
+        undo.append(restore)
+        names.append(name)
+    return names, undo
+
+
+def chunking_of(module: nn.Module) -> MlpChunking | None:
+    """The chunking bound to this MLP instance, if any."""
+    return getattr(module.__dict__.get("forward"), "__hf_accel_mlp_chunks__", None)
