@@ -257,9 +257,9 @@ def patch(
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles each decoder layer's training forward with
     inductor, attention excluded (see hf_accel.fused.compiling); it takes over the layers' norms / MLP from ``fused_ops``.
     ``mlp_chunks`` runs each decoder layer's MLP over chunks of tokens, each chunk checkpointed, so backward rebuilds
-    one chunk's intermediate at a time (hf_accel.memory.mlp_chunks): "auto" (default) for training calls over 32768
-    tokens with ~1 GiB of intermediates per chunk, an int = the chunk size in tokens (calls with more tokens are
-    chunked), False or 0 = off. Same math per token; results differ by rounding and summation order only.
+    one chunk's intermediate at a time (hf_accel.memory.mlp_chunks): "auto" (default) for training calls whose
+    intermediates would exceed 16 GiB (Llama-3-8B bf16: ~200k tokens), ~1 GiB of intermediates per chunk; an int =
+    the chunk size in tokens (calls with more tokens are chunked); False or 0 = off. Same math per token; results differ by rounding and summation order only.
     """
     check_transformers_version()
     model_hf = base_model(model)

@@ -143,8 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="decoder layers' training forwards through torch.compile (attention stays on the kernel)"
                      + auto)
     acc.add_argument("--mlp-chunks", type=_mlp_chunks, default="auto",
-                     help="MLP in token chunks, each checkpointed: auto (training calls over 32768 tokens), a chunk "
-                          "size in tokens, or 0 (off)")
+                     help="MLP in token chunks, each checkpointed: auto (training calls whose MLP intermediates "
+                          "would exceed 16 GiB), a chunk size in tokens, or 0 (off)")
     lo = p.add_argument_group("LoRA (PEFT)")
     lo.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = full fine-tuning")
     lo.add_argument("--lora-alpha", type=int, default=None, help="default: 2 * r")

@@ -202,18 +202,23 @@ def test_chunking_keeps_only_the_mlp_inputs_for_backward():
 
 
 def test_auto_sizes_chunks_by_intermediate_and_turns_on_over_the_threshold():
-    chunking = mlp_chunks.resolve("auto", 14336, 2)  # Llama-3-8B, bf16
-    assert chunking == mlp_chunks.MlpChunking(12288, mlp_chunks.AUTO_MIN_TOKENS, auto=True)
+    chunking = mlp_chunks.resolve("auto", 14336, 2)  # Llama-3-8B, bf16: 16 GiB of intermediates at 199,728 tokens
+    assert chunking == mlp_chunks.MlpChunking(12288, 199728, auto=True)
+    assert 131072 < chunking.min_tokens < 262144  # issue 22: 128k documents unchanged, 256k chunked
+    assert mlp_chunks.resolve("auto", 8192, 2).min_tokens > 16384 * 20  # Llama-1B packed batches: never
     assert mlp_chunks.resolve("auto", 1 << 20, 4).chunk_tokens == mlp_chunks.AUTO_MIN_CHUNK
-    at = torch.empty(1, mlp_chunks.AUTO_MIN_TOKENS, 8, device="meta")
-    over = torch.empty(2, mlp_chunks.AUTO_MIN_TOKENS // 2 + 1, 8, device="meta")
+    assert mlp_chunks.resolve("auto", 1 << 20, 4).min_tokens == mlp_chunks.AUTO_MIN_TOKENS
+    at = torch.empty(1, chunking.min_tokens, 8, device="meta")
+    over = torch.empty(2, chunking.min_tokens // 2 + 1, 8, device="meta")
     assert chunking.chunk_for(at, training=True) == 0
     assert chunking.chunk_for(over, training=True) == 12288
     assert chunking.chunk_for(over, training=False) == 0
     with torch.no_grad():
         assert chunking.chunk_for(over, training=True) == 0
-    report = hf_accel.patch(make("llama-gqa").train(), backend="reference")  # the default
-    assert report.mlp_chunks.startswith(f"auto: training calls over {mlp_chunks.AUTO_MIN_TOKENS} tokens")
+    model = make("llama-gqa").train()
+    report = hf_accel.patch(model, backend="reference")  # the default
+    expected = mlp_chunks.auto_min_tokens(model.config.intermediate_size, 4)
+    assert report.mlp_chunks.startswith(f"auto: training calls over {expected} tokens")
 
 
 @pytest.mark.parametrize("setting", [False, 0, None])

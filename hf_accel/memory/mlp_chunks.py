@@ -39,11 +39,21 @@ from .targets import decoder_mlps
 from ..errors import ConfigurationError
 
 AUTO = "auto"
-AUTO_MIN_TOKENS = 32768  # "auto" chunks training calls with more tokens than this
+AUTO_MIN_TOKENS = 32768  # "auto" never chunks a training call of this many tokens or fewer
+# ... and chunks only calls whose unchunked intermediates would take more than this: chunking costs one more MLP
+# forward per layer in backward, paid only where the intermediates are the peak (Llama-3-8B bf16: calls over ~200k
+# tokens; Llama-3.2-1B: over ~350k; a 16k-token packed batch never)
+AUTO_TRIGGER_BYTES = 16 << 30
 AUTO_CHUNK_BYTES = 1 << 30  # "auto" sizes a chunk so its intermediate tensors take about this much
 AUTO_MIN_CHUNK = 4096  # ... but never fewer tokens per chunk than this (matmuls stay large)
 _INTERMEDIATES = 3  # tensors of (tokens, intermediate_size) alive together: gate, up and their product (SwiGLU)
 _ALIGN = 1024  # auto chunk sizes are multiples of this many tokens
+
+
+def auto_min_tokens(intermediate_size: int, element_size: int) -> int:
+    """The token count above which "auto" chunks: AUTO_TRIGGER_BYTES of unchunked intermediates (at least
+    AUTO_MIN_TOKENS)."""
+    return max(AUTO_MIN_TOKENS, AUTO_TRIGGER_BYTES // (intermediate_size * element_size * _INTERMEDIATES))
 
 
 def auto_chunk_tokens(intermediate_size: int, element_size: int) -> int:
@@ -85,7 +95,8 @@ def resolve(setting, intermediate_size: int, element_size: int) -> MlpChunking |
                                                and setting == 0):
         return None
     if setting == AUTO:
-        return MlpChunking(auto_chunk_tokens(intermediate_size, element_size), AUTO_MIN_TOKENS, auto=True)
+        return MlpChunking(auto_chunk_tokens(intermediate_size, element_size),
+                           auto_min_tokens(intermediate_size, element_size), auto=True)
     if isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
         return MlpChunking(setting, setting)
     raise ConfigurationError(

@@ -49,9 +49,9 @@ class AccelArguments:
     compile: each decoder layer's training forward through torch.compile, attention excluded (``patch(compile=...)``:
         True or a dict of torch.compile options). Costs a compile at the first steps; eval / generate stay eager.
     fused_ce, fused_ops and compile default to "auto": ``patch()``'s choice (on CUDA all three where they apply, off
-        elsewhere; the report says why); "auto" compile also stands down under ``torch_compile``, FSDP and DeepSpeed.
+        elsewhere; the report says why); "auto" compile also stands down under ``torch_compile``, FSDP1 and DeepSpeed.
     mlp_chunks: each decoder layer's MLP over chunks of tokens, each chunk checkpointed (``patch(mlp_chunks=...)``):
-        "auto" (training calls over 32768 tokens), a chunk size in tokens, or False.
+        "auto" (training calls whose MLP intermediates would exceed 16 GiB), a chunk size in tokens, or False.
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     save: what a checkpoint holds of the model: "full" (every weight, loadable by ``from_pretrained``) or
         "trainable" (only the parameters that train, plus a fingerprint of the frozen part that resume checks).
