@@ -156,3 +156,21 @@ def test_repo_copy_check_catches_an_edited_readme_number(tmp_path):
     edited = region[:digit] + str((int(region[digit]) + 1) % 10) + region[digit + 1:]
     (tmp_path / "README.md").write_text(readme.replace(region, edited))
     assert _script().main(["--check", "--root", str(tmp_path)]) == 1
+
+
+def test_multi_gpu_region_renders_the_newest_nproc_run_and_its_scaling(tree):
+    results = tree / "benchmarks" / "results"
+    rows = [_result("trl-fa4-packed-liger", 100.0, nproc=1, steady_tokens_per_s=100.0),
+            _result("hf_accel-defaults", 120.0, nproc=1, steady_tokens_per_s=120.0),
+            _result("trl-fa4-packed-liger", 190.0, nproc=2, steady_tokens_per_s=190.0),
+            _result("hf_accel-defaults", 236.0, nproc=2, steady_tokens_per_s=236.0)]
+    _write(results, "w1-nproc1-2.json", {**_record("w1", "2026-01-05T10:00:00+00:00", rows), "nproc": [1, 2]})
+    index = build_index(results)
+    doc = "<!-- bench:multi workload=w1 -->\n<!-- /bench:multi -->\n"
+    text = regenerate(doc, index)
+    assert "w1-nproc1-2.json" in text and "| `hf_accel-defaults` | 2 | 236 | 236 |" in text
+    assert "| hf_accel-defaults | 120 | 236 | 1.97 | 1.20 | 1.24 |" in text  # scaling 236/120, vs TRL 120/100, 236/190
+    assert "| trl-fa4-packed-liger | 100 | 190 | 1.90 | - | - |" in text
+    # the multi-GPU run never becomes a workload's current single-GPU run
+    assert "w1-nproc1-2.json" not in regenerate(DOC, index).split("<!-- bench:table workload=w1 -->")[1]
+    assert "No multi-GPU run" in regenerate(doc.replace("w1", "w2"), index)

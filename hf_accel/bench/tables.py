@@ -5,6 +5,7 @@ A generated region in a markdown file:
     <!-- bench:table workload=llama-1b -->   one workload's current run: stock anchors, hf_accel defaults, best
     <!-- bench:summary -->                   README's table: one line per workload
     <!-- bench:runs -->                      every indexed run, newest first (the dated log)
+    <!-- bench:multi workload=llama-1b -->   the newest multi-GPU run (bench.py --nproc): per-GPU-count rows, scaling
     ...generated text...
     <!-- /bench:table -->                    (closing tag names the same kind)
 """
@@ -169,7 +170,25 @@ def runs_log(index: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def multi_gpu_table(index: dict[str, Any], workload: str) -> str:
+    """The newest multi-GPU run of `workload`: each configuration at each GPU count, then the scaling table."""
+    from .report import scaling_table
+
+    runs = [r for r in index["runs"] if r["workload"] == workload and r.get("nproc")]
+    if not runs:
+        return f"No multi-GPU run of `{workload}` indexed yet: `python scripts/bench.py --preset multi-gpu`."
+    run = max(runs, key=lambda r: r["date"])
+    lines = [_provenance(run), "", "| configuration | GPUs | tokens/s | steady tokens/s | peak GiB per GPU | status |",
+             "|---|---:|---:|---:|---:|---|"]
+    for row in run["configs"]:
+        lines.append(f"| `{row['config']}` | {row.get('nproc', '-')} | {_int(row.get('tokens_per_s'))} "
+                     f"| {_int(row.get('steady_tokens_per_s'))} | {_gib(row.get('peak_gib'))} | {row['status']} |")
+    stock = [row["config"] for row in run["configs"] if row["role"] == "stock"]
+    return "\n".join(lines) + "\n\n" + scaling_table(run["configs"], stock)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], dict[str, str]], str]] = {
+    "multi": lambda index, attrs: multi_gpu_table(index, attrs.get("workload", "llama-1b")),
     "table": lambda index, attrs: workload_table(index, attrs["workload"]),
     "summary": lambda index, attrs: summary_table(index),
     "runs": lambda index, attrs: runs_log(index),
