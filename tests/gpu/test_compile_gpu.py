@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
-from test_models_gpu import PLAIN, SHAPES, packed, step
+from test_models_gpu import EQUIVALENCE_LAYERS, PLAIN, SHAPES, packed, step
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def assert_within_bf16(ours, ref16, ref32) -> None:
 @pytest.mark.parametrize("name", ["llama-1b", "neox-1.4b", "falcon-1b"])
 def test_compiled_train_steps_match_eager(name):
     torch.manual_seed(0)
-    ref32 = SHAPES[name]().cuda().float().train()
+    ref32 = SHAPES[name](EQUIVALENCE_LAYERS).cuda().float().train()
     for m in ref32.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_accel
-from test_models_gpu import PLAIN, SHAPES, packed, step
+from test_models_gpu import EQUIVALENCE_LAYERS, PLAIN, SHAPES, packed, step
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +18,7 @@ def _assert_within_bf16_error(name: str, **patch_kwargs):
     error of the plain patched bf16 model. Returns the patched bf16 model, the batch and the plain bf16 loss."""
     pytest.importorskip("liger_kernel")
     torch.manual_seed(0)
-    ref32 = SHAPES[name]().cuda().float().train()
+    ref32 = SHAPES[name](EQUIVALENCE_LAYERS).cuda().float().train()
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     fused = copy.deepcopy(ref16)
     hf_accel.patch(ref32, **PLAIN)

@@ -16,20 +16,24 @@ pytestmark = pytest.mark.gpu
 # compare (each default has its own tests)
 PLAIN = {"fused_ce": False, "fused_ops": False, "compile": False}
 
+# Real widths and head layouts. `layers`: depth for the equivalence tests (the math is per layer; 4 layers keep the
+# fp32 references quick, so the whole GPU suite fits one process and one 10-minute call); None = the real depth
+# (memory tests: budgets, what a deleted model leaves).
 SHAPES = {
-    "llama-1b": lambda: LlamaForCausalLM(LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, tie_word_embeddings=True, attn_implementation="sdpa")),
-    "neox-1.4b": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
-        vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=16,
-        rotary_pct=0.25, attn_implementation="sdpa")),
-    "falcon-1b": lambda: FalconForCausalLM(FalconConfig(
-        vocab_size=50304, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, new_decoder_architecture=False,
-        multi_query=False, parallel_attn=True, attn_implementation="sdpa")),
-    "falcon-rw-small": lambda: FalconForCausalLM(FalconConfig(
-        vocab_size=50304, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, alibi=True, bias=True,
-        parallel_attn=False, new_decoder_architecture=False, multi_query=False, attn_implementation="sdpa")),
+    "llama-1b": lambda layers=None: LlamaForCausalLM(LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers or 16,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, attn_implementation="sdpa")),
+    "neox-1.4b": lambda layers=None: GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers or 24,
+        num_attention_heads=16, rotary_pct=0.25, attn_implementation="sdpa")),
+    "falcon-1b": lambda layers=None: FalconForCausalLM(FalconConfig(
+        vocab_size=50304, hidden_size=2048, num_hidden_layers=layers or 24, num_attention_heads=32,
+        new_decoder_architecture=False, multi_query=False, parallel_attn=True, attn_implementation="sdpa")),
+    "falcon-rw-small": lambda layers=None: FalconForCausalLM(FalconConfig(
+        vocab_size=50304, hidden_size=1024, num_hidden_layers=layers or 4, num_attention_heads=16, alibi=True,
+        bias=True, parallel_attn=False, new_decoder_architecture=False, multi_query=False, attn_implementation="sdpa")),
 }
+EQUIVALENCE_LAYERS = 4
 LENGTHS = [300, 17, 900, 1200, 64, 513]
 
 
@@ -70,7 +74,7 @@ def step(model, batch):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_patched_train_step_matches_unpatched(name):
     torch.manual_seed(0)
-    ref32 = SHAPES[name]().cuda().float().train()
+    ref32 = SHAPES[name](EQUIVALENCE_LAYERS).cuda().float().train()
     for m in ref32.modules():  # dropout off: compare the math, not the random masks
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
