@@ -323,6 +323,8 @@ def patch(
             from .memory.checkpointing import policy_from_spec
 
             policy = policy_from_spec(checkpointing)
+            if hasattr(policy, "compiled"):  # a memory budget prices op-level layers as leaving the compiled path
+                policy.compiled = compile_options is not None
             policy.apply(model)
             undo.append(lambda: policy.remove(model))
             report.checkpointing = _describe(checkpointing)

@@ -10,6 +10,7 @@ import torch
 from transformers import (FalconConfig, FalconForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
                           LlamaForCausalLM)
 
+import hf_accel
 from hf_accel.memory.checkpointing import MemoryBudget, decoder_layers
 from hf_accel.errors import ConfigurationError
 from hf_accel.memory.estimate import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
@@ -108,6 +109,40 @@ def test_planner_on_uneven_layers_matches_brute_force():
         feasible = [plan_cost(c) for c in every if plan_peak_bytes(layers, c, 0) <= budget]
         if feasible:
             assert plan.fits and plan.recompute_cost == pytest.approx(min(feasible)), budget
+
+
+def test_compiled_layers_price_op_level_as_leaving_the_compiled_path():
+    """Op-level saves 20% of a layer's activations and full 90%: eagerly op on many layers is the cheapest way to a
+    budget; with compiled layers (where op also gives up the compiled layer) full checkpointing of a few is."""
+    from hf_accel.memory.plan import RECOMPUTE_COST_COMPILED
+
+    layers = [LayerActivation(1000, 800, 100)] * 8
+    budget = plan_peak_bytes(layers, ["none"] * 8, 0) - 1000  # needs 1000 bytes of savings
+    eager = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=budget)
+    compiled = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=budget, costs=RECOMPUTE_COST_COMPILED)
+    assert eager.fits and compiled.fits
+    assert eager.choices.count("op") == 6 and "full" not in eager.choices  # 6 x 200 saved - 200 rebuilt
+    assert compiled.choices.count("full") == 2 and compiled.choices.count("op") == 1  # 2 x 900 + 200 - 900
+    assert compiled.recompute_cost == plan_cost(compiled.choices, RECOMPUTE_COST_COMPILED)
+    every = list(itertools.product(("none", "op", "full"), repeat=4))  # brute force on fewer layers
+    few = layers[:4]
+    for budget in range(2000, 4000, 100):
+        plan = plan_checkpointing(few, fixed_bytes=0, budget_bytes=budget, costs=RECOMPUTE_COST_COMPILED)
+        feasible = [plan_cost(c, RECOMPUTE_COST_COMPILED) for c in every if plan_peak_bytes(few, c, 0) <= budget]
+        if feasible:
+            assert plan.recompute_cost == pytest.approx(min(feasible)), budget
+
+
+def test_patch_tells_a_memory_budget_whether_layers_are_compiled(monkeypatch):
+    seen = []
+    monkeypatch.setattr(MemoryBudget, "apply", lambda self, model: seen.append(self.compiled))
+    monkeypatch.setattr(MemoryBudget, "remove", lambda self, model: None, raising=False)
+    for compiled in (False, True):
+        model = build("llama")
+        policy = MemoryBudget(budget="1GiB")
+        hf_accel.patch(model, backend="reference", compile=compiled, checkpointing=policy)
+        hf_accel.unpatch(model)
+    assert seen == [False, True]
 
 
 def test_memory_budget_policy_applies_the_plan_and_keeps_grads():

@@ -336,6 +336,9 @@ class MemoryBudget(CheckpointingPolicy):
     headroom: float = 0.03
     verbose: bool = True  # print the plan (on the first process only)
     offload: bool = False  # plans may keep layers' saved inputs in host memory; spec "budget:...+offload"
+    # the decoder layers run compiled (patch(compile=...) sets it): an op-level layer then also loses the compiled
+    # path, so plans price it as such (plan.RECOMPUTE_COST_COMPILED)
+    compiled: bool = False
     plan: object = field(default=None, init=False, repr=False)
 
     def budget_bytes(self, device: torch.device) -> int:
@@ -358,7 +361,8 @@ class MemoryBudget(CheckpointingPolicy):
 
     def apply(self, model: nn.Module) -> None:
         from .estimate import training_state_bytes
-        from .plan import DEVICE_MODES, format_bytes, plan_checkpointing, probe_training_memory
+        from .plan import (DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, plan_checkpointing,
+                           probe_training_memory)
 
         remove_checkpointing(model)
         device = next(model.parameters()).device
@@ -374,6 +378,7 @@ class MemoryBudget(CheckpointingPolicy):
             probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer),
             budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
             modes=(*DEVICE_MODES, "offload") if self.offload else DEVICE_MODES,
+            costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST,
         )
         tokens = batch["input_ids"].numel()
         if not self.plan.fits:

@@ -23,6 +23,11 @@ RECOMPUTE_COST = {"none": 0.0, "op": 0.1, "full": 1.0, "offload": 1.1}
 # copies overlap compute, so it costs a little more than "full" only so that plans prefer "full" wherever that fits.
 # Plans consider it only when asked (plan_checkpointing(modes=...), MemoryBudget(offload=True)).
 DEVICE_MODES = ("none", "op", "full")
+# With compiled layers (patch(compile=...)), an op-level layer also runs eagerly: its selective-checkpoint policy must
+# see each op, so it leaves the compiled path. Measured on the H200 (Llama-1B shapes, 16k tokens, BENCHMARKS.md "a 24
+# GiB budget"): 3 full + 13 op-level layers cost 17.9% of the step against no checkpointing; with a layer forward
+# ~1.9% of that step, the 13 op-level layers cost ~0.5 layer forwards each, not 0.1.
+RECOMPUTE_COST_COMPILED = {**RECOMPUTE_COST, "op": 0.5}
 
 
 def parse_bytes(text: str) -> int:
@@ -89,20 +94,22 @@ def plan_peak_bytes(layers: Sequence[LayerActivation], choices: Sequence[str], f
     return fixed_bytes + extra_bytes + retained + rebuilt
 
 
-def plan_cost(choices: Sequence[str]) -> float:
-    return sum(RECOMPUTE_COST[c] for c in choices)
+def plan_cost(choices: Sequence[str], costs: dict[str, float] = RECOMPUTE_COST) -> float:
+    return sum(costs[c] for c in choices)
 
 
 def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, budget_bytes: int,
-                       extra_bytes: int = 0, modes: Sequence[str] = DEVICE_MODES) -> CheckpointPlan:
+                       extra_bytes: int = 0, modes: Sequence[str] = DEVICE_MODES,
+                       costs: dict[str, float] = RECOMPUTE_COST) -> CheckpointPlan:
     """The least-recompute per-layer choice whose predicted peak fits `budget_bytes` (pure function, exact).
 
     For each cap on the bytes one recomputed layer rebuilds, a knapsack over layers (cost in tenths of a layer
     forward) finds the least retained memory per total cost; the cheapest fitting plan wins, ties to the lower
     peak. When nothing fits, the plan with the lowest peak is returned with fits=False. `modes`: the choices to
-    consider (add "offload" to let layers keep their input in host memory).
+    consider (add "offload" to let layers keep their input in host memory). `costs`: recompute per choice, in layer
+    forwards (RECOMPUTE_COST_COMPILED where the layers are compiled).
     """
-    units = {c: round(RECOMPUTE_COST[c] * 10) for c in modes}
+    units = {c: round(costs[c] * 10) for c in modes}
     caps = sorted({layer.none_bytes - layer.retained(c) for layer in layers for c in units})
     best_fit, best_any = None, None
     for cap in caps or [0]:
@@ -125,7 +132,8 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
                 best_any = (peak, cost, choices)
     choices = best_fit[2] if best_fit else best_any[2]
     peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
-    return CheckpointPlan(tuple(choices), peak, budget_bytes, fixed_bytes, plan_cost(choices), best_fit is not None)
+    return CheckpointPlan(tuple(choices), peak, budget_bytes, fixed_bytes, plan_cost(choices, costs),
+                          best_fit is not None)
 
 
 # ----------------------------------------------------------------------------------------------- measurement
