@@ -8,9 +8,7 @@ docs/MULTI_GPU.md.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from hf_accel.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_fsdp  # noqa: E402
+from multi_gpu_runs import launch_or_fail  # noqa: E402
 import tiny_models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,19 +201,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_or_fail(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run a launcher in its own process group; on a timeout kill the whole group (no orphaned ranks) and fail."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd[-3:]} did not finish in {timeout} s (a rank hung in a collective?):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+def _launch_or_fail(cmd: list[str], cwd: Path, timeout: float) -> str:
+    """A CPU launch (one thread per rank) that must exit 0 within `timeout`; a hang kills the group and fails."""
+    return launch_or_fail(cmd, cwd, timeout, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")

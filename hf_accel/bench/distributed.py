@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .flops import doc_lengths_from_batch
-from .train import RunSettings, StepClock, Timing, _timing_callback
+from .train import RunSettings, StepClock, Timing, _timing_callback, counting
 from .workloads import BenchData
 
 
@@ -125,13 +124,7 @@ def run_accel_trainer(model: nn.Module, data: BenchData, settings: RunSettings, 
     all_docs: list[list[int]] = []
     all_losses: list[torch.Tensor] = []
     clock = StepClock(settings.device)
-
-    class CountingTrainer(Trainer):
-        def training_step(self, model, inputs, *args, **kwargs):
-            all_docs.append(doc_lengths_from_batch(inputs))
-            loss = super().training_step(model, inputs, *args, **kwargs)
-            all_losses.append(loss.detach())  # read after the run: no sync from the harness
-            return loss
+    CountingTrainer = counting(Trainer, all_docs, all_losses)
 
     cuda = settings.device.startswith("cuda")
     with tempfile.TemporaryDirectory() as out:

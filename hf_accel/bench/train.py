@@ -292,6 +292,19 @@ def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
     return StepTimer()
 
 
+def counting(trainer_cls: type, docs: list[list[int]], losses: list[torch.Tensor]) -> type:
+    """`trainer_cls` recording each training step's document lengths into `docs` and its loss into `losses`."""
+
+    class Counting(trainer_cls):
+        def training_step(self, model, inputs, *args, **kwargs):
+            docs.append(doc_lengths_from_batch(inputs))
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            losses.append(loss.detach())  # read after the run: no sync from the harness
+            return loss
+
+    return Counting
+
+
 def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool,
             sft_overrides: dict[str, Any] | None = None, processing_class: Any = None) -> None:
     """TRL SFTTrainer, packing=True (bfd => padding-free): rows of max_len, tokens_per_step // max_len rows a step.
@@ -302,13 +315,7 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
     all_docs: list[list[int]] = []
     all_losses: list[torch.Tensor] = []
     clock = StepClock(settings.device)
-
-    class CountingSFTTrainer(SFTTrainer):
-        def training_step(self, model, inputs, *args, **kwargs):
-            all_docs.append(doc_lengths_from_batch(inputs))
-            loss = super().training_step(model, inputs, *args, **kwargs)
-            all_losses.append(loss.detach())  # read after the run: no sync from the harness
-            return loss
+    CountingSFTTrainer = counting(SFTTrainer, all_docs, all_losses)
 
     spec = data.spec
     cuda = settings.device.startswith("cuda")
