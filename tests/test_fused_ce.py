@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_accel.errors import ConfigurationError, InvalidBatch
-from hf_accel.fused.cross_entropy import _scale_, auto_chunk_size, causal_lm_loss_from_hidden, ce_grad_, linear_cross_entropy
+from hf_accel.fused.ce_functions import _scale_, ce_grad_
+from hf_accel.fused.cross_entropy import auto_chunk_size, causal_lm_loss_from_hidden, linear_cross_entropy
 
 # fp32 on CPU: chunking only reorders sums, so differences are a few ulps of the accumulated values
 RTOL, ATOL = 1e-5, 1e-6

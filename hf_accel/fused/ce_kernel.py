@@ -3,7 +3,7 @@ d(sum CE)/d logits = softmax - onehot(label) (a zero row where the label is igno
 
 One Triton program per row: an online max / sum-exp pass, then a pass that overwrites the row with its gradient; math
 in fp32, the row stored back in the logits' dtype. Imported only where Triton and CUDA are (the pure-torch
-`hf_accel.fused.cross_entropy.ce_grad_` is the same computation elsewhere, and the reference the GPU tests hold this to).
+`hf_accel.fused.ce_functions.ce_grad_` is the same computation elsewhere, and the reference the GPU tests hold this to).
 """
 from __future__ import annotations
 
