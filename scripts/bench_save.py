@@ -25,15 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from hf_accel.bench.workloads import WORKLOADS  # noqa: E402
 from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
 
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
-SHAPES = {"tiny": (TINY, False, 64), "llama-1b": (LLAMA_1B, False, 4096), "llama-8b-lora": (LLAMA_8B, True, 4096)}
+# (config kwargs, LoRA, tokens per step): the bench workloads' shapes (hf_accel.bench.workloads)
+SHAPES = {"tiny": (TINY, False, 64), "llama-1b": (WORKLOADS["llama-1b"].config_kwargs, False, 4096),
+          "llama-8b-lora": (WORKLOADS["llama-8b-lora"].config_kwargs, True, 4096)}
 
 
 class StepTimes(transformers.TrainerCallback):
@@ -56,8 +55,7 @@ def build_model(shape: str) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                 "gate_proj", "up_proj", "down_proj"]))
+                                                 target_modules=list(WORKLOADS["llama-8b-lora"].lora_targets)))
     return model
 
 
