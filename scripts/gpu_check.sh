@@ -4,6 +4,9 @@
 #   bash scripts/gpu_check.sh tests [FILE ...]    # pytest -m gpu: each tests/gpu file in its own process (default all)
 #   bash scripts/gpu_check.sh bench [PRESET ...]  # scripts/bench.py presets, one process per config (default llama-1b)
 #   bash scripts/gpu_check.sh all                 # tests, then bench llama-1b (no per-call limit: ~12 min)
+#   bash scripts/gpu_check.sh pair "tests FILE ..." "bench PRESET ..."
+#                                                 # 2-GPU machine: the two phases side by side, one GPU each
+#                                                 # (the machine's device time buys twice the single-GPU work)
 #
 # Presets: `python scripts/bench.py --list-presets` (llama-1b ~3 min, neox-1.4b ~3, falcon-1b ~3, llama-8b-lora ~4;
 # two of them fit one call: `gpu_check.sh bench neox-1.4b falcon-1b`). Each test file runs in its own process because
@@ -27,8 +30,22 @@ phase=${1:-}
 shift || true
 case "$phase" in
 tests | bench | all) ;;
+pair)
+    # each half in its own process on its own GPU, its results under $OUT/gpu0 and $OUT/gpu1 (or ./gpu0, ./gpu1)
+    [ $# -eq 2 ] || { echo 'usage: bash scripts/gpu_check.sh pair "tests [FILE ...]" "bench [PRESET ...]"' >&2; exit 2; }
+    base=${OUT:-.}
+    i=0
+    for half in "$1" "$2"; do
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=$i OUT="$base/gpu$i" bash "$0" $half >"$base/gpu$i.log" 2>&1 &
+        i=$((i + 1))
+    done
+    wait
+    cat "$base/gpu0.log" "$base/gpu1.log"
+    exit 0
+    ;;
 *)
-    echo "usage: bash scripts/gpu_check.sh tests [FILE ...] | bench [PRESET ...] | all" >&2
+    echo "usage: bash scripts/gpu_check.sh tests [FILE ...] | bench [PRESET ...] | all | pair HALF HALF" >&2
     exit 2
     ;;
 esac
