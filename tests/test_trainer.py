@@ -309,3 +309,25 @@ def test_batches_reach_the_device_without_blocking(tmp_path, non_blocking):
     trainer = Trainer(model=model, args=args, train_dataset=data, accel=AccelArguments(non_blocking=non_blocking))
     assert trainer.accelerator.non_blocking is non_blocking
     assert trainer.get_train_dataloader()._non_blocking is non_blocking
+
+
+@pytest.mark.parametrize("wrapper, expected", [
+    (dict(), "auto"),  # a single process: patch()'s own choice (on with CUDA)
+    (dict(is_fsdp_enabled=True, is_fsdp2=True), "auto"),  # FSDP2: measured on 2×H200 (docs/MULTI_GPU.md)
+    (dict(is_fsdp_enabled=True, is_fsdp2=False), False),  # FSDP1: not measured, stands down
+    (dict(is_deepspeed_enabled=True), False),  # DeepSpeed: not measured, stands down
+    (dict(torch_compile=True), False),  # TrainingArguments(torch_compile=True) compiles the whole model instead
+])
+def test_auto_compile_under_each_wrapper(wrapper, expected):
+    from types import SimpleNamespace
+
+    from hf_accel.training.trainer import AccelMixin
+
+    trainer = SimpleNamespace(
+        accel=AccelArguments(), args=SimpleNamespace(torch_compile=wrapper.get("torch_compile", False)),
+        is_fsdp_enabled=wrapper.get("is_fsdp_enabled", False),
+        is_deepspeed_enabled=wrapper.get("is_deepspeed_enabled", False),
+        accelerator=SimpleNamespace(is_fsdp2=wrapper.get("is_fsdp2", False)))
+    assert AccelMixin._accel_compile(trainer) == expected
+    trainer.accel.compile = True  # an explicit choice is kept everywhere
+    assert AccelMixin._accel_compile(trainer) is True
