@@ -53,6 +53,7 @@ def _launch_env(config: str) -> dict[str, str]:
 @pytest.mark.parametrize("config, distributed_type", [
     ("fsdp2.yaml", "FSDP"), ("fsdp2_checkpointing.yaml", "FSDP"), ("deepspeed_zero3.yaml", "DEEPSPEED"),
     ("ddp_cpu.yaml", "MULTI_GPU"),  # MULTI_GPU = torchrun launcher; the processes run on CPU (see the file)
+    ("deepspeed_zero3_cpu.yaml", "DEEPSPEED"),  # tests/test_zero3.py
 ])
 def test_config_loads_with_accelerate(config, distributed_type):
     from accelerate.commands.config.config_args import ClusterConfig

@@ -1,0 +1,102 @@
+"""DeepSpeed ZeRO-3 through ``accelerate launch`` on 2 CPU processes (gloo, DeepSpeed's CPU accelerator), hf_accel
+patched with the fused loss: the run must exit (a hang fails), really run as ZeRO-3, train like 1 process x
+grad-accum 2 over the same global batches, and save a model that from_pretrained loads with the trained weights.
+
+``state.json`` from tests/dist_sft.py says which type each rank actually ran (a config that fell back to plain DDP
+would train the same and pass every other check).
+Needs ``deepspeed`` (``DS_BUILD_OPS=0 pip install deepspeed``: ZeRO-3 without offload needs no compiled op).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multi_gpu_runs import _free_port, launch_or_fail  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "examples" / "accelerate"
+DIST_SFT = ROOT / "tests" / "dist_sft.py"
+# fp32, same samples per optimizer step: only the order of ZeRO-3's gradient reduce-scatter over 2 ranks vs the
+# accumulation of 2 micro-batches on 1 process differs. Measured: identical losses, weights within 1.2e-7.
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+RUN_TIMEOUT_S = 150  # the 2-process run takes ~10 s on 2 cores (first run: +~20 s building DeepSpeed's shm op)
+SFT_ARGS = ["--dataset", "data.jsonl", "--lr", "3e-3", "--max-steps", "4", "--logging-steps", "1",
+            "--eval-examples", "0", "--max-tokens-per-batch", "160", "--fused-ce"]
+
+
+@pytest.fixture(scope="module")
+def zero3_inputs(tmp_path_factory) -> Path:
+    """data.jsonl and two saved tiny Llamas: "tied" (the head shares the embedding) and "untied" (the head is its
+    own ZeRO-3 partition)."""
+    pytest.importorskip("deepspeed", reason="ZeRO-3 needs deepspeed (DS_BUILD_OPS=0 pip install deepspeed)")
+    from hf_accel.data.default_task import build_tokenizer, make_examples, tiny_llama
+
+    root = tmp_path_factory.mktemp("zero3")
+    (root / "data.jsonl").write_text("".join(json.dumps(x) + "\n" for x in make_examples(256, seed=3)))
+    tokenizer = build_tokenizer()
+    tied = tiny_llama(len(tokenizer), seed=0)
+    untied = tiny_llama(len(tokenizer), seed=0)
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone() * 1.5)
+    for name, model in (("tied", tied), ("untied", untied)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+def _run(root: Path, model: str, out: str, processes: int) -> Path:
+    """scripts/sft.py through tests/dist_sft.py: ZeRO-3 on 2 processes, or 1 plain process x grad-accum 2."""
+    if processes == 2:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(CONFIGS / "deepspeed_zero3_cpu.yaml"), "--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"),
+               "--main_process_port", str(_free_port()), str(DIST_SFT)]
+    else:
+        cmd = [sys.executable, str(DIST_SFT), "--grad-accum", "2"]
+    launch_or_fail(cmd + ["--model", model, *SFT_ARGS, "--output-dir", out], root, RUN_TIMEOUT_S,
+                   env={"OMP_NUM_THREADS": "1"})
+    return root / out
+
+
+def _state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tied", "untied"])
+def test_zero3_two_cpu_processes_match_one(zero3_inputs, model):
+    """2 ranks x grad-accum 1 under ZeRO-3 cover the same 2 global micro-batches per step as 1 process x
+    grad-accum 2 (the sampler deals batch i to rank i % 2): same per-step losses, same saved weights.
+
+    Tried against breakage: the same launch under plain DDP (ddp_cpu.yaml) trains identically and fails only on
+    state.json; an LM head that gets no gradient fails "untied" (the head keeps its initial weights). Reading the
+    head's weight outside its own call (no `_one_head_call`) passes: DeepSpeed gathers a partitioned parameter read
+    during any module's forward (docs/MULTI_GPU.md)."""
+    two, one = _run(zero3_inputs, model, f"{model}-zero3", 2), _run(zero3_inputs, model, f"{model}-1p", 1)
+
+    for rank in range(2):
+        state = json.loads((two / f"rank{rank}" / "state.json").read_text())
+        assert (state["distributed_type"], state["zero_stage"], state["num_processes"], state["process_index"]) == (
+            "DEEPSPEED", 3, 2, rank), f"rank {rank} did not run as ZeRO-3: {state}"
+        assert state["zero3_partitioned"] == state["parameters"] > 0, f"rank {rank} held whole parameters: {state}"
+    metrics = json.loads((two / "rank0" / "metrics.json").read_text())
+    reference = json.loads((one / "rank0" / "metrics.json").read_text())
+    assert json.loads((two / "rank1" / "metrics.rank1.json").read_text())["losses"] == metrics["losses"]
+    assert metrics["steps"] == reference["steps"] == 4
+    assert metrics["backend"] == reference["backend"] != "stock"
+    torch.testing.assert_close(torch.tensor(metrics["losses"]), torch.tensor(reference["losses"]),
+                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{metrics['losses']} vs {reference['losses']}")
+
+    saved, expected, initial = _state_dict(two / "rank0"), _state_dict(one / "rank0"), _state_dict(zero3_inputs / model)
+    assert saved.keys() == expected.keys() == initial.keys()
+    for name in expected:
+        assert saved[name].shape == initial[name].shape, f"{name}: saved a partition, not the gathered weight"
+        torch.testing.assert_close(saved[name], expected[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+    assert all(not torch.equal(saved[n], initial[n]) for n in initial), "some weight did not train"
