@@ -278,3 +278,26 @@ def test_flex_bucket_lengths_bound_compiled_shapes():
         128, 128, 256, 16384, 16384, 18432, 131072]
     assert len({bucket_length(n) for n in range(8193, 16385)}) == 8  # 8 compiled shapes per doubling
     assert all(n <= bucket_length(n) <= max(n + 127, n * 1.125) for n in range(1, 40000, 7))  # <= 12.5% padding
+
+
+def test_fa4_aux_data_note_is_the_only_warning_quieted():
+    """flash-attn-4's per-compile aux_data UserWarning (as logged on the H200) is ignored after the first fa4 call;
+    any other warning, also from the same DSL, still shows."""
+    import warnings
+
+    from hf_accel.attention.kernels import fa4
+
+    logged = ("Argument aux_data (position 17) cannot be converted to a JitArgument for function 'cutlass___call___"
+              "flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__Tensorgmem'. Its type `<class "
+              "'flash_attn.cute.utils.AuxData'>` is not supported.")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fa4._quieted = False
+        warnings.warn(logged, UserWarning)  # before the first call: shown
+        fa4.quiet_aux_data_note()
+        warnings.warn(logged, UserWarning)
+        warnings.warn(logged.replace("aux_data", "other_arg"), UserWarning)
+        warnings.warn(logged, DeprecationWarning)
+    fa4._quieted = False  # catch_warnings put the filters back
+    assert [(str(w.message)[:18], w.category) for w in seen] == [
+        (logged[:18], UserWarning), ("Argument other_arg", UserWarning), (logged[:18], DeprecationWarning)]

@@ -9,6 +9,7 @@ yet, so ALiBi is not declared.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 
@@ -60,6 +61,21 @@ def _window(left: int, right: int):
     return (None if left < 0 else left), (None if right < 0 else right)
 
 
+# flash-attn-4 4.0.0b36's CuTe DSL warns once per new kernel variant that its `aux_data` argument "cannot be converted
+# to a JitArgument" (a 600-character UserWarning per compile, 4 per process on the H200, 2026-11-30): its own note on
+# how it passes an internal argument, nothing a user can act on. That message only is ignored, from the first call.
+AUX_DATA_NOTE = r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"
+_quieted = False
+
+
+def quiet_aux_data_note() -> None:
+    """Ignore flash-attn-4's aux_data JitArgument UserWarning in this process (that message only; once)."""
+    global _quieted
+    if not _quieted:
+        warnings.filterwarnings("ignore", message=AUX_DATA_NOTE, category=UserWarning)
+        _quieted = True
+
+
 @torch.library.custom_op("hf_accel::fa4_varlen_fwd", mutates_args=())
 def fa4_varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
@@ -67,6 +83,7 @@ def fa4_varlen_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from flash_attn.cute.interface import _flash_attn_fwd
 
+    quiet_aux_data_note()
     left, right = _window(window_left, window_right)
     out, lse, *_ = _flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
