@@ -17,6 +17,7 @@ from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch, peak_flops
 from hf_accel.bench.report import add_ratios, markdown_table
 from hf_accel.bench.workloads import (DataSpec, _local_sft_lengths, greedy_steps, make_data, micro_batches,
                                       sft_lengths)
+from script_modules import script_module
 
 REPO = Path(__file__).resolve().parents[1]
 MEDIAN_RTOL = 0.05  # sample median of 20k log-normal draws (sigma 1): std error ~1% of the median
@@ -274,19 +275,10 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
         assert any(CONFIGS[c].stock for c in preset.configs)
 
 
-def _bench_module():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench
-
-
 def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(monkeypatch):
     from hf_accel.bench import presets
 
-    bench = _bench_module()
+    bench = script_module("bench")
     args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
     assert (args.workload, args.steps, args.warmup, args.best_checkpointing) == ("llama-8b-lora", 4, 3, "budget:0.8")
     assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best", "unsloth"]
@@ -335,7 +327,7 @@ def test_gpu_check_lists_what_did_not_fit_with_the_command_to_run_it(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ --nproc (issue 19)
 def test_multi_gpu_preset_and_nproc_flags():
-    bench = _bench_module()
+    bench = script_module("bench")
     args = bench.parse_args(["--preset", "multi-gpu"])
     assert (args.workload, args.nproc) == ("llama-1b", [1, 2])
     assert args.configs == ["trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-best"]

@@ -1,6 +1,5 @@
 """Benchmark results as data: the index built from result files, the generated tables, and --check against the repo
 (so a hand edit of a generated number, or a result file that was never indexed, fails CI)."""
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -11,15 +10,9 @@ import pytest
 
 from hf_accel.bench.index import build_index, reconstructed_command
 from hf_accel.bench.tables import NOT_MEASURED, StaleOrBroken, regenerate
+from script_modules import script_module
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_tables", REPO / "scripts" / "bench_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _result(config, tokens, peak=10.0, ratio=None, status="ok", **extra):
@@ -117,7 +110,7 @@ def test_broken_regions_raise(tree, doc, words):
 
 
 def test_check_fails_on_hand_edits_and_unindexed_results_until_regenerated(tree, capsys):
-    main = _script().main
+    main = script_module("bench_tables").main
     assert main(["--check", "--root", str(tree)]) == 1  # nothing generated yet
     assert main(["--root", str(tree)]) == 0
     assert main(["--check", "--root", str(tree)]) == 0
@@ -141,7 +134,7 @@ def test_repo_generated_tables_are_current():
 
 def test_chart_written(tree):
     pytest.importorskip("matplotlib")
-    assert _script().main(["--chart", "--root", str(tree)]) == 0
+    assert script_module("bench_tables").main(["--chart", "--root", str(tree)]) == 0
     assert (tree / "benchmarks" / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -155,7 +148,7 @@ def test_repo_copy_check_catches_an_edited_readme_number(tmp_path):
     digit = next(i for i, ch in enumerate(region) if ch.isdigit() and region[i - 1] == " ")
     edited = region[:digit] + str((int(region[digit]) + 1) % 10) + region[digit + 1:]
     (tmp_path / "README.md").write_text(readme.replace(region, edited))
-    assert _script().main(["--check", "--root", str(tmp_path)]) == 1
+    assert script_module("bench_tables").main(["--check", "--root", str(tmp_path)]) == 1
 
 
 def test_multi_gpu_region_renders_the_newest_nproc_run_and_its_scaling(tree):

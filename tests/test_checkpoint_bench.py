@@ -2,16 +2,11 @@
 H200 numbers come from the same script with --shape llama-1b / llama-8b-lora)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from script_modules import script_module
 
 
 def test_bench_save_tiny_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_save", ROOT / "scripts" / "bench_save.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script_module("bench_save")
     out = tmp_path / "save.json"
     results = bench.main(["--shape", "tiny", "--steps", "7", "--save-every", "3", "--out", str(out)])
     assert out.exists()

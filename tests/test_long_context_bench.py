@@ -10,16 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from script_modules import script_module
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench_module():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return bench
 
 
 def test_long_context_preset_trains_one_document_per_step_in_a_child(tmp_path):
@@ -41,7 +34,7 @@ def test_long_context_preset_trains_one_document_per_step_in_a_child(tmp_path):
 
 
 def test_first_oom_skips_longer_lengths_and_table_names_longest(monkeypatch, tmp_path):
-    bench = _bench_module()
+    bench = script_module("bench")
     statuses = {("a", 32): "ok", ("a", 64): "OOM", ("b", 32): "ok", ("b", 64): "ok", ("b", 128): "error: timeout"}
     ran = []
 
@@ -63,7 +56,7 @@ def test_first_oom_skips_longer_lengths_and_table_names_longest(monkeypatch, tmp
 
 
 def test_child_records_cuda_oom_as_oom(monkeypatch, tmp_path):
-    bench = _bench_module()
+    bench = script_module("bench")
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -18,6 +18,7 @@ from hf_accel.errors import ConfigurationError
 from hf_accel.fused.compiling import graphs_compiled
 from hf_accel.memory import mlp_chunks
 from hf_accel.memory.targets import decoder_mlps
+from script_modules import script_module
 from tiny_models import VOCAB, make
 
 CHUNK = 7
@@ -256,17 +257,11 @@ def test_chunks_inside_compiled_layers():
 def test_bench_best_flag_reaches_the_child_and_patch(monkeypatch):
     """hf_accel-best takes patch()'s default ("auto": on for the long-context preset's 32k-256k documents);
     --best-mlp-chunks overrides it, and the plain hf_accel config keeps it off."""
-    import sys
     from pathlib import Path
 
     from hf_accel.bench import configs
 
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    sys.path.insert(0, scripts)
-    try:
-        import bench
-    finally:
-        sys.path.remove(scripts)
+    bench = script_module("bench")
     assert bench.options(bench.parse_args(["--preset", "long-context"])).mlp_chunks == "auto"
     args = bench.parse_args(["--preset", "long-context", "--best-mlp-chunks", "8192"])
     assert bench.options(args).mlp_chunks == 8192

@@ -15,6 +15,7 @@ from hf_accel.bench import configs
 from hf_accel.bench.configs import CONFIGS, Options, child_env, missing_requirement
 from hf_accel.bench.train import RunSettings, Timing
 from hf_accel.bench.workloads import WORKLOADS, DataSpec
+from script_modules import script_module
 
 REPO = Path(__file__).resolve().parents[1]
 # what Unsloth 2026.10.9 reads before any network call (unsloth/models/_utils.py: get_statistics, has_internet)
@@ -81,11 +82,7 @@ def test_bench_rows_say_not_installed_and_default_configs_leave_them_out(tmp_pat
     statuses = {r["config"]: r["status"] for r in record["results"]}
     assert statuses.keys() == set(APART)
     assert all(s.startswith("skipped: ") and "not installed" in s for s in statuses.values()), statuses
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import bench
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    bench = script_module("bench")
     assert not set(APART) & set(bench.parse_args([]).configs)  # run only when named (or by a preset)
 
 
