@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+from hf_accel.bench.distributed import launch_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "accelerate"
@@ -58,16 +58,9 @@ CASES = {
 }
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_command(config: str, processes: int, sft_args: list[str]) -> list[str]:
     """``accelerate launch`` of tests/dist_sft.py with ``sft_args`` (a free rendezvous port per launch)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_processes", str(processes), "--main_process_port", str(_free_port()), str(DIST_SFT), *sft_args]
+    return launch_argv(CONFIGS / config, processes, [str(DIST_SFT), *sft_args])
 
 
 def case_args(case: Case, data: Path, out: Path, grad_accum: int) -> list[str]:

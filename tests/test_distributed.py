@@ -8,7 +8,6 @@ docs/MULTI_GPU.md.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 import hf_accel
 from hf_accel.memory.checkpointing import decoder_layers, policy_from_spec
+from hf_accel.bench.distributed import free_port, launch_argv
 from hf_accel.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -196,12 +196,6 @@ def test_checkpoint_policy_under_fsdp_activation_checkpointing(monkeypatch, conf
 
 
 # ------------------------------------------------------------------------------------------------ 2-process DDP run
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_or_fail(cmd: list[str], cwd: Path, timeout: float) -> str:
     """A CPU launch (one thread per rank) that must exit 0 within `timeout`; a hang kills the group and fails."""
     return launch_or_fail(cmd, cwd, timeout, env={"OMP_NUM_THREADS": "1"})
@@ -228,8 +222,7 @@ def _run_sft(root: Path, out: str, *args: str, processes: int = 1) -> tuple[dict
     if processes == 1:
         cmd = [sys.executable, script]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "ddp_cpu.yaml"),
-               "--num_processes", str(processes), "--main_process_port", str(_free_port()), script]
+        cmd = launch_argv(CONFIGS / "ddp_cpu.yaml", processes, [script])
     _launch_or_fail(cmd + common, root, SFT_RUN_TIMEOUT_S)
     from safetensors.torch import load_file
 
@@ -289,7 +282,7 @@ FSDP_GRAD_ATOL = 1e-6  # fp32; measured: identical (two ranks' halves summed vs 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("fsdp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "dist_fsdp.py"), "--out", str(out)]
     _launch_or_fail(cmd, out, FSDP_RUN_TIMEOUT_S)
     return out, json.loads((out / "report.json").read_text())

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_accel.bench.distributed import free_port
 from hf_accel.errors import CheckpointError
 from hf_accel.training import adapters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_lora_save  # noqa: E402
-from test_distributed import _free_port, _launch_or_fail  # noqa: E402
+from test_distributed import _launch_or_fail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 120  # ~7 s on 2 cores; longer means a rank waits in a collective
@@ -48,7 +49,7 @@ def assert_adapter_loads(adapter_dir: Path, trained: dict[str, torch.Tensor]) ->
 @pytest.fixture(scope="module")
 def fsdp_lora_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp-lora")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "dist_lora_save.py"), "--out", str(out)]
     _launch_or_fail(cmd, out, RUN_TIMEOUT_S)
     return out

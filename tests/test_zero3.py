@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_accel.bench.distributed import launch_argv
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_gpu_runs import _free_port, launch_or_fail  # noqa: E402
+from multi_gpu_runs import launch_or_fail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "accelerate"
@@ -53,9 +55,8 @@ def zero3_inputs(tmp_path_factory) -> Path:
 def _run(root: Path, model: str, out: str, processes: int) -> Path:
     """scripts/sft.py through tests/dist_sft.py: ZeRO-3 on 2 processes, or 1 plain process x grad-accum 2."""
     if processes == 2:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(CONFIGS / "deepspeed_zero3_cpu.yaml"), "--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"),
-               "--main_process_port", str(_free_port()), str(DIST_SFT)]
+        cmd = launch_argv(CONFIGS / "deepspeed_zero3_cpu.yaml", 2,
+                          ["--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"), str(DIST_SFT)])
     else:
         cmd = [sys.executable, str(DIST_SFT), "--grad-accum", "2"]
     launch_or_fail(cmd + ["--model", model, *SFT_ARGS, "--output-dir", out], root, RUN_TIMEOUT_S,
