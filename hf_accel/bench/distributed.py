@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .train import RunSettings, StepClock, Timing, _timing_callback, counting
+from .train import RunSettings, Timing, train_timed
 from .workloads import BenchData
 
 
@@ -121,11 +121,6 @@ def run_accel_trainer(model: nn.Module, data: BenchData, settings: RunSettings, 
 
     from hf_accel import Trainer
 
-    all_docs: list[list[int]] = []
-    all_losses: list[torch.Tensor] = []
-    clock = StepClock(settings.device)
-    CountingTrainer = counting(Trainer, all_docs, all_losses)
-
     cuda = settings.device.startswith("cuda")
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
@@ -136,13 +131,13 @@ def run_accel_trainer(model: nn.Module, data: BenchData, settings: RunSettings, 
             logging_nan_inf_filter=False,  # its check reads every step's loss back (a host sync)
         )
         accel.print_summary = False
-        trainer = CountingTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
-                                  accel=accel, callbacks=[_timing_callback(settings, timing, clock)])
-        if trainer.patch_report is not None:
-            timing.notes.append(f"patch: {trainer.patch_report}")
-        trainer.train()
-    timing.step_seconds = clock.step_seconds()
-    timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
-    timing.step_docs.extend(all_docs[timed])
-    timing.losses = [float(x) for x in all_losses[timed]]
+
+        def make(cls: type, timer: Any) -> Any:
+            trainer = cls(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
+                          accel=accel, callbacks=[timer])
+            if trainer.patch_report is not None:
+                timing.notes.append(f"patch: {trainer.patch_report}")
+            return trainer
+
+        train_timed(Trainer, settings, timing, make)
     return model

@@ -292,17 +292,27 @@ def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
     return StepTimer()
 
 
-def counting(trainer_cls: type, docs: list[list[int]], losses: list[torch.Tensor]) -> type:
-    """`trainer_cls` recording each training step's document lengths into `docs` and its loss into `losses`."""
+def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
+                make: Callable[[type, Any], Any]) -> None:
+    """Build a trainer with ``make(trainer class, timing callback)`` and train it: the class records each training
+    step's document lengths and loss (read after the run: no sync from the harness), the callback marks step ends on
+    a StepClock; the timed steps (after ``settings.warmup``) go to ``timing``."""
+    docs: list[list[int]] = []
+    losses: list[torch.Tensor] = []
+    clock = StepClock(settings.device)
 
     class Counting(trainer_cls):
         def training_step(self, model, inputs, *args, **kwargs):
             docs.append(doc_lengths_from_batch(inputs))
             loss = super().training_step(model, inputs, *args, **kwargs)
-            losses.append(loss.detach())  # read after the run: no sync from the harness
+            losses.append(loss.detach())
             return loss
 
-    return Counting
+    make(Counting, _timing_callback(settings, timing, clock)).train()
+    timing.step_seconds = clock.step_seconds()
+    timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
+    timing.step_docs.extend(docs[timed])
+    timing.losses = [float(x) for x in losses[timed]]
 
 
 def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool,
@@ -311,11 +321,6 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
     ``sft_overrides`` replace SFTConfig arguments (Unsloth: its own checkpointing instead of TRL's)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
-
-    all_docs: list[list[int]] = []
-    all_losses: list[torch.Tensor] = []
-    clock = StepClock(settings.device)
-    CountingSFTTrainer = counting(SFTTrainer, all_docs, all_losses)
 
     spec = data.spec
     cuda = settings.device.startswith("cuda")
@@ -329,16 +334,9 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
             report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
             use_liger_kernel=liger, shuffle_dataset=False,
         ), **(sft_overrides or {})})
-        trainer = CountingSFTTrainer(
+        train_timed(SFTTrainer, settings, timing, lambda cls, timer: cls(
             model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
-            processing_class=processing_class or offline_tokenizer(),
-            callbacks=[_timing_callback(settings, timing, clock)],
-        )
-        trainer.train()
-    timing.step_seconds = clock.step_seconds()
-    timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
-    timing.step_docs.extend(all_docs[timed])
-    timing.losses = [float(x) for x in all_losses[timed]]
+            processing_class=processing_class or offline_tokenizer(), callbacks=[timer]))
 
 
 def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str) -> dict[str, Any]:
