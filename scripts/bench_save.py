@@ -8,15 +8,23 @@
 Random weights, random tokens, hf_accel.Trainer. A step's time is the interval between two ``on_step_end`` events
 (the device synchronized), so the interval after a saving step includes that save's stall on the training loop. The
 stall per save is the mean interval after saving steps minus the median interval of the other steps.
+
+The synchronous run goes first; the background run then spaces its saves so that the steps between two saves take
+longer than a synchronous save (``--save-every auto``): a background write still running when the next save comes
+makes that save wait, which measures the disk, not the stall (the interval is recorded). A sampler thread reads the
+process's resident memory every 10 ms: ``host_peak_over_checkpoint`` is the peak during the run minus the resident
+memory before training, over the checkpoint's size (issue 21c: at most 1.2).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import math
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +51,41 @@ class StepTimes(transformers.TrainerCallback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (VmRSS), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class HostPeak:
+    """The peak resident memory while the block runs, sampled every ``period`` seconds on a thread."""
+
+    def __init__(self, period: float = 0.01) -> None:
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, resident_bytes())
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "HostPeak":
+        self.peak = resident_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_bytes())
 
 
 def build_model(shape: str) -> torch.nn.Module:
@@ -74,8 +117,10 @@ def run(shape: str, mode: str, steps: int, save_every: int, out_dir: str) -> dic
     accel = AccelArguments(async_save=mode == "background", save="trainable" if lora else "full",
                            print_summary=False, backend="auto" if on_gpu else "reference")
     trainer = Trainer(model=model, args=args, train_dataset=data, accel=accel, callbacks=[timer])
+    before = resident_bytes()
     start = time.perf_counter()
-    trainer.train()
+    with HostPeak() as host:
+        trainer.train()
     total = time.perf_counter() - start
     intervals = [b - a for a, b in zip(timer.ends, timer.ends[1:])]  # interval i follows step i + 1
     after_save = [t for i, t in enumerate(intervals) if (i + 1) % save_every == 0]
@@ -84,21 +129,37 @@ def run(shape: str, mode: str, steps: int, save_every: int, out_dir: str) -> dic
     size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else 0
     step = statistics.median(normal) if normal else 0.0
     stall = statistics.mean(after_save) - step if after_save else 0.0
-    return {"mode": mode, "step_s": step, "stall_per_save_s": stall,
-            "saves_timed": len(after_save), "checkpoint_gib": size / 2**30, "total_s": total}
+    return {"mode": mode, "step_s": step, "stall_per_save_s": stall, "save_every": save_every,
+            "stalls_s": [t - step for t in after_save],
+            "saves_timed": len(after_save), "checkpoint_gib": size / 2**30, "total_s": total,
+            "host_rss_before_gib": before / 2**30, "host_peak_over_before_gib": (host.peak - before) / 2**30,
+            "host_peak_over_checkpoint": (host.peak - before) / size if size else None}
+
+
+def spaced_save_every(sync: dict[str, float], margin: float = 1.5, least: int = 4) -> int:
+    """Steps between background saves so that training between two saves outlasts one synchronous save."""
+    if sync["step_s"] <= 0:
+        return least
+    return max(least, math.ceil(margin * max(sync["stall_per_save_s"], 0.0) / sync["step_s"]))
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--steps", type=int, default=13)
-    p.add_argument("--save-every", type=int, default=4)
+    p.add_argument("--saves", type=int, default=3, help="saves timed per mode")
+    p.add_argument("--save-every", type=int, default=4, help="steps between saves of the synchronous run")
+    p.add_argument("--background-save-every", default="auto",
+                   help="steps between background saves: 'auto' (outlast a synchronous save) or a number")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     results = {"shape": args.shape, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    every = args.save_every
     for mode in ("synchronous", "background"):
+        if mode == "background":
+            every = (spaced_save_every(results["synchronous"]) if args.background_save_every == "auto"
+                     else int(args.background_save_every))
         with tempfile.TemporaryDirectory() as tmp:
-            results[mode] = run(args.shape, mode, args.steps, args.save_every, os.path.join(tmp, "run"))
+            results[mode] = run(args.shape, mode, args.saves * every + 1, every, os.path.join(tmp, "run"))
         print(json.dumps(results[mode]), flush=True)
     sync, bg = results["synchronous"]["stall_per_save_s"], results["background"]["stall_per_save_s"]
     results["background_over_sync"] = bg / sync if sync > 0 else None
