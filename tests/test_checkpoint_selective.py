@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from hf_accel.errors import CheckpointError, ConfigurationError
@@ -49,3 +50,26 @@ def test_resume_onto_a_different_base_is_refused(tmp_path, setup):
 def test_save_mode_is_checked(tmp_path):
     with pytest.raises(ConfigurationError, match="save='everything'.*allowed: 'full'"):
         trainer(tmp_path, accel=accel(save="everything"))
+
+
+@pytest.mark.parametrize("numel", [1, 2, 255, 256, 257, 2**25 + 1, 525_336_576])  # the last: Llama-3's embedding
+def test_fingerprint_sample_indices_stay_in_range_and_evenly_spaced(numel):
+    """The frozen fingerprint's sample: integer indices, first and last element included, never past the end (a
+    float32 linspace gave index 525,336,576 for a 525,336,576-element embedding: a device-side assert on the H200)."""
+    from hf_accel.training.selective import SAMPLE, sample_indices
+
+    idx = sample_indices(numel)
+    assert idx.dtype == torch.long and len(idx) == min(numel, SAMPLE)
+    assert idx[0] == 0 and idx[-1] == numel - 1 and bool((idx[1:] > idx[:-1]).all())
+    exact = [i * (numel - 1) / max(len(idx) - 1, 1) for i in range(len(idx))]
+    assert max(abs(a - b) for a, b in zip(idx.tolist(), exact)) < 1
+
+
+def test_fingerprint_hashes_a_large_frozen_tensor():
+    """A frozen tensor past 2**24 elements hashes (uint8 keeps the test light); a change at a sampled element shows."""
+    from hf_accel.training.selective import _sample_hash, sample_indices
+
+    t = torch.zeros(2**25 + 7, dtype=torch.uint8)
+    before = _sample_hash(t)
+    t[sample_indices(t.numel())[-1]] = 1
+    assert _sample_hash(t) != before

@@ -27,11 +27,21 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def sample_indices(numel: int, count: int = SAMPLE) -> torch.Tensor:
+    """``count`` evenly spaced indices into ``numel`` elements, first and last included, in exact integer arithmetic:
+    the same on every device and in range for any size (a float32 linspace rounds past the end above ~2**24
+    elements, e.g. a Llama-3 embedding's 525M)."""
+    count = min(numel, count)
+    if count <= 1:
+        return torch.zeros(count, dtype=torch.long)
+    return torch.arange(count, dtype=torch.long) * (numel - 1) // (count - 1)
+
+
 def _sample_hash(t: torch.Tensor) -> str | None:
     if t.device.type == "meta" or t.numel() == 0:
         return None
     flat = t.detach().reshape(-1)
-    idx = torch.linspace(0, flat.numel() - 1, min(flat.numel(), SAMPLE), device=flat.device).round().long()
+    idx = sample_indices(flat.numel()).to(flat.device)
     picked = flat[idx].to("cpu").contiguous()
     return hashlib.sha256(picked.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
