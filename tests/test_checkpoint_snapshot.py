@@ -67,3 +67,33 @@ def test_background_saves_reuse_buffers_and_fall_back_when_memory_is_short(tmp_p
     resumed = trainer(tmp_path / "bg")
     resumed.train(resume_from_checkpoint=str(tmp_path / "bg" / "checkpoint-4"))
     assert losses(resumed) == pytest.approx(losses(ref), rel=LOSS_RTOL)
+
+
+def test_tied_weights_share_one_buffer():
+    """A tied embedding / LM head is one tensor under two names: one host buffer serves both, so the writer sees the
+    tie (the file holds it once, as a synchronous save's) and the host holds it once."""
+    w = torch.randn(16, 8)
+    state = {"embed.weight": w, "head.weight": w, "other": torch.randn(4)}
+    buffers = SnapshotBuffers(pin=False, available=lambda: 1 << 40)
+    assert buffers.shortfall(state) is None
+    copied = buffers.copy(state)
+    assert copied["embed.weight"] is copied["head.weight"] and torch.equal(copied["head.weight"], w)
+    assert buffers.nbytes == w.numel() * 4 + 4 * 4
+    view = {"a": w, "a_t": w.t()}  # same storage, another layout: two tensors, two buffers
+    assert buffers.copy(view)["a_t"].shape == (8, 16)
+
+
+def test_background_checkpoint_of_a_tied_model_matches_the_synchronous_one(tmp_path):
+    import os
+
+    from tests.tiny_models import make
+
+    files = {}
+    for name, async_save in (("sync", False), ("bg", True)):
+        m = make("llama-gqa", seed=0).train()
+        m.config.tie_word_embeddings = True
+        m.lm_head.weight = m.get_input_embeddings().weight
+        t = trainer(tmp_path / name, m, accel=accel(async_save=async_save), max_steps=2)
+        t.train()
+        files[name] = os.path.getsize(tmp_path / name / "checkpoint-2" / "model.safetensors")
+    assert files["bg"] == files["sync"]

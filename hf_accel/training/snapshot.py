@@ -27,6 +27,11 @@ def host_available_bytes() -> int:
     return 1 << 62
 
 
+def _alias_key(t: torch.Tensor) -> tuple:
+    """Tensors with the same key are one tensor under two names (tied weights): one buffer serves both."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _tensors(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     if torch.is_tensor(obj):
         return [(path, obj)]
@@ -51,7 +56,11 @@ class SnapshotBuffers:
 
     def _missing_bytes(self, state: Any) -> tuple[int, int]:
         total = missing = 0
+        seen = set()
         for path, t in _tensors(state):
+            if _alias_key(t) in seen:
+                continue
+            seen.add(_alias_key(t))
             n = t.numel() * t.element_size()
             total += n
             buf = self._buffers.get(path)
@@ -69,14 +78,22 @@ class SnapshotBuffers:
         return None
 
     def copy(self, state: Any) -> Any:
-        """``state`` with every tensor replaced by its host buffer, filled with the tensor's current values."""
+        """``state`` with every tensor replaced by its host buffer, filled with the tensor's current values; tensors
+        that are one tensor under several names (tied weights) share one buffer, so writers see the tie (and store
+        it once) and the host holds it once."""
+        aliases: dict[tuple, torch.Tensor] = {}
+
         def walk(obj: Any, path: tuple) -> Any:
             if torch.is_tensor(obj):
+                key = _alias_key(obj)
+                if key in aliases:
+                    return aliases[key]
                 buf = self._buffers.get(path)
                 if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
                     buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=self.pin)
                     self._buffers[path] = buf
                 buf.copy_(obj.detach(), non_blocking=self.pin)
+                aliases[key] = buf
                 return buf
             if isinstance(obj, dict):
                 return {k: walk(v, path + (k,)) for k, v in obj.items()}
