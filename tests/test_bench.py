@@ -428,3 +428,20 @@ def test_script_nproc_runs_ranks_under_a_launcher_and_sums_their_tokens(tmp_path
         assert max(two["step_tokens"]) == pytest.approx(2 * max(one["step_tokens"]), rel=FULL_BIN_RTOL)
     md = json_path.with_suffix(".md").read_text()
     assert "| config | nproc |" in md and "| hf_accel-defaults | 2 |" in md and "scaling" in md
+
+
+def test_run_loop_trains_in_training_mode():
+    """A model loaded with from_pretrained comes in eval mode, where HF's gradient checkpointing stands down (the
+    QLoRA bench row ran out of memory on the H200 that way): run_loop trains in training mode."""
+    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
+    from hf_accel.bench.workloads import WORKLOADS
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    modes = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: modes.append(m.training))
+    ids = torch.randint(0, 32, (2, 9))
+    batch = [{"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}]
+    settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=1, warmup=0, step_time_budget=1e9)
+    run_loop(model, iter([batch]), hf_loss, settings, Timing())
+    assert modes == [True]

@@ -217,6 +217,7 @@ def run_loop(
     model: nn.Module, steps: Iterator[list[Batch]], loss_fn: LossFn, settings: RunSettings, timing: Timing
 ) -> None:
     """Warmup + timed optimizer steps; each step = its micro-batches (input wait and collation included)."""
+    model.train()  # from_pretrained returns eval mode, where HF's gradient checkpointing stands down
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
     clock = StepClock(settings.device)
