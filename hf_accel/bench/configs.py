@@ -223,6 +223,18 @@ def _hf_accel_defaults(settings: RunSettings, data: BenchData, options: Options,
     return model
 
 
+def _hf_accel_offload(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+    """`hf_accel.patch(model, checkpointing="offload")`, otherwise the defaults: every layer checkpointed with its
+    input kept in pinned host memory (the memory class of Unsloth's offloaded checkpointing)."""
+    import hf_accel
+
+    model = build_model(settings, "sdpa")
+    timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing='offload')}")
+    model = add_lora(model, settings.workload)
+    run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
+    return model
+
+
 def _hf_accel(best: bool) -> Callable[..., nn.Module]:
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         import hf_accel
@@ -305,6 +317,10 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-defaults", False, ("hf_accel",), _hf_accel_defaults,
                     "hf_accel.patch(model), no arguments (the library's own choices) + the same packing",
                     launched=_hf_accel_trainer("defaults")),
+        BenchConfig("hf_accel-offload", False, ("hf_accel",), _hf_accel_offload,
+                    "hf_accel.patch(model, checkpointing='offload'), otherwise no arguments: every layer "
+                    "checkpointed, its input kept in pinned host memory (Unsloth's offloaded checkpointing's memory "
+                    "class) + the same packing"),
         BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
                     "hf_accel.patch(model, fused_ce=True, fused_ops=True, compile=True) + the same packing, with "
                     "the --fused-ce / --best-* options", launched=_hf_accel_trainer("best")),
@@ -410,15 +426,19 @@ def qlora_base(settings: RunSettings, attn_implementation: str) -> nn.Module:
                                            gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _hf_accel_qlora(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-    """QLoRA (NF4 base + PEFT LoRA) with `hf_accel.patch(model)`, no arguments, and hf_accel's packing."""
-    import hf_accel
+def _hf_accel_qlora(**patch_kwargs: Any) -> Callable[..., nn.Module]:
+    """QLoRA (NF4 base + PEFT LoRA) with `hf_accel.patch(model, **patch_kwargs)` and hf_accel's packing."""
 
-    model = qlora_base(settings, "sdpa")
-    timing.notes.append(f"patch: {hf_accel.patch(model)}")
-    model = add_lora(model, settings.workload)
-    run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
-    return model
+    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+        import hf_accel
+
+        model = qlora_base(settings, "sdpa")
+        timing.notes.append(f"patch: {hf_accel.patch(model, **patch_kwargs)}")
+        model = add_lora(model, settings.workload)
+        run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
+        return model
+
+    return run
 
 
 def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
@@ -455,13 +475,25 @@ def _unsloth(load_in_4bit: bool) -> Callable[..., nn.Module]:
                 use_gradient_checkpointing=checkpointing, random_state=settings.seed,
             )
         timing.notes.append(f"unsloth: load_in_4bit={load_in_4bit}, full_finetuning={not workload.lora}, "
-                            f"use_gradient_checkpointing={checkpointing!r}")
+                            f"use_gradient_checkpointing={checkpointing!r}; {_unsloth_attention()}")
         # Unsloth's checkpointing is already on the model; TRL's would put HF's own back over it
         run_trl(model, data, settings, timing, liger=False, sft_overrides={"gradient_checkpointing": False},
                 processing_class=tokenizer)
         return model
 
     return run
+
+
+def _unsloth_attention() -> str:
+    """Which attention kernel Unsloth picks for packed (varlen) training calls, and what it found installed."""
+    try:
+        from unsloth.utils import attention_dispatch as dispatch
+
+        return (f"attention for packed batches: {dispatch.select_attention_backend(use_varlen=True)} (flash_attn "
+                f"2: {getattr(dispatch, 'HAS_FLASH_ATTENTION', '?')}, xformers: "
+                f"{getattr(dispatch, 'HAS_XFORMERS', '?')} {getattr(dispatch, 'xformers_version', '')})")
+    except Exception as exc:  # an Unsloth internals change must not fail the row
+        return f"attention backend not read ({type(exc).__name__}: {exc})"
 
 
 _UNSLOTH_NEEDS = ("unsloth", "cuda", "unsloth-family")  # "not installed" first: the likelier news
@@ -478,8 +510,13 @@ CONFIGS.update({
         BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
                     "QLoRA (bitsandbytes NF4, bf16 compute, prepare_model_for_kbit_training) + PEFT LoRA r=16, TRL "
                     "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True", sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "cuda", "hf_accel"), _hf_accel_qlora,
+        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "cuda", "hf_accel"), _hf_accel_qlora(),
                     "the same QLoRA model with hf_accel.patch(model), no arguments, + hf_accel's packing",
+                    sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "cuda", "hf_accel"),
+                    _hf_accel_qlora(checkpointing="offload"),
+                    "the same QLoRA model with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
+                    "pinned host memory, as Unsloth's offloaded checkpointing) + hf_accel's packing",
                     sites=BNB_SITES),
     ]
 })

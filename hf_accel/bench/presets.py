@@ -79,7 +79,7 @@ PRESETS: dict[str, Preset] = {
             "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 (full checkpointing) "
             "vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded "
             "checkpointing) where its pack is installed",
-            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST, "unsloth"),
+            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST, "hf_accel-offload", "unsloth"),
             dict(steps=8, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=470,
                  config_timeout=170),
         ),
@@ -87,7 +87,7 @@ PRESETS: dict[str, Preset] = {
             "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL + "
             "flash-attn-4 + Liger vs Unsloth's QLoRA vs hf_accel defaults, where the bitsandbytes / Unsloth packs "
             "are installed",
-            "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora"),
+            "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora", "hf_accel-qlora-offload"),
             dict(steps=8, warmup=3, time_budget=480, config_timeout=170),
         ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first

@@ -38,6 +38,8 @@ CONFIG_LABELS = {
     "unsloth-qlora": "Unsloth FastLanguageModel 4-bit + TRL padding-free",
     "trl-qlora": "QLoRA, TRL SFTTrainer packing + flash-attn-4 + Liger",
     "hf_accel-qlora": "QLoRA, `hf_accel.patch(model)`, no arguments",
+    "hf_accel-offload": "`hf_accel.patch(model, checkpointing=\"offload\")`",
+    "hf_accel-qlora-offload": "QLoRA, `hf_accel.patch(model, checkpointing=\"offload\")`",
 }
 ROLE_LABELS = {"stock": "stock anchor", "defaults": "hf_accel defaults", "best": "hf_accel best",
                "plain": "hf_accel, fast paths off", "hf_accel": "hf_accel"}
