@@ -97,3 +97,32 @@ def test_background_checkpoint_of_a_tied_model_matches_the_synchronous_one(tmp_p
         t.train()
         files[name] = os.path.getsize(tmp_path / name / "checkpoint-2" / "model.safetensors")
     assert files["bg"] == files["sync"]
+
+
+def test_reserved_buffers_serve_the_first_copy():
+    """reserve() allocates on a thread what copy() will need; copy() takes those buffers instead of allocating, tied
+    tensors get one; a host that lacks the memory gets no reservation."""
+    w = torch.randn(32, 8)
+    state = {"a": w, "tied": w, "b": torch.randn(5)}
+    buffers = SnapshotBuffers(pin=False, available=lambda: 1 << 40)
+    assert buffers.reserve(state)
+    assert buffers.nbytes == (w.numel() + 5) * 4  # joined: held before any copy
+    held = {id(b) for b in buffers._buffers.values()}
+    copied = buffers.copy(state)
+    assert {id(v) for v in copied.values()} == held and torch.equal(copied["b"], state["b"])
+    assert not SnapshotBuffers(pin=False, available=lambda: 0).reserve(state)
+
+
+def test_background_saves_reserve_their_buffers_after_the_first_step(tmp_path):
+    t = trainer(tmp_path / "bg", accel=accel(async_save=True))
+    reserved_at, held_at_first_copy = [], []
+    real_reserve, real_copy = t._buffers.reserve, t._buffers.copy
+    t._buffers.reserve = lambda state, **kw: reserved_at.append(t.state.global_step) or real_reserve(state, **kw)
+    t._buffers.copy = lambda state: held_at_first_copy.append(t._buffers.nbytes) or real_copy(state)
+    t.train()
+    assert reserved_at == [1]
+    live = t._live_state()
+    unique = {(x.data_ptr(), x.shape): x for x in
+              [*live["model"].values(), *[v for s in live["optimizer"]["state"].values() for v in s.values()
+                                          if torch.is_tensor(v)]]}
+    assert held_at_first_copy[0] == sum(x.numel() * x.element_size() for x in unique.values())

@@ -48,6 +48,28 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+class ReserveSnapshotAhead(transformers.TrainerCallback):
+    """Background saves: after the first optimizer step of a run (the optimizer state exists then), page-lock the
+    snapshot's host buffers on a thread, so the first save costs the training loop what every later one does."""
+
+    def __init__(self, trainer: "CheckpointFilesMixin") -> None:
+        import weakref
+
+        self._trainer = weakref.ref(trainer)
+        self._done = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._done = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        if self._done or trainer is None:
+            return
+        self._done = True
+        if trainer.accel.async_save and args.save_strategy != "no" and args.world_size == 1:
+            trainer._buffers.reserve(trainer._live_state())
+
+
 class CheckpointFilesMixin:
     """Save / resume hooks of transformers' Trainer, for checkpoint files a run can trust; sits before it in MRO."""
 

@@ -8,9 +8,13 @@ host lacks the memory for them (plus ``HEADROOM``), ``shortfall`` says why and t
 """
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any, Callable
 
 import torch
+
+logger = logging.getLogger("hf_accel")
 
 HEADROOM = 0.2  # keep this fraction of the snapshot's size free beyond it
 
@@ -49,10 +53,51 @@ class SnapshotBuffers:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._available = available
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._reserving: threading.Thread | None = None
+        self._reserved: dict[tuple, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
+        self._join()
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def reserve(self, state: Any, background: bool = True) -> bool:
+        """Allocate now the buffers a later ``copy(state)`` needs (on a thread by default), so the first save does
+        not pay for page-locking them (~4.5 s for Llama-1B's 7.4 GiB on the H200, against 0.15 s for a later save's
+        copy). False, and nothing allocated, when the host lacks the memory (``shortfall``)."""
+        if self.shortfall(state) is not None:
+            return False
+        self._join()
+        wanted, seen = [], set()
+        for path, t in _tensors(state):
+            buf = self._buffers.get(path)
+            if _alias_key(t) in seen or (buf is not None and buf.shape == t.shape and buf.dtype == t.dtype):
+                continue
+            seen.add(_alias_key(t))
+            wanted.append((path, t.shape, t.dtype))
+
+        def allocate() -> None:
+            try:
+                for path, shape, dtype in wanted:
+                    self._reserved[path] = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
+            except Exception as exc:  # e.g. the host ran short meanwhile: the save allocates (or falls back) itself
+                logger.warning("hf_accel: reserving snapshot buffers ahead of the first save failed (%s)", exc)
+
+        if background:
+            self._reserving = threading.Thread(target=allocate, name="hf_accel-snapshot-reserve", daemon=True)
+            self._reserving.start()
+        else:
+            allocate()
+        return True
+
+    def _join(self) -> None:
+        """Wait for a reservation under way and take its buffers."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+        if self._reserved:
+            self._buffers.update(self._reserved)
+            self._reserved = {}
 
     def _missing_bytes(self, state: Any) -> tuple[int, int]:
         total = missing = 0
@@ -70,6 +115,7 @@ class SnapshotBuffers:
 
     def shortfall(self, state: Any) -> str | None:
         """None when ``state`` fits (buffers already held, or the host has room for the new ones); else why not."""
+        self._join()
         total, missing = self._missing_bytes(state)
         free = self._available()
         if missing and free - missing < HEADROOM * total:
@@ -81,6 +127,7 @@ class SnapshotBuffers:
         """``state`` with every tensor replaced by its host buffer, filled with the tensor's current values; tensors
         that are one tensor under several names (tied weights) share one buffer, so writers see the tie (and store
         it once) and the host holds it once."""
+        self._join()
         aliases: dict[tuple, torch.Tensor] = {}
 
         def walk(obj: Any, path: tuple) -> Any:
@@ -107,4 +154,5 @@ class SnapshotBuffers:
         return out
 
     def release(self) -> None:
+        self._join()
         self._buffers.clear()

@@ -24,7 +24,7 @@ from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
 from ..errors import ConfigurationError
 from ..patching import patch
 from ..data.sampling import TokenBudgetBatchSampler
-from .checkpoint_hooks import CheckpointFilesMixin
+from .checkpoint_hooks import CheckpointFilesMixin, ReserveSnapshotAhead
 from .metrics import ThroughputMeter, format_summary
 
 logger = logging.getLogger("hf_accel")
@@ -110,6 +110,7 @@ class AccelMixin(CheckpointFilesMixin):
         self._check_save_options()
         self._writer = checkpoint_io.AsyncWriter()
         self._buffers = SnapshotBuffers()
+        self.add_callback(ReserveSnapshotAhead(self))
         self._run_record: dict[str, Any] | None = None
         self._frozen_fingerprint: dict[str, Any] | None = None
         self._saving_checkpoint = False
