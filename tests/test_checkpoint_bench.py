@@ -20,8 +20,8 @@ def test_bench_save_tiny_cpu(tmp_path):
 
 def test_background_saves_are_spaced_to_outlast_a_synchronous_save():
     bench = script_module("bench_save")
-    # a 10 s save at 0.1 s a step: 1.5 x 10 / 0.1 = 150 steps between saves
-    assert bench.spaced_save_every({"step_s": 0.1, "stall_per_save_s": 10.0}) == 150
+    # a 10 s save at 0.1 s a step: 3 x 10 / 0.1 = 300 steps between saves
+    assert bench.spaced_save_every({"step_s": 0.1, "stall_per_save_s": 10.0}) == 300
     assert bench.spaced_save_every({"step_s": 0.1, "stall_per_save_s": 0.05}) == 4  # never under 4
     assert bench.spaced_save_every({"step_s": 0.0, "stall_per_save_s": 1.0}) == 4
 

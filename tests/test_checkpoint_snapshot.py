@@ -126,3 +126,14 @@ def test_background_saves_reserve_their_buffers_after_the_first_step(tmp_path):
               [*live["model"].values(), *[v for s in live["optimizer"]["state"].values() for v in s.values()
                                           if torch.is_tensor(v)]]}
     assert held_at_first_copy[0] == sum(x.numel() * x.element_size() for x in unique.values())
+
+
+def test_trainable_background_saves_fingerprint_the_base_before_the_first_save(tmp_path):
+    from tests.checkpoint_runs import model
+
+    t = trainer(tmp_path / "lora", model(lora=True), accel=accel(async_save=True, save="trainable"))
+    at_first_copy = []
+    real_copy = t._buffers.copy
+    t._buffers.copy = lambda state: at_first_copy.append(t._frozen_fingerprint is not None) or real_copy(state)
+    t.train()
+    assert at_first_copy[0] is True

@@ -50,7 +50,8 @@ def _rng_state() -> dict[str, Any]:
 
 class ReserveSnapshotAhead(transformers.TrainerCallback):
     """Background saves: after the first optimizer step of a run (the optimizer state exists then), page-lock the
-    snapshot's host buffers on a thread, so the first save costs the training loop what every later one does."""
+    snapshot's host buffers on a thread and fingerprint a trainable-only save's frozen base, so the first save costs
+    the training loop what every later one does."""
 
     def __init__(self, trainer: "CheckpointFilesMixin") -> None:
         import weakref
@@ -68,6 +69,8 @@ class ReserveSnapshotAhead(transformers.TrainerCallback):
         self._done = True
         if trainer.accel.async_save and args.save_strategy != "no" and args.world_size == 1:
             trainer._buffers.reserve(trainer._live_state())
+            if trainer.accel.save == "trainable":  # hashed once per run: not inside the first save's stall
+                trainer._fingerprint(trainer.accelerator.unwrap_model(trainer.model))
 
 
 class CheckpointFilesMixin:
