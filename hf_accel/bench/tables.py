@@ -101,6 +101,14 @@ def _provenance(run: dict[str, Any]) -> str:
             f"[`{run['file']}`](benchmarks/results/{run['file']})\n\n`{run['command']}`{note}")
 
 
+def _has_best(workload: str) -> bool:
+    """Whether the workload's preset runs an `hf_accel-best` row (the QLoRA preset has none: no flags to add)."""
+    from .presets import PRESETS
+
+    preset = PRESETS.get(workload)
+    return preset is None or "hf_accel-best" in preset.configs
+
+
 def workload_table(index: dict[str, Any], workload: str) -> str:
     run = current_runs(index).get(workload)
     if run is None:
@@ -109,7 +117,7 @@ def workload_table(index: dict[str, Any], workload: str) -> str:
              "| row | configuration | tokens/s | steady tokens/s | vs best stock (run / steady) | peak GiB | MFU "
              "| status |", "|---|---|---:|---:|---:|---:|---:|---|"]
     rows = rows_by_role(run, ROLE_ORDER)
-    for role in ("defaults", "best"):
+    for role in ("defaults", "best") if _has_best(workload) else ("defaults",):
         if not any(r["role"] == role for r in rows):
             rows.append({"config": f"hf_accel-{role}", "role": role, "status": "", "missing": True})
     for row in sorted(rows, key=lambda r: ROLE_ORDER.index(r["role"])):
@@ -147,8 +155,9 @@ def summary_table(index: dict[str, Any]) -> str:
         anchor = max(stock, key=lambda r: r["tokens_per_s"])
         found = {r["role"]: r for r in run["configs"] if r["role"] in ("defaults", "best")}
         best = found.get("best")
+        best_cell = _cell(best, False) if _has_best(workload) else "- (no extra flags in this preset)"
         lines.append(f"| {WORKLOAD_TITLES.get(workload, workload)} | {_label(anchor)}: {_cell(anchor, False)} "
-                     f"| {_cell(found.get('defaults'), True)} | {_cell(best, False)} "
+                     f"| {_cell(found.get('defaults'), True)} | {best_cell} "
                      f"| {_ratio(best) if best and _ok(best) else '-'} | {run['date'][:10]}, {run.get('gpu')} |")
     return "\n".join(lines)
 
