@@ -51,7 +51,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 
 from hf_accel.bench import flops  # noqa: E402
-from hf_accel.bench.configs import CONFIGS, Options, child_env, missing_requirement  # noqa: E402
+from hf_accel.bench.apart import child_env  # noqa: E402
+from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
 from hf_accel.bench.distributed import Rank, gather_ranks, launch_argv, run_group  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, scaling_table,  # noqa: E402

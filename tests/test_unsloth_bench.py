@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_accel.bench import configs
-from hf_accel.bench.configs import CONFIGS, Options, child_env, missing_requirement
+from hf_accel.bench import apart, configs
+from hf_accel.bench.apart import child_env
+from hf_accel.bench.configs import CONFIGS, Options, missing_requirement
 from hf_accel.bench.train import RunSettings, Timing
 from hf_accel.bench.workloads import WORKLOADS, DataSpec
 from script_modules import script_module
@@ -114,8 +115,8 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
     monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
     for key in (*OFFLINE, "UNSLOTH_COMPILE_LOCATION"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(configs, "saved_random_model", lambda settings: _folder("/model"))
-    monkeypatch.setattr(configs, "run_trl", lambda model, data, settings, timing, **kw: calls.update(trl=(model, kw)))
+    monkeypatch.setattr(apart, "saved_random_model", lambda settings: _folder("/model"))
+    monkeypatch.setattr(apart, "run_trl", lambda model, data, settings, timing, **kw: calls.update(trl=(model, kw)))
     data = types.SimpleNamespace(spec=DataSpec.tiny())
     for workload in ("llama-8b-lora", "llama-1b"):
         settings = RunSettings(WORKLOADS[workload], "cuda", True, steps=1, warmup=1, step_time_budget=1.0)
@@ -141,7 +142,7 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
 def test_qlora_needs_a_lora_workload():
     settings = RunSettings(WORKLOADS["llama-1b"], "cuda", True, steps=1, warmup=1, step_time_budget=1.0)
     with pytest.raises(ValueError, match="has no LoRA"):
-        configs.qlora_base(settings, "sdpa")
+        apart.qlora_base(settings, "sdpa")
 
 
 class _folder:
@@ -170,7 +171,7 @@ def test_saved_random_model_reloads_as_the_workload_with_its_tokenizer_and_is_re
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     settings = RunSettings(WORKLOADS["llama-8b-qlora"], "cpu", True, steps=1, warmup=1, step_time_budget=1.0)
-    with configs.saved_random_model(settings) as folder:
+    with apart.saved_random_model(settings) as folder:
         model = AutoModelForCausalLM.from_pretrained(folder)
         assert AutoTokenizer.from_pretrained(folder).pad_token_id == 0
     torch.manual_seed(settings.seed)

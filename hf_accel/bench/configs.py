@@ -1,18 +1,16 @@
 """The benchmarked configurations: what each needs (as data) and how it builds its model and batches."""
 from __future__ import annotations
 
-import contextlib
-import importlib.machinery
 import importlib.util
 import itertools
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from .apart import (APART_PACKAGES, BNB_SITES, UNSLOTH_SITES, child_sites, missing_apart, qlora_base,
+                    unsloth_runner)
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop,
                     run_trl)
 from .workloads import BenchData, greedy_steps, micro_batches
@@ -328,102 +326,9 @@ CONFIGS: dict[str, BenchConfig] = {
 }
 
 
-# ---- Unsloth and QLoRA (issue 20): packages kept apart, models loaded from files --------------------------------
-# Unsloth pins older transformers / trl / datasets than the other configs use, and bitsandbytes is large: both are
-# packed apart (`pack-wheels.sh NAME ...` installs a pack into <site_root>/site-NAME on the GPU machine) and only the
-# child process of a config that names the pack in `sites` puts it first on its PYTHONPATH.
-APART_PACKAGES: dict[str, str] = {"unsloth": "unsloth", "bitsandbytes": "bitsandbytes"}  # requirement -> module
-UNSLOTH_SITES = ("unsloth", "bnb")  # pack names: unsloth + unsloth_zoo + their pins; bitsandbytes (4-bit)
-BNB_SITES = ("bnb",)
-# Unsloth must run offline: no statistics download, no hub or internet probes (unsloth/models/_utils.py reads these).
-UNSLOTH_ENV = {"UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+# ---- Unsloth and QLoRA (issue 20): packages kept apart (apart.py), models loaded from files -----------------------
 REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam == "llama"
                                                       else f"the Unsloth configs run Llama workloads only, not {fam!r}")
-
-
-def site_dirs(names: tuple[str, ...] | list[str], root: str) -> list[str]:
-    """The folders of packs `names`: NAME -> <root>/site-NAME (pack-wheels' install folder); a name with a path
-    separator is taken as the folder itself."""
-    return [name if os.sep in name else os.path.join(root, f"site-{name}") for name in names]
-
-
-def child_sites(config: BenchConfig, options: Options) -> list[str]:
-    """The folders `config`'s child puts first on PYTHONPATH, in order: its own packs, then --extra-site ones."""
-    names = list(dict.fromkeys((*config.sites, *options.extra_sites)))
-    return site_dirs(names, options.site_root)
-
-
-def child_env(config: BenchConfig, options: Options, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The child's environment: `base` (os.environ) with child_sites ahead of its PYTHONPATH."""
-    env = dict(os.environ if base is None else base)
-    sites = child_sites(config, options)
-    if sites:
-        env["PYTHONPATH"] = os.pathsep.join([*sites, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    return env
-
-
-def missing_apart(need: str, sites: list[str]) -> str | None:
-    """Whether a package kept apart is importable from `sites` or this process's path (None), else why not."""
-    module = APART_PACKAGES[need]
-    importlib.invalidate_caches()  # a pack installed since the last look (finders cache folder listings)
-    try:
-        found = importlib.machinery.PathFinder.find_spec(module, [*sites, *sys.path]) is not None
-    except (ImportError, ValueError):
-        found = False
-    if found:
-        return None
-    where = ", ".join(sites) if sites else "no pack folder"
-    return f"{module} not installed (looked in {where} and this Python's path)"
-
-
-@contextlib.contextmanager
-def saved_random_model(settings: RunSettings) -> Iterator[str]:
-    """A folder holding the workload's random-init model (settings.dtype) and the offline tokenizer, written with
-    save_pretrained: Unsloth and bitsandbytes' 4-bit quantizer load from files, not from a config. In RAM (/dev/shm)
-    where the weights fit, else the temp folder; removed afterwards."""
-    import tempfile
-
-    from .train import offline_tokenizer
-
-    import shutil
-
-    model = build_model(settings, "sdpa")
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    ram = "/dev/shm"  # containers often mount a small one: use it only when the weights fit with room to spare
-    ram_fits = os.path.isdir(ram) and os.access(ram, os.W_OK) and shutil.disk_usage(ram).free > 1.2 * size
-    with tempfile.TemporaryDirectory(dir=ram if ram_fits else None, prefix="bench-model-") as folder:
-        model.save_pretrained(folder)
-        offline_tokenizer().save_pretrained(folder)
-        del model
-        if settings.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        yield folder
-
-
-def nf4_config():
-    """issue 20's QLoRA base: 4-bit NF4 weights, bf16 compute."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-
-
-def qlora_base(settings: RunSettings, attn_implementation: str) -> nn.Module:
-    """The workload's model reloaded in NF4 and prepared as PEFT's QLoRA recipe does (prepare_model_for_kbit_training:
-    norms, embeddings and the LM head in fp32; checkpointing as the workload says, non-reentrant). No LoRA yet."""
-    from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM
-
-    if not settings.workload.lora:
-        raise ValueError(f"QLoRA trains LoRA adapters on a frozen 4-bit base; workload {settings.workload.name!r} "
-                         "has no LoRA. Run it on llama-8b-qlora (--preset llama-8b-qlora).")
-    with saved_random_model(settings) as folder:
-        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=nf4_config(), dtype=torch.bfloat16,
-                                                     attn_implementation=attn_implementation,
-                                                     device_map={"": settings.device})
-    model.config.use_cache = False
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.workload.checkpointing,
-                                           gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _hf_accel_qlora(**patch_kwargs: Any) -> Callable[..., nn.Module]:
@@ -447,64 +352,15 @@ def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing:
     return model
 
 
-def _unsloth(load_in_4bit: bool) -> Callable[..., nn.Module]:
-    """Unsloth as its notebooks use it: FastLanguageModel from a local folder (bf16, or NF4 for QLoRA), its LoRA on
-    the workload's targets (r=16, alpha=32) with its offloaded checkpointing ("unsloth") where the workload
-    checkpoints, full fine-tuning (`full_finetuning=True`) where the workload has no LoRA, then TRL's SFTTrainer as
-    Unsloth patches it, packing=True (padding-free), on the same data and token budget as trl-fa4-packed."""
-
-    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-        import tempfile
-
-        os.environ.update(UNSLOTH_ENV)
-        # Unsloth writes its generated modules to ./unsloth_compiled_cache by default: keep them out of the checkout
-        os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(tempfile.gettempdir(), "unsloth_compiled_cache"))
-        from unsloth import FastLanguageModel  # first: Unsloth patches transformers, peft and trl on import
-
-        workload = settings.workload
-        checkpointing = "unsloth" if workload.checkpointing else False
-        with saved_random_model(settings) as folder:
-            model, tokenizer = FastLanguageModel.from_pretrained(
-                model_name=folder, max_seq_length=data.spec.max_len, dtype=torch.bfloat16, load_in_4bit=load_in_4bit,
-                full_finetuning=not workload.lora, use_gradient_checkpointing=checkpointing, fix_tokenizer=False,
-                use_exact_model_name=True, random_state=settings.seed,
-            )
-        if workload.lora:
-            model = FastLanguageModel.get_peft_model(
-                model, r=16, lora_alpha=32, lora_dropout=0.0, bias="none", target_modules=list(workload.lora_targets),
-                use_gradient_checkpointing=checkpointing, random_state=settings.seed,
-            )
-        timing.notes.append(f"unsloth: load_in_4bit={load_in_4bit}, full_finetuning={not workload.lora}, "
-                            f"use_gradient_checkpointing={checkpointing!r}; {_unsloth_attention()}")
-        # Unsloth's checkpointing is already on the model; TRL's would put HF's own back over it
-        run_trl(model, data, settings, timing, liger=False, sft_overrides={"gradient_checkpointing": False},
-                processing_class=tokenizer)
-        return model
-
-    return run
-
-
-def _unsloth_attention() -> str:
-    """Which attention kernel Unsloth picks for packed (varlen) training calls, and what it found installed."""
-    try:
-        from unsloth.utils import attention_dispatch as dispatch
-
-        return (f"attention for packed batches: {dispatch.select_attention_backend(use_varlen=True)} (flash_attn "
-                f"2: {getattr(dispatch, 'HAS_FLASH_ATTENTION', '?')}, xformers: "
-                f"{getattr(dispatch, 'HAS_XFORMERS', '?')} {getattr(dispatch, 'xformers_version', '')})")
-    except Exception as exc:  # an Unsloth internals change must not fail the row
-        return f"attention backend not read ({type(exc).__name__}: {exc})"
-
-
 _UNSLOTH_NEEDS = ("unsloth", "cuda", "unsloth-family")  # "not installed" first: the likelier news
 CONFIGS.update({
     c.name: c
     for c in [
-        BenchConfig("unsloth", True, _UNSLOTH_NEEDS, _unsloth(load_in_4bit=False),
+        BenchConfig("unsloth", True, _UNSLOTH_NEEDS, unsloth_runner(load_in_4bit=False),
                     "Unsloth FastLanguageModel (bf16): its LoRA r=16 (or full_finetuning=True), its offloaded "
                     "checkpointing where the workload checkpoints, TRL SFTTrainer packing=True (padding-free)",
                     sites=UNSLOTH_SITES),
-        BenchConfig("unsloth-qlora", True, ("unsloth", "bitsandbytes", "cuda", "unsloth-family"), _unsloth(load_in_4bit=True),
+        BenchConfig("unsloth-qlora", True, ("unsloth", "bitsandbytes", "cuda", "unsloth-family"), unsloth_runner(load_in_4bit=True),
                     "Unsloth FastLanguageModel load_in_4bit=True (its NF4 QLoRA), LoRA r=16, its offloaded "
                     "checkpointing, TRL SFTTrainer packing=True (padding-free)", sites=UNSLOTH_SITES),
         BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
