@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from hf_accel.bench.workloads import WORKLOADS  # noqa: E402
+from hf_accel.training.snapshot import proc_bytes  # noqa: E402
 from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -55,14 +56,7 @@ class StepTimes(transformers.TrainerCallback):
 
 def resident_bytes() -> int:
     """This process's resident set size (VmRSS), 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_bytes("/proc/self/status", "VmRSS") or 0
 
 
 class HostPeak:

@@ -19,16 +19,22 @@ logger = logging.getLogger("hf_accel")
 HEADROOM = 0.2  # keep this fraction of the snapshot's size free beyond it
 
 
-def host_available_bytes() -> int:
-    """The kernel's estimate of memory available without swapping (MemAvailable); very large if unknown."""
+def proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` line of a /proc file (``/proc/meminfo``, ``/proc/self/status``) in bytes; None if absent."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 1 << 62
+    return None
+
+
+def host_available_bytes() -> int:
+    """The kernel's estimate of memory available without swapping (MemAvailable); very large if unknown."""
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    return 1 << 62 if available is None else available
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
