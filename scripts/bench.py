@@ -55,8 +55,8 @@ from hf_accel.bench.apart import child_env  # noqa: E402
 from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
 from hf_accel.bench.distributed import Rank, gather_ranks, launch_argv, run_group  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
-from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, scaling_table,  # noqa: E402
-                                   versions, write_outputs)
+from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
+                                   scaling_table, versions, write_outputs)
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
 
@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "first failure (OOM, timeout)")
     p.add_argument("--doc-length", type=int, default=None, help=argparse.SUPPRESS)  # one length, in a child
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile each configuration's first N timed steps with torch.profiler: kernel ms per step by "
+                        "category in the JSON and a side-by-side table (those steps' times include the profiler's "
+                        "overhead: take speed from a run without it)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--fused-ce", choices=["auto", "inline", "recompute", "liger", "off"], default="auto",
                    help="hf_accel-best loss: patch(fused_ce=True) (auto), one fused_ce method forced from outside "
@@ -196,7 +200,8 @@ def child_main(args: argparse.Namespace) -> None:
         device, budget = rank.device(args.device), float("inf")
         timing.notes.append(f"{rank.world_size} processes under accelerate launch ({args.accelerate_config}); "
                             "step-time budget off")
-    settings = RunSettings(workload, device, args.tiny, args.steps, args.warmup, budget, args.seed)
+    settings = RunSettings(workload, device, args.tiny, args.steps, args.warmup, budget, args.seed,
+                           profile_steps=args.profile_steps)
     try:
         if launched and config.launched is None:
             raise RuntimeError(f"{name} has no multi-process path (runs without --nproc only)")
@@ -210,6 +215,8 @@ def child_main(args: argparse.Namespace) -> None:
             timing, ranks = gather_ranks(timing, device)
         gpu_peak = peak(args)
         result.update(summarize(model, timing, gpu_peak * rank.world_size if gpu_peak else None, device))
+        if timing.profile is not None:
+            result["profile"] = timing.profile
         result.update(ranks)
         result["status"] = "ok"
         result["same_computation"] = workload.family not in config.wrong_for
@@ -249,7 +256,7 @@ def child_argv(args: argparse.Namespace, name: str, out: Path, nproc: int | None
     argv = [str(Path(__file__).resolve()), "--workload", args.workload, "--configs", name,
             "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--step-time-budget", str(args.step_time_budget), "--seed", str(args.seed),
-            "--fused-ce", args.fused_ce,
+            "--profile-steps", str(args.profile_steps), "--fused-ce", args.fused_ce,
             "--best-backend", args.best_backend, "--best-fused-ops", args.best_fused_ops,
             "--best-compile", args.best_compile, "--best-mlp-chunks", str(args.best_mlp_chunks), "--child", str(out)]
     for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--doc-length", args.doc_length),
@@ -321,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     stock = [n for n, c in CONFIGS.items() if c.stock]
     best = add_ratios_per_nproc(results, stock) if args.nproc else add_ratios(results, stock)
     table = markdown_table(results, best)
+    if profile_table(results):
+        table += "\n\n" + profile_table(results)
     if args.nproc:
         table += "\n\n" + scaling_table(results, stock)
     spec = data_spec(args)

@@ -24,24 +24,9 @@ import torch  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.bench.configs import Options, _apply_checkpointing, _fused_loss, _hf_accel_steps  # noqa: E402
+from hf_accel.bench.profile import category  # noqa: E402
 from hf_accel.bench.train import RunSettings, Timing, add_lora, build_model, hf_loss, run_loop  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, make_data  # noqa: E402
-
-# Kernel-name fragments, checked in order: the first match decides a kernel's category.
-CATEGORIES = (
-    ("attention", ("flash", "fmha", "attention", "attn", "fwd_sm90", "bwd_sm90", "cute")),
-    ("loss", ("cross_entropy", "log_softmax", "nll", "liger_cross", "softmax", "_ce_grad_rows")),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
-    ("matmul", ("gemm", "sm90_xmma", "nvjet", "cutlass", "matmul", "cublas")),
-    ("norms+elementwise", ("elementwise", "vectorized", "norm", "reduce", "silu", "gelu", "mul", "add", "copy", "rope",
-                           "swiglu", "index", "cat", "fill")),
-)
-
-
-def category(kernel: str) -> str:
-    name = kernel.lower()
-    return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
-
 
 def kernel_gaps(events, steps: int, top: int = 12) -> dict:
     """Idle time between consecutive GPU kernels, grouped by the kernels on either side: where the GPU waits for

@@ -445,3 +445,29 @@ def test_run_loop_trains_in_training_mode():
     settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=1, warmup=0, step_time_budget=1e9)
     run_loop(model, iter([batch]), hf_loss, settings, Timing())
     assert modes == [True]
+
+
+def test_profile_steps_record_kernel_time_by_category():
+    """RunSettings.profile_steps (bench.py --profile-steps): the first N timed steps run under torch.profiler, and the
+    run records ms per step by category (on CPU: self CPU time of the ops) that the report puts side by side."""
+    from hf_accel.bench.profile import CATEGORIES, category
+    from hf_accel.bench.report import profile_table
+    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
+    from hf_accel.bench.workloads import WORKLOADS
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    ids = torch.randint(0, 32, (2, 9))
+    batches = [[{"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}]] * 4
+    settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=3, warmup=1, step_time_budget=1e9,
+                           profile_steps=2)
+    timing = Timing()
+    run_loop(model, iter(batches), hf_loss, settings, timing)
+    assert timing.profile["steps"] == 2
+    ms = timing.profile["ms_per_step"]
+    assert set(ms) == {c for c, _ in CATEGORIES} | {"other", "total"} and ms["total"] > 0
+    assert ms["total"] == pytest.approx(sum(v for k, v in ms.items() if k != "total"), abs=0.01)
+    assert category("void flash_fwd_kernel<...>") == "attention" and category("sm90_xmma_gemm_bf16") == "matmul"
+    table = profile_table([{"config": "a", "profile": timing.profile}, {"config": "b"}])
+    assert "| category | a |" in table and "| total |" in table
+    assert profile_table([{"config": "b"}]) == ""

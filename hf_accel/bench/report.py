@@ -155,6 +155,22 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
     return "\n".join(lines)
 
 
+def profile_table(results: list[dict[str, Any]]) -> str:
+    """bench.py --profile-steps: kernel ms per step by category, one column per configuration ("" when none ran)."""
+    profiled = [r for r in results if r.get("profile")]
+    if not profiled:
+        return ""
+    cats = list(profiled[0]["profile"]["ms_per_step"])
+    lines = ["Kernel time per profiled step, ms (torch.profiler over each configuration's first "
+             f"{profiled[0]['profile']['steps']} timed steps):", "",
+             "| category | " + " | ".join(r["config"] for r in profiled) + " |",
+             "|---|" + "---:|" * len(profiled)]
+    for cat in cats:
+        lines.append(f"| {cat} | " + " | ".join(_fmt(r["profile"]["ms_per_step"].get(cat), ".1f") for r in profiled)
+                     + " |")
+    return "\n".join(lines)
+
+
 def long_context_table(results: list[dict[str, Any]]) -> str:
     """The long-context sweep: per config, the longest document length that trained, then one row per (config,
     length): tokens/s, MFU (attention FLOPs counted), peak GiB, status ("OOM", a timeout, or skipped after one)."""

@@ -35,6 +35,7 @@ class RunSettings:
     step_time_budget: float  # seconds of timed steps; stops early (after >= min_steps) when spent
     seed: int = 0
     min_steps: int = 3
+    profile_steps: int = 0  # profile the first N timed steps (bench.py --profile-steps): kernel time by category
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,6 +50,7 @@ class Timing:
     losses: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     host_events: list[dict[str, Any]] = field(default_factory=list)  # per timed step, see HostEvents
+    profile: dict[str, Any] | None = None  # kernel ms per step by category (RunSettings.profile_steps)
 
 
 def synchronize(device: str) -> None:
@@ -179,10 +181,14 @@ class StepClock:
     otherwise. The harness adds no synchronisation to the loop it times; each stack keeps the ones it makes itself
     (TRL reads its token-accuracy metrics with ``.item()`` every step; Liger's fused CE syncs once per call)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, profile_steps: int = 0) -> None:
+        from .profile import StepProfiler
+
         self.cuda = device.startswith("cuda")
         self.marks: list[Any] = []
         self.started_at: float | None = None  # perf_counter at the first mark, for the step-time budget
+        # the first `profile_steps` timed steps under torch.profiler (bench.py --profile-steps)
+        self.profiler = StepProfiler(profile_steps, self.cuda) if profile_steps > 0 else None
 
     def start(self) -> None:
         """The first mark, after warm-up: compilation and allocator growth stay out of the timed window."""
@@ -197,6 +203,18 @@ class StepClock:
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
+        if self.profiler is not None:
+            if len(self.marks) == 1:
+                self.profiler.begin()
+            elif len(self.marks) == 1 + self.profiler.steps:
+                self.profiler.end()
+
+    @property
+    def profile(self) -> dict[str, Any] | None:
+        """The profiled steps' kernel time by category, once they ran (see hf_accel.bench.profile)."""
+        if self.profiler is not None and self.profiler.result is None:
+            self.profiler.end(max(1, self.steps))  # the run stopped before the last profiled step: what ran
+        return None if self.profiler is None else self.profiler.result
 
     @property
     def steps(self) -> int:
@@ -220,7 +238,7 @@ def run_loop(
     model.train()  # from_pretrained returns eval mode, where HF's gradient checkpointing stands down
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
-    clock = StepClock(settings.device)
+    clock = StepClock(settings.device, settings.profile_steps)
     events = HostEvents()
     losses: list[torch.Tensor | float] = []
     if settings.warmup == 0:
@@ -249,6 +267,7 @@ def run_loop(
                 timing.notes.append(f"stopped after {clock.steps} timed steps (step time budget)")
                 break
     events.close()
+    timing.profile = clock.profile
     timing.step_seconds = clock.step_seconds()
     timing.losses = [float(x) for x in losses]
 
@@ -300,7 +319,7 @@ def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
     a StepClock; the timed steps (after ``settings.warmup``) go to ``timing``."""
     docs: list[list[int]] = []
     losses: list[torch.Tensor] = []
-    clock = StepClock(settings.device)
+    clock = StepClock(settings.device, settings.profile_steps)
 
     class Counting(trainer_cls):
         def training_step(self, model, inputs, *args, **kwargs):
@@ -310,6 +329,7 @@ def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
             return loss
 
     make(Counting, _timing_callback(settings, timing, clock)).train()
+    timing.profile = clock.profile
     timing.step_seconds = clock.step_seconds()
     timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
     timing.step_docs.extend(docs[timed])
