@@ -38,8 +38,9 @@ def host_available_bytes() -> int:
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
-    """Tensors with the same key are one tensor under two names (tied weights): one buffer serves both."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    """Tensors with the same key are one tensor under two names (tied weights): one buffer serves both. (The first
+    element's address, layout and dtype: cheap, as a save reads it for every tensor of the state.)"""
+    return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
 def _tensors(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
@@ -106,12 +107,19 @@ class SnapshotBuffers:
             self._reserved = {}
 
     def _missing_bytes(self, state: Any) -> tuple[int, int]:
+        """(bytes of the state, bytes of it without a held buffer), tied tensors once. When every tensor has its
+        buffer (every save after the first) this is one dictionary lookup per tensor and returns (0, 0)."""
+        tensors = _tensors(state)
+        if all((buf := self._buffers.get(path)) is not None and buf.shape == t.shape and buf.dtype == t.dtype
+               for path, t in tensors):
+            return 0, 0
         total = missing = 0
         seen = set()
-        for path, t in _tensors(state):
-            if _alias_key(t) in seen:
+        for path, t in tensors:
+            key = _alias_key(t)
+            if key in seen:
                 continue
-            seen.add(_alias_key(t))
+            seen.add(key)
             n = t.numel() * t.element_size()
             total += n
             buf = self._buffers.get(path)
@@ -123,6 +131,8 @@ class SnapshotBuffers:
         """None when ``state`` fits (buffers already held, or the host has room for the new ones); else why not."""
         self._join()
         total, missing = self._missing_bytes(state)
+        if not missing:
+            return None
         free = self._available()
         if missing and free - missing < HEADROOM * total:
             return (f"host memory is short for a background snapshot ({free / 2**30:.2f} GiB available, it needs "
@@ -145,7 +155,7 @@ class SnapshotBuffers:
                 if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
                     buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=self.pin)
                     self._buffers[path] = buf
-                buf.copy_(obj.detach(), non_blocking=self.pin)
+                buf.copy_(obj, non_blocking=self.pin)
                 aliases[key] = buf
                 return buf
             if isinstance(obj, dict):
@@ -154,7 +164,8 @@ class SnapshotBuffers:
                 return type(obj)(walk(v, path + (i,)) for i, v in enumerate(obj))
             return obj
 
-        out = walk(state, ())
+        with torch.no_grad():  # copies of live parameters: no autograd record (and no detach per tensor)
+            out = walk(state, ())
         if self.pin:  # the non-blocking copies must land before the writer thread reads the buffers
             torch.cuda.synchronize()
         return out
