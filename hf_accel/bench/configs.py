@@ -221,16 +221,20 @@ def _hf_accel_defaults(settings: RunSettings, data: BenchData, options: Options,
     return model
 
 
-def _hf_accel_offload(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-    """`hf_accel.patch(model, checkpointing="offload")`, otherwise the defaults: every layer checkpointed with its
-    input kept in pinned host memory (the memory class of Unsloth's offloaded checkpointing)."""
-    import hf_accel
+def _hf_accel_offload(**patch_kwargs: Any) -> Callable[..., nn.Module]:
+    """`hf_accel.patch(model, checkpointing="offload", **patch_kwargs)`, otherwise the defaults: every layer
+    checkpointed with its input kept in pinned host memory (the memory class of Unsloth's offloaded checkpointing)."""
 
-    model = build_model(settings, "sdpa")
-    timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing='offload')}")
-    model = add_lora(model, settings.workload)
-    run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
-    return model
+    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+        import hf_accel
+
+        model = build_model(settings, "sdpa")
+        timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing='offload', **patch_kwargs)}")
+        model = add_lora(model, settings.workload)
+        run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
+        return model
+
+    return run
 
 
 def _hf_accel(best: bool) -> Callable[..., nn.Module]:
@@ -315,10 +319,13 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-defaults", False, ("hf_accel",), _hf_accel_defaults,
                     "hf_accel.patch(model), no arguments (the library's own choices) + the same packing",
                     launched=_hf_accel_trainer("defaults")),
-        BenchConfig("hf_accel-offload", False, ("hf_accel",), _hf_accel_offload,
+        BenchConfig("hf_accel-offload", False, ("hf_accel",), _hf_accel_offload(),
                     "hf_accel.patch(model, checkpointing='offload'), otherwise no arguments: every layer "
                     "checkpointed, its input kept in pinned host memory (Unsloth's offloaded checkpointing's memory "
                     "class) + the same packing"),
+        BenchConfig("hf_accel-offload-mlp4k", False, ("hf_accel",), _hf_accel_offload(mlp_chunks=4096),
+                    "as hf_accel-offload, with the MLP in checkpointed chunks of 4,096 tokens (mlp_chunks=4096): a "
+                    "layer's recompute holds a quarter of its MLP intermediates at 16k-token packs"),
         BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
                     "hf_accel.patch(model, fused_ce=True, fused_ops=True, compile=True) + the same packing, with "
                     "the --fused-ce / --best-* options", launched=_hf_accel_trainer("best")),

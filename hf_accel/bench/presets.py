@@ -79,9 +79,9 @@ PRESETS: dict[str, Preset] = {
             "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 (full checkpointing) "
             "vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded "
             "checkpointing) where its pack is installed",
-            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST, "hf_accel-offload", "unsloth"),
-            dict(steps=8, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=470,
-                 config_timeout=170),
+            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST, "hf_accel-offload", "hf_accel-offload-mlp4k", "unsloth"),
+            dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=540,
+                 config_timeout=150),
         ),
         Preset(
             "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL + "

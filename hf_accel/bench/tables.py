@@ -39,6 +39,7 @@ CONFIG_LABELS = {
     "trl-qlora": "QLoRA, TRL SFTTrainer packing + flash-attn-4 + Liger",
     "hf_accel-qlora": "QLoRA, `hf_accel.patch(model)`, no arguments",
     "hf_accel-offload": "`hf_accel.patch(model, checkpointing=\"offload\")`",
+    "hf_accel-offload-mlp4k": "`hf_accel.patch(model, checkpointing=\"offload\", mlp_chunks=4096)`",
     "hf_accel-qlora-offload": "QLoRA, `hf_accel.patch(model, checkpointing=\"offload\")`",
 }
 ROLE_LABELS = {"stock": "stock anchor", "defaults": "hf_accel defaults", "best": "hf_accel best",
