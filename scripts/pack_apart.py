@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Packs the bench's kept-apart packages (Unsloth and its pins, bitsandbytes) into .gpu/apart, small enough to ride
+with the second set-up call of the GPU machine (`.gpu/b` + this + the repo under the 64 MiB a call carries).
+
+    python scripts/pack_apart.py            # here: download, slim, write .gpu/apart/install.sh (~17 MiB)
+    # on the GPU machine, carrying [".gpu/b", ".gpu/apart"]:
+    source .gpu/b/activate.sh && source .gpu/apart/install.sh && python scripts/bench.py --preset llama-8b-qlora
+
+install.sh installs bitsandbytes into /tmp/site-bnb and the rest into /tmp/site-unsloth, the folders the configs
+that need them put first on their child's PYTHONPATH (hf_accel/bench/apart.py). The wheels are fetched without
+dependencies (the GPU image has torch, transformers, peft, accelerate, numpy, requests, pillow, ...) and slimmed by
+dropping members nothing here imports: Unsloth's `studio/` web app (26 of its 28 MB) and bitsandbytes' libraries
+for other CUDA versions, ROCm and XPU (the image's torch is built for CUDA 13.0). Their RECORD lines go too.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+PACKAGES = ("unsloth==2026.10.9", "unsloth-zoo==2026.10.9", "cut-cross-entropy==25.1.1", "trl==1.15.0",
+            "datasets==4.8.5", "fsspec==2026.2.0", "torchao==0.18.0", "xformers==0.0.35", "bitsandbytes==0.50.2")
+DROP = {"unsloth": r"^studio/", "bitsandbytes": r"libbitsandbytes_(cuda1[12]\d*|cuda13[1-9]|rocm|xpu)"}
+PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+            *[x for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+                            "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "any")
+              for x in ("--platform", tag)]]
+INSTALL = """# installs .gpu/apart: bitsandbytes into /tmp/site-bnb, the rest into /tmp/site-unsloth (once per machine)
+d=$(dirname "${BASH_SOURCE[0]}")
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+if [ ! -f /tmp/site-bnb/.done ]; then pipi /tmp/site-bnb "$d"/bitsandbytes-*.whl && touch /tmp/site-bnb/.done || return 1; fi
+if [ ! -f /tmp/site-unsloth/.done ]; then
+  pipi /tmp/site-unsloth $(ls "$d"/*.whl | grep -v bitsandbytes) && touch /tmp/site-unsloth/.done || return 1
+fi
+"""
+
+
+def slim(wheel: Path, pattern: str) -> None:
+    """Rewrite ``wheel`` without the members matching ``pattern`` (and without their RECORD lines)."""
+    drop = re.compile(pattern)
+    slimmed = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slimmed, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if drop.search(info.filename):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                kept = [line for line in data.decode().splitlines() if not drop.search(line.split(",")[0])]
+                data = ("\n".join(kept) + "\n").encode()
+            dst.writestr(info, data)
+    slimmed.replace(wheel)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=".gpu/apart")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM, "-d", str(out),
+                    *PACKAGES], check=True)
+    for wheel in out.glob("*.whl"):
+        name = wheel.name.split("-")[0].lower()
+        if name in DROP:
+            slim(wheel, DROP[name])
+    (out / "install.sh").write_text(INSTALL)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"packed {len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB into {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
