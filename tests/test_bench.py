@@ -293,6 +293,8 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(mon
 
 @pytest.mark.parametrize("name, want", [
     ("hf_accel-defaults", {}),  # no flags at all: whatever patch() chooses by itself
+    ("hf_accel-offload", {"checkpointing": "offload"}),
+    ("hf_accel-offload-mlp4k", {"checkpointing": "offload", "mlp_chunks": 4096}),
     ("hf_accel", {"backend": "auto", "fused_ce": False, "fused_ops": False, "compile": False, "mlp_chunks": False}),
 ])
 def test_hf_accel_configs_pass_exactly_their_flags(monkeypatch, name, want):

@@ -209,27 +209,17 @@ def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timi
     timing.notes.append(f"checkpointing: {policy.describe()}")
 
 
-def _hf_accel_defaults(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-    """`hf_accel.patch(model)` with no arguments at all: whatever the library chooses by itself (issue 18's
-    "hf_accel defaults"); no --best-* option reaches it."""
-    import hf_accel
-
-    model = build_model(settings, "sdpa")
-    timing.notes.append(f"patch: {hf_accel.patch(model)}")
-    model = add_lora(model, settings.workload)
-    run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
-    return model
-
-
-def _hf_accel_offload(**patch_kwargs: Any) -> Callable[..., nn.Module]:
-    """`hf_accel.patch(model, checkpointing="offload", **patch_kwargs)`, otherwise the defaults: every layer
-    checkpointed with its input kept in pinned host memory (the memory class of Unsloth's offloaded checkpointing)."""
+def _patched(base: Callable[[RunSettings, str], nn.Module] | None = None, **patch_kwargs: Any
+             ) -> Callable[..., nn.Module]:
+    """`hf_accel.patch(model, **patch_kwargs)` on the workload's model from ``base`` (default: the random-init model;
+    or the NF4 QLoRA base), then its LoRA and hf_accel's packing; no --best-* option reaches it. With no arguments:
+    whatever the library chooses by itself (issue 18's "hf_accel defaults")."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         import hf_accel
 
-        model = build_model(settings, "sdpa")
-        timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing='offload', **patch_kwargs)}")
+        model = (base or build_model)(settings, "sdpa")
+        timing.notes.append(f"patch: {hf_accel.patch(model, **patch_kwargs)}")
         model = add_lora(model, settings.workload)
         run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
         return model
@@ -316,14 +306,14 @@ CONFIGS: dict[str, BenchConfig] = {
                     "TokenBudgetBatchSampler "
                     "+ DataCollatorForPacking: attention and packing only (what patch(model) did before issue 18)",
                     launched=_hf_accel_trainer("plain")),
-        BenchConfig("hf_accel-defaults", False, ("hf_accel",), _hf_accel_defaults,
+        BenchConfig("hf_accel-defaults", False, ("hf_accel",), _patched(),
                     "hf_accel.patch(model), no arguments (the library's own choices) + the same packing",
                     launched=_hf_accel_trainer("defaults")),
-        BenchConfig("hf_accel-offload", False, ("hf_accel",), _hf_accel_offload(),
+        BenchConfig("hf_accel-offload", False, ("hf_accel",), _patched(checkpointing="offload"),
                     "hf_accel.patch(model, checkpointing='offload'), otherwise no arguments: every layer "
                     "checkpointed, its input kept in pinned host memory (Unsloth's offloaded checkpointing's memory "
                     "class) + the same packing"),
-        BenchConfig("hf_accel-offload-mlp4k", False, ("hf_accel",), _hf_accel_offload(mlp_chunks=4096),
+        BenchConfig("hf_accel-offload-mlp4k", False, ("hf_accel",), _patched(checkpointing="offload", mlp_chunks=4096),
                     "as hf_accel-offload, with the MLP in checkpointed chunks of 4,096 tokens (mlp_chunks=4096): a "
                     "layer's recompute holds a quarter of its MLP intermediates at 16k-token packs"),
         BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
@@ -336,21 +326,6 @@ CONFIGS: dict[str, BenchConfig] = {
 # ---- Unsloth and QLoRA (issue 20): packages kept apart (apart.py), models loaded from files -----------------------
 REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam == "llama"
                                                       else f"the Unsloth configs run Llama workloads only, not {fam!r}")
-
-
-def _hf_accel_qlora(**patch_kwargs: Any) -> Callable[..., nn.Module]:
-    """QLoRA (NF4 base + PEFT LoRA) with `hf_accel.patch(model, **patch_kwargs)` and hf_accel's packing."""
-
-    def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-        import hf_accel
-
-        model = qlora_base(settings, "sdpa")
-        timing.notes.append(f"patch: {hf_accel.patch(model, **patch_kwargs)}")
-        model = add_lora(model, settings.workload)
-        run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
-        return model
-
-    return run
 
 
 def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
@@ -373,11 +348,11 @@ CONFIGS.update({
         BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
                     "QLoRA (bitsandbytes NF4, bf16 compute, prepare_model_for_kbit_training) + PEFT LoRA r=16, TRL "
                     "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True", sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "cuda", "hf_accel"), _hf_accel_qlora(),
+        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "cuda", "hf_accel"), _patched(qlora_base),
                     "the same QLoRA model with hf_accel.patch(model), no arguments, + hf_accel's packing",
                     sites=BNB_SITES),
         BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "cuda", "hf_accel"),
-                    _hf_accel_qlora(checkpointing="offload"),
+                    _patched(qlora_base, checkpointing="offload"),
                     "the same QLoRA model with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
                     "pinned host memory, as Unsloth's offloaded checkpointing) + hf_accel's packing",
                     sites=BNB_SITES),
