@@ -266,10 +266,13 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
         assert preset.workload in WORKLOADS and set(preset.configs) <= set(CONFIGS), preset.name
         # issue 18's comparison: a stock anchor, hf_accel with no flags, hf_accel with the best flags (the
         # long-context sweeps of issue 22 compare the stock stacks with hf_accel's best only; QLoRA's hf_accel row is
-        # patch(model) with no flags; issue 19's multi-GPU runs compare TRL with hf_accel defaults)
+        # patch(model) with no flags; issue 19's multi-GPU runs compare TRL with hf_accel defaults; the ALiBi preset
+        # compares backends, each with no other flags)
         if "nproc" in preset.settings:
             assert all(CONFIGS[c].launched for c in preset.configs), preset.name
             assert "hf_accel-defaults" in preset.configs
+        elif preset.name == "falcon-rw-1b":
+            assert {"hf_accel-defaults", "hf_accel-sdpa"} <= set(preset.configs)
         elif "doc_lengths" not in preset.settings:
             assert {"hf_accel-defaults", "hf_accel-best"} <= set(preset.configs) or "hf_accel-qlora" in preset.configs
         assert any(CONFIGS[c].stock for c in preset.configs)

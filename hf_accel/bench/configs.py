@@ -309,6 +309,9 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-defaults", False, ("hf_accel",), _patched(),
                     "hf_accel.patch(model), no arguments (the library's own choices) + the same packing",
                     launched=_hf_accel_trainer("defaults")),
+        BenchConfig("hf_accel-sdpa", False, ("hf_accel",), _patched(backend="sdpa"),
+                    "hf_accel.patch(model, backend='sdpa'), otherwise no arguments: the path ALiBi took before flex "
+                    "(documents regrouped into padded rows with a dense float bias)"),
         BenchConfig("hf_accel-offload", False, ("hf_accel",), _patched(checkpointing="offload"),
                     "hf_accel.patch(model, checkpointing='offload'), otherwise no arguments: every layer "
                     "checkpointed, its input kept in pinned host memory (Unsloth's offloaded checkpointing's memory "

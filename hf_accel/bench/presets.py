@@ -90,6 +90,13 @@ PRESETS: dict[str, Preset] = {
             "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora", "hf_accel-qlora-offload"),
             dict(steps=8, warmup=3, time_budget=480, config_timeout=170),
         ),
+        Preset(
+            "falcon-rw-1b", "Falcon-RW-1B shapes (ALiBi), full FT: HF SDPA padded (stock packing attends across "
+            "documents for Falcon) vs hf_accel on SDPA with a dense ALiBi bias (the path before flex) vs hf_accel "
+            "defaults (compiled flex, ALiBi as a score_mod)",
+            "falcon-rw-1b", ("hf-sdpa-padded", "hf_accel-sdpa", "hf_accel-defaults"),
+            dict(steps=15, warmup=6, time_budget=300, config_timeout=120),
+        ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first
         # OOM or timeout. Lengths past ~64k do not fit one 10-minute device call: run them apart with --doc-lengths
         # (and --configs), e.g. `--preset long-context --doc-lengths 131072,262144 --configs hf_accel-best`.

@@ -23,6 +23,7 @@ WORKLOAD_TITLES = {
     "llama-8b-lora": "Llama-3-8B shapes, LoRA r=16 + checkpointing",
     "llama-8b-qlora": "Llama-3-8B shapes, QLoRA (NF4 base) r=16 + checkpointing",
     "falcon-1b": "Falcon ~1B, full FT",
+    "falcon-rw-1b": "Falcon-RW-1B shapes (ALiBi), full FT",
 }
 CONFIG_LABELS = {
     "hf-sdpa-padded": "HF, SDPA, padded batches of 8",
@@ -38,6 +39,7 @@ CONFIG_LABELS = {
     "unsloth-qlora": "Unsloth FastLanguageModel 4-bit + TRL padding-free",
     "trl-qlora": "QLoRA, TRL SFTTrainer packing + flash-attn-4 + Liger",
     "hf_accel-qlora": "QLoRA, `hf_accel.patch(model)`, no arguments",
+    "hf_accel-sdpa": "`hf_accel.patch(model, backend=\"sdpa\")`",
     "hf_accel-offload": "`hf_accel.patch(model, checkpointing=\"offload\")`",
     "hf_accel-offload-mlp4k": "`hf_accel.patch(model, checkpointing=\"offload\", mlp_chunks=4096)`",
     "hf_accel-qlora-offload": "QLoRA, `hf_accel.patch(model, checkpointing=\"offload\")`",

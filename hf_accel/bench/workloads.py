@@ -90,6 +90,16 @@ WORKLOADS: dict[str, Workload] = {
                  alibi=False, parallel_attn=True, bias=False),
             notes="Falcon ~1.3B: hidden 2048, 24 layers, 32 heads MHA, rotary, parallel attn, vocab 50304, tied",
         ),
+        Workload(  # issue 22d: ALiBi on a flash path
+            "falcon-rw-1b", "falcon",
+            dict(vocab_size=50304, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
+                 new_decoder_architecture=False, multi_query=False, alibi=True, parallel_attn=False, bias=True,
+                 tie_word_embeddings=True, max_position_embeddings=4096),
+            dict(TINY, new_decoder_architecture=False, multi_query=False, alibi=True, parallel_attn=False,
+                 bias=True),
+            notes="Falcon-RW-1B shapes: hidden 2048, 24 layers, 32 heads MHA, ALiBi (no rotary), sequential "
+                  "attention + MLP, biases, vocab 50304, tied",
+        ),
         # issue 22: single long documents (the long-context preset), Llama-3 rope scaling as the real checkpoints
         Workload(
             "llama-8b-lora-long", "llama",
