@@ -476,3 +476,13 @@ def test_profile_steps_record_kernel_time_by_category():
     table = profile_table([{"config": "a", "profile": timing.profile}, {"config": "b"}])
     assert "| category | a |" in table and "| total |" in table
     assert profile_table([{"config": "b"}]) == ""
+
+
+def test_gathered_timing_keeps_rank_zeros_profile():
+    """bench.py --nproc with --profile-steps: the merged timing carries the profile (rank 0's) into the result."""
+    from hf_accel.bench.distributed import gather_ranks
+    from hf_accel.bench.train import Timing
+
+    profile = {"steps": 1, "ms_per_step": {"total": 1.0}}
+    merged, ranks = gather_ranks(Timing(step_seconds=[0.5], step_docs=[[3, 4]], losses=[2.0], profile=profile), "cpu")
+    assert merged.profile == profile and merged.step_docs == [[3, 4]] and ranks["nproc"] == 1

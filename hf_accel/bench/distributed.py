@@ -101,7 +101,7 @@ def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
                     step_docs=[[n for r in ranks for n in r["step_docs"][i]] for i in range(steps)],
                     losses=[sum(r["losses"][i] for r in ranks) / len(ranks)
                             for i in range(min(steps, *(len(r["losses"]) for r in ranks)))],
-                    notes=timing.notes, host_events=timing.host_events)
+                    notes=timing.notes, host_events=timing.host_events, profile=timing.profile)  # rank 0's
     info: dict[str, Any] = {"nproc": len(ranks),
                             "rank_step_tokens": [[sum(d) for d in r["step_docs"][:steps]] for r in ranks]}
     peaks = [r["peak_bytes"] / 2**30 for r in ranks]
