@@ -274,7 +274,8 @@ def test_trainer_budget_probes_the_runs_micro_batch(tmp_path):
     and peaked 4 GiB over a 23 GiB budget on the H200)."""
     import transformers
 
-    from hf_accel.memory.checkpointing import MemoryBudget, applied_policy
+    from hf_accel.memory.budget import MemoryBudget
+    from hf_accel.memory.checkpointing import applied_policy
     from hf_accel.training.trainer import AccelArguments, Trainer
     from tiny_models import VOCAB, make
 
@@ -291,3 +292,16 @@ def test_trainer_budget_probes_the_runs_micro_batch(tmp_path):
                                                                               checkpointing="budget:1GiB"))
     assert applied_policy(model2).batch_tokens == 20 + 14  # packing, 2 examples: the two longest
     assert VOCAB and trainer.patch_report.checkpointing.startswith("memory budget")
+
+
+def test_memory_budget_keeps_its_documented_import_path():
+    """MemoryBudget lives in hf_accel.memory.budget; README's hf_accel.memory.checkpointing path still imports it, in
+    either import order (budget.py imports checkpointing.py)."""
+    import subprocess
+    import sys
+
+    for first in ("hf_accel.memory.budget", "hf_accel.memory.checkpointing"):
+        code = (f"import {first}; from hf_accel.memory.checkpointing import MemoryBudget as A, policy_from_spec; "
+                "from hf_accel.memory.budget import MemoryBudget as B; assert A is B; "
+                "assert isinstance(policy_from_spec('budget:20GiB'), B)")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -11,7 +11,8 @@ from transformers import (FalconConfig, FalconForCausalLM, GPTNeoXConfig, GPTNeo
                           LlamaForCausalLM)
 
 import hf_accel
-from hf_accel.memory.checkpointing import MemoryBudget, decoder_layers
+from hf_accel.memory.budget import MemoryBudget
+from hf_accel.memory.checkpointing import decoder_layers
 from hf_accel.errors import ConfigurationError
 from hf_accel.memory.estimate import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
                              plan_checkpointing, plan_cost, plan_peak_bytes, probe_layer_activations,

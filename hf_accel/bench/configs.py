@@ -200,7 +200,8 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
 def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timing: Timing) -> None:
     """The policy goes on after LoRA, so a memory budget counts only the adapters' gradients and optimizer states,
     and probes a packed row of the step's real size (one micro-batch per step here)."""
-    from hf_accel.memory.checkpointing import MemoryBudget, policy_from_spec
+    from hf_accel.memory.budget import MemoryBudget
+    from hf_accel.memory.checkpointing import policy_from_spec
 
     policy = policy_from_spec(spec)
     if isinstance(policy, MemoryBudget) and policy.sample_batch is None:

@@ -313,123 +313,6 @@ def _offloader_of(policy: CheckpointingPolicy) -> ActivationOffloader:
     return policy.offloader
 
 
-@dataclass(kw_only=True)
-class MemoryBudget(CheckpointingPolicy):
-    """The least recompute that fits `budget`: bytes, "20GiB", or a fraction (0, 1] of the device's memory.
-
-    apply() probes activation bytes per decoder layer with one forward on `sample_batch` (default: `batch_tokens`
-    random tokens in one row: set it to the run's largest micro-batch; hf_accel's Trainers do), adds the fixed cost of
-    weights, gradients and optimizer states (`memory.training_state_bytes`) and the peak of the loss as the forward
-    computes it (full logits, or a fused loss's chunks), and applies `plan.plan_checkpointing`'s choice for
-    `1 - headroom` of the budget. Apply it after everything else that changes the forward (patch() does).
-    The plan is kept in `self.plan` and printed (`verbose`); a budget no plan fits raises ConfigurationError naming
-    the smallest budget that fits.
-    """
-
-    budget: int | float | str
-    sample_batch: dict | None = None
-    batch_tokens: int | None = None  # None: DEFAULT_PROBE_TOKENS
-    optimizer: str = "adamw"
-    device_bytes: int | None = None  # total device memory for fractional budgets; default: the CUDA device's
-    # Share of the budget kept free for what the probe cannot see (allocator fragmentation, transient buffers): on the
-    # H200 measured peaks ran 1-2% over plans made to the full budget (BENCHMARKS.md, checkpointing frontier).
-    headroom: float = 0.03
-    verbose: bool = True  # print the plan (on the first process only)
-    offload: bool = False  # plans may keep layers' saved inputs in host memory; spec "budget:...+offload"
-    # the decoder layers run compiled (patch(compile=...) sets it): an op-level layer then also loses the compiled
-    # path, so plans price it as such (plan.RECOMPUTE_COST_COMPILED)
-    compiled: bool = False
-    plan: object = field(default=None, init=False, repr=False)
-
-    def budget_bytes(self, device: torch.device) -> int:
-        from .plan import parse_bytes
-
-        budget = parse_bytes(self.budget) if isinstance(self.budget, str) else self.budget
-        if isinstance(budget, float) and 0 < budget <= 1:
-            total = self.device_bytes
-            if total is None and device.type == "cuda":
-                total = torch.cuda.get_device_properties(device).total_memory
-            if total is None:
-                raise ConfigurationError(
-                    f"budget fraction {budget} needs the device's memory size, but the model is on {device}. "
-                    "Pass an absolute budget such as 'budget:20GiB', or MemoryBudget(..., device_bytes=N)."
-                )
-            return int(budget * total)
-        if budget <= 0:
-            raise ConfigurationError(f"memory budget must be positive, got {self.budget!r}; e.g. 'budget:20GiB'.")
-        return int(budget)
-
-    def apply(self, model: nn.Module) -> None:
-        from .estimate import training_state_bytes
-        from .plan import (DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, plan_checkpointing,
-                           probe_training_memory)
-
-        remove_checkpointing(model)
-        device = next(model.parameters()).device
-        batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens or DEFAULT_PROBE_TOKENS, device)
-        was_training = model.training
-        model.train()
-        try:
-            probe = probe_training_memory(model, batch)
-        finally:
-            model.train(was_training)
-        budget = self.budget_bytes(device)
-        self.plan = plan_checkpointing(
-            probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer),
-            budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
-            modes=(*DEVICE_MODES, "offload") if self.offload else DEVICE_MODES,
-            costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST,
-        )
-        tokens = batch["input_ids"].numel()
-        if not self.plan.fits:
-            smallest = self.plan.predicted_peak_bytes / (1 - self.headroom)
-            raise ConfigurationError(
-                f"checkpointing budget {self.budget} ({format_bytes(budget)}) cannot be met for {tokens} tokens per "
-                f"micro-batch: even the leanest plan ({PerLayer(choices=self.plan.choices).describe()}) needs "
-                f"{format_bytes(self.plan.predicted_peak_bytes)} ({format_bytes(self.plan.fixed_bytes)} of it weights, "
-                f"gradients and optimizer states) plus {self.headroom:.0%} headroom. The smallest feasible budget is "
-                f"'budget:{_ceil_bytes(smallest)}'; or train on fewer tokens per micro-batch."
-            )
-        text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
-                f"head peak {format_bytes(probe.tail_peak_bytes)}):\n{self.plan.table()}")
-        logger.info("%s", text)
-        if self.verbose and _first_process():
-            print(text, flush=True)
-        super().apply(model)
-
-    def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
-        return list(self.plan.choices)
-
-    def describe(self) -> str:
-        planned = "" if self.plan is None else f": {PerLayer(choices=self.plan.choices).describe()}"
-        return f"memory budget {self.budget}{planned}"
-
-
-DEFAULT_PROBE_TOKENS = 2048
-
-
-def _ceil_bytes(n: float) -> str:
-    """A budget spec's size, rounded up: '23.47GiB', '4.4MiB'."""
-    import math
-
-    if n >= 1024**3:
-        return f"{math.ceil(n / 1024**3 * 100) / 100:g}GiB"
-    return f"{math.ceil(n / 1024**2 * 10) / 10:g}MiB"
-
-
-def _first_process() -> bool:
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dict:
-    vocab = base_model(model).config.vocab_size
-    input_ids = torch.randint(0, vocab, (1, tokens), device=device)
-    position_ids = torch.arange(tokens, device=device)[None]
-    return {"input_ids": input_ids, "labels": input_ids.clone(), "position_ids": position_ids, "use_cache": False}
-
-
 def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True) -> CheckpointingPolicy:
     """Turn a user spec into a policy.
 
@@ -461,9 +344,21 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
         except ValueError:
             budget = None
         if budget is not None:
+            from .budget import MemoryBudget
+
             return MemoryBudget(budget=budget, offload=offload, **common)
     raise ConfigurationError(
         f"unknown checkpointing spec {spec!r}. Allowed: 'none', 'full', 'offload', 'every_N' (e.g. 'every_2'), 'op', "
         "'budget:20GiB', 'budget:0.6' (fraction of device memory), 'budget:20GiB+offload', True/False, a "
         "CheckpointingPolicy, or a callable check_fn(module) -> bool."
     )
+
+
+def __getattr__(name: str):
+    """``MemoryBudget`` lives in ``memory/budget.py``; this documented import path keeps working (lazily: budget.py
+    imports this module)."""
+    if name == "MemoryBudget":
+        from .budget import MemoryBudget
+
+        return MemoryBudget
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

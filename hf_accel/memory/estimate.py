@@ -224,14 +224,16 @@ def _lora_inputs_per_layer(config, targets: Sequence[str]) -> int:
 
 
 def _budget(spec, device_bytes: int | None) -> int:
-    from .checkpointing import MemoryBudget, policy_from_spec
+    from .budget import MemoryBudget
+    from .checkpointing import policy_from_spec
 
     policy = policy_from_spec(spec)
     return MemoryBudget(budget=policy.budget, device_bytes=device_bytes).budget_bytes(torch.device("meta"))
 
 
 def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra: int, device_bytes: int | None) -> list[str]:
-    from .checkpointing import MemoryBudget, policy_from_spec
+    from .budget import MemoryBudget
+    from .checkpointing import policy_from_spec
 
     policy = policy_from_spec(spec)
     if isinstance(policy, MemoryBudget):

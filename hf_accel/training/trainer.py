@@ -148,7 +148,8 @@ class AccelMixin(CheckpointFilesMixin):
         """The checkpoint policy; a memory budget probes a micro-batch of the size this run will train on."""
         if self.accel.checkpointing is None:
             return None
-        from ..memory.checkpointing import MemoryBudget, policy_from_spec
+        from ..memory.budget import MemoryBudget
+        from ..memory.checkpointing import policy_from_spec
 
         policy = policy_from_spec(self.accel.checkpointing)
         if isinstance(policy, MemoryBudget) and policy.sample_batch is None and policy.batch_tokens is None:

@@ -11,7 +11,7 @@ import torch
 
 import hf_accel
 from hf_accel.errors import ConfigurationError
-from hf_accel.memory.checkpointing import MemoryBudget
+from hf_accel.memory.budget import MemoryBudget
 from test_models_gpu import SHAPES
 
 pytestmark = pytest.mark.gpu
