@@ -262,3 +262,13 @@ def test_infeasible_budget_raises_naming_the_smallest_that_fits(capsys):
     assert fits.plan.fits
     printed = capsys.readouterr().out
     assert "checkpointing plan for budget" in printed and "| predicted peak |" in printed  # visible by default
+
+
+def test_estimate_table_counts_offloaded_layers():
+    """`estimate_memory.py --checkpointing offload`: the table says how many layers are offloaded (it printed an empty
+    "activations ()" row) and counts none of their inputs on the device."""
+    from hf_accel.memory.estimate import estimate_training_memory
+
+    est = estimate_training_memory("llama-3.2-1b", batch_tokens=1024, checkpointing="offload")
+    assert est.choices == ("offload",) * 16 and est.activation_bytes == 0
+    assert "| activations (16 offload) | 0.0 MiB |" in est.table()

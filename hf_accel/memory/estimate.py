@@ -143,7 +143,8 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default=())
 
     def table(self) -> str:
-        counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("none", "op", "full") if c in self.choices)
+        counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("none", "op", "full", "offload")
+                           if c in self.choices)
         rows = [("parameters", f"{self.params:,} ({self.trainable_params:,} trainable)"),
                 ("weights", format_bytes(self.param_bytes)), ("gradients", format_bytes(self.grad_bytes)),
                 ("optimizer states", format_bytes(self.optimizer_bytes)),
