@@ -204,8 +204,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     notes = ("attention counted flash-style (no seq x seq tensor); HF's eager/sdpa paths with a mask add one",
              "eager layers and the full-logits loss: an upper bound for patch()'s CUDA defaults, whose fused loss "
              "holds one ~512 MiB chunk of logits and whose compiled layers save less (Llama-1B at 16k tokens: this "
-             "formula 55.4 GiB; measured on the H200: attention-only patch 57.2, the fused defaults 27.2); a budget: plan "
-             "probes the real forward instead")
+             "formula 55.4 GiB; measured on the H200: attention-only patch 57.2, the fused defaults 27.2); a "
+             "budget: plan probes the real forward instead")
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, loss)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
         notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes)
