@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 import hf_accel
 from hf_accel.fused.compiling import compiled_layers
 from hf_accel.errors import BackendUnavailable, ConfigurationError
-from tiny_models import VOCAB, make
+import tiny_models
+from tiny_models import VOCAB, loss_and_grads, make
 
 GRAD_RTOL = 1e-4  # fp32 both sides: only summation order differs
 AOT_EAGER = {"backend": "aot_eager"}
@@ -27,21 +28,8 @@ def packed(lengths: list[int], seed: int) -> dict:
     return dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
 
 
-def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def assert_same_step(ours, ref, batch) -> None:
-    loss, grads = loss_and_grads(ours, batch)
-    ref_loss, ref_grads = loss_and_grads(ref, batch)
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
-    assert grads.keys() == ref_grads.keys()
-    for name, g in ref_grads.items():
-        err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
-        assert err < GRAD_RTOL, (name, err)
+    tiny_models.assert_same_step(ours, ref, batch, loss_rtol=1e-5, grad_rtol=GRAD_RTOL)
 
 
 def pair(variant: str, compile_options, **patch_kwargs):

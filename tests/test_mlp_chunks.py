@@ -19,7 +19,8 @@ from hf_accel.fused.compiling import graphs_compiled
 from hf_accel.memory import mlp_chunks
 from hf_accel.memory.targets import decoder_mlps
 from script_modules import script_module
-from tiny_models import VOCAB, make
+import tiny_models
+from tiny_models import VOCAB, loss_and_grads, make
 
 CHUNK = 7
 LENGTHS = (20, 18, 12)  # 50 tokens: 8 chunks of CHUNK, the last one of 1
@@ -35,21 +36,8 @@ def packed_batch() -> dict:
     return dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
 
 
-def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def assert_same_step(ours, ref, batch) -> None:
-    loss, grads = loss_and_grads(ours, batch)
-    ref_loss, ref_grads = loss_and_grads(ref, batch)
-    assert loss.item() == pytest.approx(ref_loss.item(), rel=LOSS_RTOL)
-    assert grads.keys() == ref_grads.keys() and grads
-    for name, g in ref_grads.items():
-        err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
-        assert err < GRAD_RTOL, (name, err)
+    tiny_models.assert_same_step(ours, ref, batch, loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL)
 
 
 class ChunkCounter:

@@ -1,4 +1,5 @@
-"""Tiny random-init models of every supported family variant, built from configs in code (no hub)."""
+"""Tiny random-init models of every supported family variant, built from configs in code (no hub), and the
+training-step comparison the CPU tests make between them."""
 from __future__ import annotations
 
 import torch
@@ -56,3 +57,25 @@ def make(name: str, seed: int = 0) -> torch.nn.Module:
     model = VARIANTS[name]()
     model.config.use_cache = False
     return model.float().eval()
+
+
+def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    """One training forward and backward on ``batch``: the loss and a copy of every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(ours, ref, batch, *, loss_rtol: float, grad_rtol: float) -> None:
+    """``ours`` and ``ref`` take the same step on ``batch``: the loss within ``loss_rtol`` and, per parameter, the
+    gradient's largest difference within ``grad_rtol`` of the reference gradient's largest entry."""
+    import pytest
+
+    loss, grads = loss_and_grads(ours, batch)
+    ref_loss, ref_grads = loss_and_grads(ref, batch)
+    assert loss == pytest.approx(ref_loss, rel=loss_rtol)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in ref_grads.items():
+        err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+        assert err < grad_rtol, (name, err)
