@@ -43,6 +43,18 @@ def _alias_key(t: torch.Tensor) -> tuple:
     return (t.device, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
+def _once(tensors: list[tuple[tuple, torch.Tensor]]) -> list[tuple[tuple, torch.Tensor]]:
+    """``(path, tensor)`` pairs with each aliased tensor kept under its first path (as ``copy`` maps them)."""
+    seen: set[tuple] = set()
+    out = []
+    for path, t in tensors:
+        key = _alias_key(t)
+        if key not in seen:
+            seen.add(key)
+            out.append((path, t))
+    return out
+
+
 def _tensors(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     if torch.is_tensor(obj):
         return [(path, obj)]
@@ -72,16 +84,9 @@ class SnapshotBuffers:
         """Allocate now the buffers a later ``copy(state)`` needs (on a thread by default), so the first save does
         not pay for page-locking them (~4.5 s for Llama-1B's 7.4 GiB on the H200, against 0.15 s for a later save's
         copy). False, and nothing allocated, when the host lacks the memory (``shortfall``)."""
-        if self.shortfall(state) is not None:
+        if self.shortfall(state) is not None:  # (it waited for any reservation under way)
             return False
-        self._join()
-        wanted, seen = [], set()
-        for path, t in _tensors(state):
-            buf = self._buffers.get(path)
-            if _alias_key(t) in seen or (buf is not None and buf.shape == t.shape and buf.dtype == t.dtype):
-                continue
-            seen.add(_alias_key(t))
-            wanted.append((path, t.shape, t.dtype))
+        wanted = [(path, t.shape, t.dtype) for path, t in _once(_tensors(state)) if not self._held(path, t)]
 
         def allocate() -> None:
             try:
@@ -106,25 +111,20 @@ class SnapshotBuffers:
             self._buffers.update(self._reserved)
             self._reserved = {}
 
+    def _held(self, path: tuple, t: torch.Tensor) -> bool:
+        """Whether the buffer for ``path`` exists and can take ``t``."""
+        buf = self._buffers.get(path)
+        return buf is not None and buf.shape == t.shape and buf.dtype == t.dtype
+
     def _missing_bytes(self, state: Any) -> tuple[int, int]:
         """(bytes of the state, bytes of it without a held buffer), tied tensors once. When every tensor has its
         buffer (every save after the first) this is one dictionary lookup per tensor and returns (0, 0)."""
         tensors = _tensors(state)
-        if all((buf := self._buffers.get(path)) is not None and buf.shape == t.shape and buf.dtype == t.dtype
-               for path, t in tensors):
+        if all(self._held(path, t) for path, t in tensors):
             return 0, 0
-        total = missing = 0
-        seen = set()
-        for path, t in tensors:
-            key = _alias_key(t)
-            if key in seen:
-                continue
-            seen.add(key)
-            n = t.numel() * t.element_size()
-            total += n
-            buf = self._buffers.get(path)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                missing += n
+        unique = _once(tensors)
+        total = sum(t.numel() * t.element_size() for _, t in unique)
+        missing = sum(t.numel() * t.element_size() for path, t in unique if not self._held(path, t))
         return total, missing
 
     def shortfall(self, state: Any) -> str | None:
@@ -134,7 +134,7 @@ class SnapshotBuffers:
         if not missing:
             return None
         free = self._available()
-        if missing and free - missing < HEADROOM * total:
+        if free - missing < HEADROOM * total:
             return (f"host memory is short for a background snapshot ({free / 2**30:.2f} GiB available, it needs "
                     f"{missing / 2**30:.2f} GiB more plus {HEADROOM:.0%} headroom)")
         return None
@@ -151,10 +151,9 @@ class SnapshotBuffers:
                 key = _alias_key(obj)
                 if key in aliases:
                     return aliases[key]
-                buf = self._buffers.get(path)
-                if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                    buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=self.pin)
-                    self._buffers[path] = buf
+                if not self._held(path, obj):
+                    self._buffers[path] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=self.pin)
+                buf = self._buffers[path]
                 buf.copy_(obj, non_blocking=self.pin)
                 aliases[key] = buf
                 return buf
