@@ -209,9 +209,9 @@ class StepClock:
             elif len(self.marks) == 1 + self.profiler.steps:
                 self.profiler.end()
 
-    @property
-    def profile(self) -> dict[str, Any] | None:
-        """The profiled steps' kernel time by category, once they ran (see hf_accel.bench.profile)."""
+    def finish_profile(self) -> dict[str, Any] | None:
+        """After the run: the profiled steps' kernel time by category (hf_accel.bench.profile); a profiler the run
+        stopped before its last profiled step is stopped here, over the steps that ran."""
         if self.profiler is not None and self.profiler.result is None:
             self.profiler.end(max(1, self.steps))  # the run stopped before the last profiled step: what ran
         return None if self.profiler is None else self.profiler.result
@@ -267,7 +267,7 @@ def run_loop(
                 timing.notes.append(f"stopped after {clock.steps} timed steps (step time budget)")
                 break
     events.close()
-    timing.profile = clock.profile
+    timing.profile = clock.finish_profile()
     timing.step_seconds = clock.step_seconds()
     timing.losses = [float(x) for x in losses]
 
@@ -329,7 +329,7 @@ def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
             return loss
 
     make(Counting, _timing_callback(settings, timing, clock)).train()
-    timing.profile = clock.profile
+    timing.profile = clock.finish_profile()
     timing.step_seconds = clock.step_seconds()
     timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
     timing.step_docs.extend(docs[timed])
