@@ -55,7 +55,7 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
         self._prof = profile(activities=activities)
-        self._prof.__enter__()
+        self._prof.start()
 
     def end(self, steps: int | None = None) -> None:
         """Stop after ``steps`` profiled steps (default: all ``self.steps``; fewer when the run stopped early)."""
@@ -63,7 +63,7 @@ class StepProfiler:
             return
         if self.cuda:
             torch.cuda.synchronize()
-        self._prof.__exit__(None, None, None)
+        self._prof.stop()
         steps = steps or self.steps
         self.result = {"steps": steps, "ms_per_step": ms_by_category(self._prof, steps, self.cuda)}
         self._prof = None
