@@ -27,6 +27,8 @@ BNB_SITES = ("bnb",)
 # Unsloth must run offline: no statistics download, no hub or internet probes (unsloth/models/_utils.py reads these).
 UNSLOTH_ENV = {"UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
 def site_dirs(names: tuple[str, ...] | list[str], root: str) -> list[str]:
     """The folders of packs `names`: NAME -> <root>/site-NAME (pack-wheels' install folder); a name with a path
     separator is taken as the folder itself."""
@@ -67,11 +69,10 @@ def saved_random_model(settings: RunSettings) -> Iterator[str]:
     """A folder holding the workload's random-init model (settings.dtype) and the offline tokenizer, written with
     save_pretrained: Unsloth and bitsandbytes' 4-bit quantizer load from files, not from a config. In RAM (/dev/shm)
     where the weights fit, else the temp folder; removed afterwards."""
+    import shutil
     import tempfile
 
     from .train import offline_tokenizer
-
-    import shutil
 
     model = build_model(settings, "sdpa")
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
