@@ -7,18 +7,15 @@ one that fits. ``policy_from_spec("budget:20GiB")`` builds it.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from .checkpointing import CheckpointingPolicy, LayerChoice, PerLayer, remove_checkpointing
+from .checkpointing import CheckpointingPolicy, LayerChoice, PerLayer, logger, remove_checkpointing
 from .targets import base_model
 from ..errors import ConfigurationError
-
-logger = logging.getLogger("hf_accel.memory.checkpointing")  # the plan's log line keeps its logger
 
 
 @dataclass(kw_only=True)
