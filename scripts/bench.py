@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     stock = [n for n, c in CONFIGS.items() if c.stock]
     best = add_ratios_per_nproc(results, stock) if args.nproc else add_ratios(results, stock)
     table = markdown_table(results, best)
-    if profile_table(results):
-        table += "\n\n" + profile_table(results)
+    profiles = profile_table(results)
+    if profiles:
+        table += "\n\n" + profiles
     if args.nproc:
         table += "\n\n" + scaling_table(results, stock)
     spec = data_spec(args)
