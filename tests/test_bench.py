@@ -486,3 +486,16 @@ def test_gathered_timing_keeps_rank_zeros_profile():
     profile = {"steps": 1, "ms_per_step": {"total": 1.0}}
     merged, ranks = gather_ranks(Timing(step_seconds=[0.5], step_docs=[[3, 4]], losses=[2.0], profile=profile), "cpu")
     assert merged.profile == profile and merged.step_docs == [[3, 4]] and ranks["nproc"] == 1
+
+
+def test_versions_name_the_commit_and_a_dirty_tree():
+    """The recorded commit is HEAD's short hash, with "-dirty" when the working tree differs from it (the GPU
+    machine's copy kept the session's first HEAD: the 07:47 runs of 2026-11-30 recorded a commit older than the code)."""
+    from hf_accel.bench.report import versions
+
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=REPO).stdout.strip()
+    assert versions()["hf_accel_commit"] == head.stdout.strip() + ("-dirty" if dirty else "")

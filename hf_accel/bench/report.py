@@ -25,8 +25,10 @@ def versions() -> dict[str, Any]:
     found["cuda"] = torch.version.cuda
     found["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).resolve().parent)
+        # "-dirty" when the files differ from that commit: a GPU machine's copy of the working tree keeps the
+        # session's first HEAD, so a bare hash there named code older than what ran
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                                text=True, timeout=5, cwd=Path(__file__).resolve().parent)
         found["hf_accel_commit"] = commit.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         found["hf_accel_commit"] = None
