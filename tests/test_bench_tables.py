@@ -56,6 +56,9 @@ def tree(tmp_path):
     # newer, with an anchor, but every hf_accel row failed (a call out of time): nothing to compare, so not current
     _write(results, "w1_partial.json", _record("w1", "2026-01-03T11:00:00+00:00", [
         _result("trl-fa4-packed", 105.0, ratio=1.0), _result("hf_accel-best", None, status="skipped: time budget")]))
+    # newer, with an anchor, but only side configurations (no defaults / best row): the headline run stays current
+    _write(results, "w1_side.json", _record("w1", "2026-01-03T12:00:00+00:00", [
+        _result("trl-fa4-packed", 105.0, ratio=1.0), _result("hf_accel-offload", 120.0, ratio=120 / 105)]))
     _write(results, "w1-tiny.json", {**_record("w1", "2026-01-04T10:00:00", [_result("trl-fa4-packed", 1.0)]),
                                      "tiny": True})
     _write(results, "profile_w1.json", {"workload": "w1", "steady_step_s": 0.2})  # not a bench.py record
@@ -68,8 +71,9 @@ def test_index_current_run_and_fields(tree):
     index = build_index(tree / "benchmarks" / "results")
     runs = {r["file"]: r for r in index["runs"]}
     # tiny and profile files left out
-    assert set(runs) == {"w1_old.json", "w1_new.json", "w1_newest.json", "w1_partial.json"}
-    assert [r["file"] for r in index["runs"]] == ["w1_old.json", "w1_new.json", "w1_newest.json", "w1_partial.json"]
+    assert set(runs) == {"w1_old.json", "w1_new.json", "w1_newest.json", "w1_partial.json", "w1_side.json"}
+    assert [r["file"] for r in index["runs"]] == ["w1_old.json", "w1_new.json", "w1_newest.json", "w1_partial.json",
+                                                  "w1_side.json"]
     assert [r["file"] for r in index["runs"] if r["current"]] == ["w1_new.json"]
     assert runs["w1_new.json"]["command"] == "python scripts/bench.py --preset w1"
     assert runs["w1_old.json"]["command_source"].startswith("reconstructed")
@@ -167,3 +171,13 @@ def test_multi_gpu_region_renders_the_newest_nproc_run_and_its_scaling(tree):
     # the multi-GPU run never becomes a workload's current single-GPU run
     assert "w1-nproc1-2.json" not in regenerate(DOC, index).split("<!-- bench:table workload=w1 -->")[1]
     assert "No multi-GPU run" in regenerate(doc.replace("w1", "w2"), index)
+
+
+def test_runs_log_names_each_long_context_rows_length(tmp_path):
+    from hf_accel.bench.tables import runs_log
+
+    _write(tmp_path, "long.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
+        _result("hf_accel-best", 2882.0, 42.7, doc_length=131072), _result("hf_accel-best", 1609.0, 41.9,
+                                                                           doc_length=262144)]))
+    log = runs_log(build_index(tmp_path))
+    assert "hf_accel-best @ 131,072 tokens 2,882 (42.7); hf_accel-best @ 262,144 tokens 1,609 (41.9)" in log

@@ -106,7 +106,7 @@ def test_offload_leaves_small_tensors_and_eval_alone():
     assert policy.offloader.stats.packed == 0
 
 
-def test_budget_plans_offload_only_when_asked_and_only_where_full_does_not_fit():
+def test_budget_plans_offload_on_cuda_or_when_asked_and_only_where_full_does_not_fit():
     from hf_accel.memory.plan import DEVICE_MODES, LayerActivation, plan_checkpointing
 
     layers = [LayerActivation(none_bytes=100, op_bytes=60, full_bytes=10)] * 4
@@ -119,7 +119,11 @@ def test_budget_plans_offload_only_when_asked_and_only_where_full_does_not_fit()
     assert "offloaded checkpointing | 3 layers" in plan.table()
     policy = policy_from_spec("budget:20GiB+offload")
     assert policy.offload and policy.budget == "20gib"
-    assert not policy_from_spec("budget:20GiB").offload
+    assert policy.offloads(torch.device("cpu"))  # asked for: whatever the device
+    plain, kept = policy_from_spec("budget:20GiB"), policy_from_spec("budget:20GiB+no-offload")
+    assert kept.budget == "20gib" and not kept.offloads(torch.device("cuda"))
+    # by default a budget plan offloads on CUDA only (issue 18b: a Llama-8B LoRA 24 GiB budget needed it)
+    assert plain.offloads(torch.device("cuda")) and not plain.offloads(torch.device("cpu"))
 
 
 def test_per_layer_offload_choice_matches_full():

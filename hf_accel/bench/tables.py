@@ -166,8 +166,10 @@ def summary_table(index: dict[str, Any]) -> str:
 
 
 def _on_gpus(row: dict[str, Any]) -> str:
-    """The config's name, with " xN" for a multi-GPU (bench.py --nproc) row."""
-    return f"{row['config']} x{row['nproc']}" if row.get("nproc") else row["config"]
+    """The config's name, with " xN" for a multi-GPU (bench.py --nproc) row and " @ N tokens" for a long-context
+    (bench.py --doc-lengths) row."""
+    name = f"{row['config']} x{row['nproc']}" if row.get("nproc") else row["config"]
+    return f"{name} @ {row['doc_length']:,} tokens" if row.get("doc_length") else name
 
 
 def runs_log(index: dict[str, Any]) -> str:

@@ -40,7 +40,10 @@ class MemoryBudget(CheckpointingPolicy):
     # H200 measured peaks ran 1-2% over plans made to the full budget (BENCHMARKS.md, checkpointing frontier).
     headroom: float = 0.03
     verbose: bool = True  # print the plan (on the first process only)
-    offload: bool = False  # plans may keep layers' saved inputs in host memory; spec "budget:...+offload"
+    # plans may keep layers' saved inputs in pinned host memory ("offload", priced above full recompute, so chosen
+    # only where device-only plans do not fit): None = where the model is on CUDA; spec "budget:...+offload" forces
+    # it on, "budget:...+no-offload" off
+    offload: bool | None = None
     # the decoder layers run compiled (patch(compile=...) sets it): an op-level layer then also loses the compiled
     # path, so plans price it as such (plan.RECOMPUTE_COST_COMPILED)
     compiled: bool = False
@@ -82,7 +85,7 @@ class MemoryBudget(CheckpointingPolicy):
         self.plan = plan_checkpointing(
             probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer),
             budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
-            modes=(*DEVICE_MODES, "offload") if self.offload else DEVICE_MODES,
+            modes=(*DEVICE_MODES, "offload") if self.offloads(device) else DEVICE_MODES,
             costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST,
         )
         tokens = batch["input_ids"].numel()
@@ -101,6 +104,10 @@ class MemoryBudget(CheckpointingPolicy):
         if self.verbose and _first_process():
             print(text, flush=True)
         super().apply(model)
+
+    def offloads(self, device: torch.device) -> bool:
+        """Whether plans may offload: as asked, else on CUDA (host memory is a separate pool only there)."""
+        return self.offload if self.offload is not None else device.type == "cuda"
 
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
         return list(self.plan.choices)

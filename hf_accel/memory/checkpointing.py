@@ -317,7 +317,8 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
     """Turn a user spec into a policy.
 
     spec: "none" | "full" | "offload" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of device
-    memory) | "budget:20GiB+offload" (plans may keep layer inputs in host memory) | True / False | a
+    memory; on CUDA plans may keep layer inputs in host memory where device-only plans do not fit) |
+    "budget:20GiB+offload" / "budget:20GiB+no-offload" (offload allowed / not, whatever the device) | True / False | a
     CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
     """
     if isinstance(spec, CheckpointingPolicy):
@@ -334,8 +335,11 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
     if text and text.startswith("every_") and text[6:].isdigit() and int(text[6:]) >= 1:
         return EveryN(n=int(text[6:]), **common)
     if text and text.startswith("budget:"):
-        value, offload = text[7:], text.endswith("+offload")
-        value = value[: -len("+offload")] if offload else value
+        value, offload = text[7:], None
+        for suffix, flag in (("+no-offload", False), ("+offload", True)):
+            if value.endswith(suffix):
+                value, offload = value[: -len(suffix)], flag
+                break
         try:
             budget = float(value) if value.replace(".", "", 1).isdigit() and "." in value else value
             from .plan import parse_bytes
@@ -349,7 +353,8 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
             return MemoryBudget(budget=budget, offload=offload, **common)
     raise ConfigurationError(
         f"unknown checkpointing spec {spec!r}. Allowed: 'none', 'full', 'offload', 'every_N' (e.g. 'every_2'), 'op', "
-        "'budget:20GiB', 'budget:0.6' (fraction of device memory), 'budget:20GiB+offload', True/False, a "
+        "'budget:20GiB', 'budget:0.6' (fraction of device memory), 'budget:20GiB+offload', "
+        "'budget:20GiB+no-offload', True/False, a "
         "CheckpointingPolicy, or a callable check_fn(module) -> bool."
     )
 

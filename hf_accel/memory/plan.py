@@ -21,7 +21,7 @@ _GIB = 1024**3
 RECOMPUTE_COST = {"none": 0.0, "op": 0.1, "full": 1.0, "offload": 1.1}
 # "offload" (full checkpointing with the saved input in host memory, memory.offload) keeps nothing on the device; its
 # copies overlap compute, so it costs a little more than "full" only so that plans prefer "full" wherever that fits.
-# Plans consider it only when asked (plan_checkpointing(modes=...), MemoryBudget(offload=True)).
+# plan_checkpointing considers it only when asked (modes=...); MemoryBudget asks on CUDA (its `offload`).
 DEVICE_MODES = ("none", "op", "full")
 # With compiled layers (patch(compile=...)), an op-level layer also runs eagerly: its selective-checkpoint policy must
 # see each op, so it leaves the compiled path. Measured on the H200 (Llama-1B shapes, 16k tokens, BENCHMARKS.md "a 24

@@ -62,3 +62,36 @@ def test_infeasible_budget_raises_before_the_first_step():
     assert hf_accel.patch_report(model) is None  # nothing applied
     smallest = float(re.search(r"budget:([0-9.]+)GiB", str(err.value)).group(1))
     assert 10 < smallest < 20
+
+
+@pytest.mark.parametrize("budget_gib", [24, 40])
+def test_budget_holds_for_llama_8b_lora(budget_gib, capsys):
+    """Issue 18b's second workload: Llama-3-8B shapes (random init, bf16), PEFT LoRA r=16 on every decoder linear,
+    then `patch(peft_model, checkpointing=budget)` with the fast defaults; bf16 autocast as Trainer runs LoRA."""
+    from hf_accel.bench.train import add_lora
+    from hf_accel.bench.workloads import WORKLOADS, build_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    workload = WORKLOADS["llama-8b-lora"]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(build_config(workload), dtype=torch.bfloat16)
+    model = add_lora(model.train(), workload)
+    policy = MemoryBudget(budget=f"{budget_gib}GiB", batch_tokens=TOKENS)
+    torch.cuda.reset_peak_memory_stats()
+    report = hf_accel.patch(model, checkpointing=policy)
+    assert report.fused_ce, str(report)
+    assert "| predicted peak |" in capsys.readouterr().out
+    assert policy.plan.fits and policy.plan.predicted_peak_bytes <= budget_gib * GIB
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    for seed in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch(model.config.vocab_size, seed), use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / GIB
+    print(f"llama-8b-lora budget {budget_gib} GiB: plan {policy.describe()}, predicted "
+          f"{policy.plan.predicted_peak_bytes / GIB:.2f} GiB, measured peak {peak:.2f} GiB")
+    assert peak <= budget_gib, f"peak {peak:.2f} GiB over the {budget_gib} GiB budget ({policy.describe()})"
