@@ -19,3 +19,11 @@ def free_cuda_memory_between_tests():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def pytest_runtest_logreport(report):
+    """A failure's traceback written when it happens: a run cut by a device call's time limit still shows why each
+    finished test failed (pytest prints its summary only at the end; 2026-11-30 lost three failures that way)."""
+    if report.failed:
+        sys.stderr.write(f"\n[FAILED {report.when}] {report.nodeid}\n{report.longreprtext[-4000:]}\n")
+        sys.stderr.flush()
