@@ -57,6 +57,16 @@ CASES = {
     "falcon-lora": Case("falcon-small", "fsdp2.yaml", ("--lora-r", "16")),
 }
 
+# Issue 19b: the same checks under DeepSpeed ZeRO-3 (bf16, fp32 optimizer partitions). ZeRO-3 + PEFT forces reentrant
+# checkpointing, so the LoRA cases use whole-layer policies. hf_accel.Trainer leaves compiled layers off under
+# DeepSpeed (not measured there); the fused loss and fused ops stay on.
+ZERO3_CASES = {
+    "llama-full": Case("llama-small", "deepspeed_zero3.yaml"),
+    "llama-lora": Case("llama-small", "deepspeed_zero3.yaml", ("--lora-r", "16", "--checkpointing", "full")),
+    "neox-full": Case("neox-small", "deepspeed_zero3.yaml", ("--checkpointing", "every_2")),
+    "falcon-lora": Case("falcon-small", "deepspeed_zero3.yaml", ("--lora-r", "16")),
+}
+
 # ------------------------------------------------------------------------------------------------ helpers
 def launch_command(config: str, processes: int, sft_args: list[str]) -> list[str]:
     """``accelerate launch`` of tests/dist_sft.py with ``sft_args`` (a free rendezvous port per launch)."""

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_gpu_runs import (CASES, CONFIGS, STEPS, assert_loaded_equals_saved, assert_loss_fell,  # noqa: E402
-                            assert_same_losses, case_args, launch_command, saved_tensors)
+from multi_gpu_runs import (CASES, CONFIGS, STEPS, ZERO3_CASES, assert_loaded_equals_saved,  # noqa: E402
+                            assert_loss_fell, assert_same_losses, case_args, launch_command, saved_tensors)
 
 
 def test_case_commands_keep_the_defaults_and_equal_global_batches(tmp_path):
@@ -28,9 +28,9 @@ def test_case_commands_keep_the_defaults_and_equal_global_batches(tmp_path):
                  "--lr", "--lora-r", "--checkpointing", "--logging-steps"):
         assert value(two, flag) == value(one, flag), flag
     assert not [a for a in two if a.startswith("--no-")] and "--bf16" in two
-    assert all((CONFIGS / c.config).is_file() for c in CASES.values())
+    assert all((CONFIGS / c.config).is_file() for c in [*CASES.values(), *ZERO3_CASES.values()])
     assert value(two, "--output-dir") == value(one, "--output-dir")  # the test gives each its own; here both "o"
-    assert len(CASES) * 2 <= 12  # each launch costs ~30-60 s of GPU time
+    assert len(CASES) * 2 <= 12 and len(ZERO3_CASES) * 2 <= 8  # each launch costs ~30-60 s of GPU time
 
 
 def test_loss_comparison_tolerances():
