@@ -328,6 +328,18 @@ def test_auto_compile_under_each_wrapper(wrapper, expected):
         is_fsdp_enabled=wrapper.get("is_fsdp_enabled", False),
         is_deepspeed_enabled=wrapper.get("is_deepspeed_enabled", False),
         accelerator=SimpleNamespace(is_fsdp2=wrapper.get("is_fsdp2", False)))
+    trainer._accel_compile_stands_down = lambda: AccelMixin._accel_compile_stands_down(trainer)
     assert AccelMixin._accel_compile(trainer) == expected
+    reason = AccelMixin._accel_compile_stands_down(trainer)
+    assert (reason is None) == (expected == "auto")
+    if reason:  # the patch report's compile line gives the reason, not "compile=False"
+        from types import SimpleNamespace as Report
+
+        from hf_accel.training.trainer import explain_stand_down
+
+        report = Report(speedups=["fused_ce: on (auto: ...)", "compile: off (compile=False)"])
+        explain_stand_down(report, reason)
+        assert report.speedups == ["fused_ce: on (auto: ...)", f"compile: off (auto: {reason})"]
     trainer.accel.compile = True  # an explicit choice is kept everywhere
     assert AccelMixin._accel_compile(trainer) is True
+    assert AccelMixin._accel_compile_stands_down(trainer) is None

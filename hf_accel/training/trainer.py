@@ -83,6 +83,13 @@ class AccelArguments:
     non_blocking: bool = True
 
 
+def explain_stand_down(report, reason: str | None) -> None:
+    """The report's compile line says why the Trainer turned "auto" compile off, not just "compile=False"."""
+    if reason and report is not None:
+        report.speedups = [f"compile: off (auto: {reason})" if line.startswith("compile: off") else line
+                           for line in report.speedups]
+
+
 class AccelMixin(CheckpointFilesMixin):
     """The behaviour shared by ``Trainer`` and ``SFTTrainer``; expects to sit before a transformers Trainer in MRO."""
 
@@ -96,6 +103,7 @@ class AccelMixin(CheckpointFilesMixin):
             self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self._accel_policy(),
                                       fused_ops=self.accel.fused_ops, fused_ce=self._accel_fused_ce(),
                                       compile=self._accel_compile(), mlp_chunks=self.accel.mlp_chunks)
+            explain_stand_down(self.patch_report, self._accel_compile_stands_down())
             logger.info("%s", self.patch_report)
         elif self.accel.checkpointing is not None:
             self._accel_policy().apply(self.model)
@@ -139,10 +147,19 @@ class AccelMixin(CheckpointFilesMixin):
         tokens/s 126k compiled vs 119k eager, docs/MULTI_GPU.md)."""
         if self.accel.compile != "auto":
             return self.accel.compile
-        fsdp1 = getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False)
-        if getattr(self.args, "torch_compile", False) or fsdp1 or getattr(self, "is_deepspeed_enabled", False):
-            return False
-        return "auto"
+        return False if self._accel_compile_stands_down() else "auto"
+
+    def _accel_compile_stands_down(self) -> str | None:
+        """Why "auto" compile is off for this Trainer (the patch report's compile line says it), or None."""
+        if self.accel.compile != "auto":
+            return None
+        if getattr(self.args, "torch_compile", False):
+            return "TrainingArguments(torch_compile=True) compiles the whole model instead"
+        if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
+            return "stands down under FSDP1 (not measured there; FSDP2 keeps it)"
+        if getattr(self, "is_deepspeed_enabled", False):
+            return "stands down under DeepSpeed (not measured there; FSDP2 keeps it)"
+        return None
 
     def _accel_policy(self) -> Any:
         """The checkpoint policy; a memory budget probes a micro-batch of the size this run will train on."""
