@@ -49,7 +49,7 @@ class Preset:
 
 
 _DEFAULTS_AND_BEST = ("hf_accel-defaults", "hf_accel-best")
-_LONG_CONFIGS = ("trl-fa4-packed-liger", "hf-sdpa-padded", "hf_accel-best")
+_LONG_CONFIGS = ("trl-fa4-packed-liger", "hf-sdpa-padded", "unsloth", "hf_accel-best")  # unsloth: where its pack is
 _MULTI_CONFIGS = ("trl-fa4-packed-liger", "hf_accel-defaults")
 _LONG_SETTINGS = dict(doc_lengths="16384,32768,65536,131072,262144", steps=2, warmup=1, best_checkpointing="offload",
                       best_compile="off", time_budget=560, config_timeout=400)
@@ -104,7 +104,8 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "long-context", "single documents of 16k-256k tokens, Llama-3-8B shapes with Llama-3 rope scaling, LoRA "
             "r=16: the longest length that trains and tokens/s + MFU per length, for TRL + flash-attn-4 + Liger with "
-            "checkpointing, HF sdpa with checkpointing, hf_accel (fused loss and ops, offloaded checkpointing)",
+            "checkpointing, HF sdpa with checkpointing, Unsloth (its offloaded checkpointing) where its pack is "
+            "installed, hf_accel (fused loss and ops, offloaded checkpointing)",
             "llama-8b-lora-long", _LONG_CONFIGS, _LONG_SETTINGS,
         ),
         Preset(
