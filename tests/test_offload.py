@@ -116,7 +116,8 @@ def test_budget_plans_offload_on_cuda_or_when_asked_and_only_where_full_does_not
     assert plan.fits and sorted(plan.choices) == ["full", "offload", "offload", "offload"]
     roomy = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=130, modes=(*DEVICE_MODES, "offload"))
     assert "offload" not in roomy.choices  # full fits: no host copies
-    assert "offloaded checkpointing | 3 layers" in plan.table()
+    assert "offloaded checkpointing | 3 layers" in plan.table() and plan.host_bytes == 3 * 10
+    assert roomy.host_bytes == 0
     policy = policy_from_spec("budget:20GiB+offload")
     assert policy.offload and policy.budget == "20gib"
     assert policy.offloads(torch.device("cpu"))  # asked for: whatever the device
@@ -136,3 +137,24 @@ def test_per_layer_offload_choice_matches_full():
     (loss_ref, grads_ref), (loss, grads) = step(ref, packed_batch()), step(model, packed_batch())
     assert policy.offloader.stats.packed == 1 and "1 offloaded" in policy.describe()
     assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], g) for n, g in grads_ref.items())
+
+
+def test_offloading_plan_refused_before_training_when_host_memory_is_short(monkeypatch):
+    """An offloading budget plan whose saved inputs exceed the host's available memory raises before the first step,
+    naming the sizes (not an out-of-memory kill of the host mid-run)."""
+    import types
+
+    import psutil
+
+    from hf_accel.memory.budget import HOST_SHARE, _check_host_memory
+    from hf_accel.memory.plan import DEVICE_MODES, LayerActivation, plan_checkpointing
+
+    layers = [LayerActivation(none_bytes=100 << 20, op_bytes=60 << 20, full_bytes=10 << 20)] * 4
+    plan = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=115 << 20, modes=(*DEVICE_MODES, "offload"))
+    assert plan.host_bytes == 30 << 20
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int((30 << 20) / HOST_SHARE)))
+    _check_host_memory(plan, "115MiB")  # just fits
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=20 << 20))
+    with pytest.raises(ConfigurationError, match=r"offloads 3 layers' saved inputs, 30.0 MiB of host memory, but only "
+                                                 r"20.0 MiB is available"):
+        _check_host_memory(plan, "115MiB")

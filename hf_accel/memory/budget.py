@@ -98,6 +98,7 @@ class MemoryBudget(CheckpointingPolicy):
                 f"gradients and optimizer states) plus {self.headroom:.0%} headroom. The smallest feasible budget is "
                 f"'budget:{_ceil_bytes(smallest)}'; or train on fewer tokens per micro-batch."
             )
+        _check_host_memory(self.plan, self.budget)
         text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
                 f"head peak {format_bytes(probe.tail_peak_bytes)}):\n{self.plan.table()}")
         logger.info("%s", text)
@@ -118,6 +119,25 @@ class MemoryBudget(CheckpointingPolicy):
 
 
 DEFAULT_PROBE_TOKENS = 2048
+HOST_SHARE = 0.8  # an offloading plan may use at most this share of the host memory available when it is made
+
+
+def _check_host_memory(plan, budget) -> None:
+    """Refuse, before training, an offloading plan whose saved inputs would not fit the host's available memory."""
+    if not plan.host_bytes:
+        return
+    import psutil
+
+    from .plan import format_bytes
+
+    available = psutil.virtual_memory().available
+    if plan.host_bytes > HOST_SHARE * available:
+        raise ConfigurationError(
+            f"checkpointing budget {budget}: the plan offloads {plan.choices.count('offload')} layers' saved inputs, "
+            f"{format_bytes(plan.host_bytes)} of host memory, but only {format_bytes(available)} is available "
+            f"(a plan may use {HOST_SHARE:.0%}). Raise the budget, train on fewer tokens per micro-batch, or free host "
+            "memory."
+        )
 
 
 def _ceil_bytes(n: float) -> str:

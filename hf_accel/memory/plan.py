@@ -68,6 +68,7 @@ class CheckpointPlan:
     fixed_bytes: int
     recompute_cost: float
     fits: bool
+    host_bytes: int = 0  # offloaded layers' saved inputs, held in (pinned) host memory between forward and backward
 
     def table(self) -> str:
         full = [i for i, c in enumerate(self.choices) if c == "full"]
@@ -77,8 +78,8 @@ class CheckpointPlan:
             f"| full checkpointing | {len(full)} layers {full} |",
             f"| op-level checkpointing | {len(op)} layers {op} |",
             f"| no checkpointing | {self.choices.count('none')} layers |",
-            *([f"| offloaded checkpointing | {self.choices.count('offload')} layers |"]
-              if "offload" in self.choices else []),
+            *([f"| offloaded checkpointing | {self.choices.count('offload')} layers, "
+               f"{format_bytes(self.host_bytes)} of host memory |"] if "offload" in self.choices else []),
             f"| recompute (layer forwards) | {self.recompute_cost:.1f} |",
             f"| fixed (params, grads, optimizer) | {format_bytes(self.fixed_bytes)} |",
             f"| predicted peak | {format_bytes(self.predicted_peak_bytes)} |",
@@ -132,8 +133,9 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
                 best_any = (peak, cost, choices)
     choices = best_fit[2] if best_fit else best_any[2]
     peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
+    host = sum(layer.full_bytes for layer, c in zip(layers, choices) if c == "offload")
     return CheckpointPlan(tuple(choices), peak, budget_bytes, fixed_bytes, plan_cost(choices, costs),
-                          best_fit is not None)
+                          best_fit is not None, host)
 
 
 # ----------------------------------------------------------------------------------------------- measurement
