@@ -32,26 +32,36 @@ def batch(vocab: int, seed: int) -> dict:
     return {k: v.cuda() for k, v in dict(input_ids=ids, position_ids=pos, labels=labels).items()}
 
 
-@pytest.mark.parametrize("budget_gib", [23, 20])
-def test_budget_holds_with_the_fast_defaults(budget_gib, capsys):
-    torch.manual_seed(0)
-    model = SHAPES["llama-1b"]().cuda().to(torch.bfloat16).train()
+def assert_budget_holds(model, label: str, budget_gib: int, steps: int, capsys, autocast: bool = False):
+    """patch(model, checkpointing=budget) with the fast defaults prints its plan, fits it, and `steps` training steps
+    of packed 16k-token rows (fused AdamW on what trains) peak at or under the budget. Returns the patch report."""
     policy = MemoryBudget(budget=f"{budget_gib}GiB", batch_tokens=TOKENS)
     torch.cuda.reset_peak_memory_stats()
     report = hf_accel.patch(model, checkpointing=policy)
-    assert report.fused_ce and report.compiled_layers, str(report)
     assert "| predicted peak |" in capsys.readouterr().out  # the plan is printed
     assert policy.plan.fits and policy.plan.predicted_peak_bytes <= budget_gib * GIB
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    for seed in range(4):  # compile, the dynamic-shape recompile, then steady steps
-        model(**batch(model.config.vocab_size, seed), use_cache=False).loss.backward()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    for seed in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch(model.config.vocab_size, seed), use_cache=False).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / GIB
-    print(f"budget {budget_gib} GiB: plan {policy.describe()}, predicted "
+    print(f"{label} budget {budget_gib} GiB: plan {policy.describe()}, predicted "
           f"{policy.plan.predicted_peak_bytes / GIB:.2f} GiB, measured peak {peak:.2f} GiB")
     assert peak <= budget_gib, f"peak {peak:.2f} GiB over the {budget_gib} GiB budget ({policy.describe()})"
+    return report
+
+
+@pytest.mark.parametrize("budget_gib", [23, 20])
+def test_budget_holds_with_the_fast_defaults(budget_gib, capsys):
+    torch.manual_seed(0)
+    model = SHAPES["llama-1b"]().cuda().to(torch.bfloat16).train()
+    # 4 steps: compile, the dynamic-shape recompile, then steady steps
+    report = assert_budget_holds(model, "llama-1b", budget_gib, 4, capsys)
+    assert report.fused_ce and report.compiled_layers, str(report)
 
 
 def test_infeasible_budget_raises_before_the_first_step():
@@ -77,21 +87,5 @@ def test_budget_holds_for_llama_8b_lora(budget_gib, capsys):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(build_config(workload), dtype=torch.bfloat16)
     model = add_lora(model.train(), workload)
-    policy = MemoryBudget(budget=f"{budget_gib}GiB", batch_tokens=TOKENS)
-    torch.cuda.reset_peak_memory_stats()
-    report = hf_accel.patch(model, checkpointing=policy)
+    report = assert_budget_holds(model, "llama-8b-lora", budget_gib, 3, capsys, autocast=True)
     assert report.fused_ce, str(report)
-    assert "| predicted peak |" in capsys.readouterr().out
-    assert policy.plan.fits and policy.plan.predicted_peak_bytes <= budget_gib * GIB
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    for seed in range(3):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(**batch(model.config.vocab_size, seed), use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / GIB
-    print(f"llama-8b-lora budget {budget_gib} GiB: plan {policy.describe()}, predicted "
-          f"{policy.plan.predicted_peak_bytes / GIB:.2f} GiB, measured peak {peak:.2f} GiB")
-    assert peak <= budget_gib, f"peak {peak:.2f} GiB over the {budget_gib} GiB budget ({policy.describe()})"
