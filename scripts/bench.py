@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="long-context sweep: comma-separated document lengths; each step trains one document of that "
                         "length, each (config, length) in its own process, shortest first; a config stops at its "
                         "first failure (OOM, timeout)")
+    p.add_argument("--sweep-gpus", type=int, default=1,
+                   help="long-context sweep: spread the configurations over this many GPUs of the machine (each "
+                        "config's lengths in order on one GPU, configs side by side), one run and one record")
     p.add_argument("--doc-length", type=int, default=None, help=argparse.SUPPRESS)  # one length, in a child
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=0,
@@ -145,7 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.nproc or min(args.nproc) < 1:
             p.error(f"--nproc takes process counts >= 1, e.g. 2 or 1,2; got {parse_known(argv, '--nproc')!r}")
         if args.doc_lengths:
-            p.error("--nproc and --doc-lengths cannot be combined (the long-context sweep runs on one GPU)")
+            p.error("--nproc and --doc-lengths cannot be combined (each long-context run is one process)")
+    if args.sweep_gpus < 1 or (args.sweep_gpus > 1 and not args.doc_lengths):
+        p.error(f"--sweep-gpus takes a GPU count >= 1 and only with --doc-lengths; got {args.sweep_gpus}")
     return args
 
 
@@ -274,23 +279,29 @@ def child_argv(args: argparse.Namespace, name: str, out: Path, nproc: int | None
     return launch_argv(accelerate_config(args), nproc, argv)
 
 
-def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | None = None) -> dict:
+def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | None = None,
+            gpu: int | None = None) -> dict:
     """One configuration in a fresh subprocess (its own process group, or a launcher's with `nproc` ranks, killed as
-    a group on a timeout); a timeout, crash or missing result becomes an error status."""
+    a group on a timeout); a timeout, crash or missing result becomes an error status. `gpu`: the one GPU it sees."""
     extra = {"nproc": nproc} if nproc else {}
+    env = child_env(CONFIGS[name], options(args))
+    if gpu is not None:
+        visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if gpu < len(visible) else str(gpu)
+        extra["gpu"] = gpu
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         start = time.perf_counter()
         try:
-            proc = run_group(child_argv(args, name, out, nproc), child_env(CONFIGS[name], options(args)), timeout)
+            proc = run_group(child_argv(args, name, out, nproc), env, timeout)
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-2000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
             return {"config": name, "status": f"error: timeout after {timeout:.0f}s", "log_tail": tail, **extra,
                     **({"doc_length": args.doc_length} if args.doc_length else {})}
         result = json.loads(out.read_text()) if out.exists() else {
-            "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)",
-            **extra}
+            "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)"}
+        result.update(extra)
         if args.doc_length:
             result["doc_length"] = args.doc_length
         result["wall_seconds"] = time.perf_counter() - start
@@ -376,9 +387,13 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
     from hf_accel.bench.report import long_context_table
 
     lengths = sorted(int(n) for n in args.doc_lengths.split(","))
-    results = []
-    for name in args.configs:
-        failed_at = None
+    if args.sweep_gpus > 1 and args.device.startswith("cuda") and torch.cuda.device_count() < args.sweep_gpus:
+        print(f"bench.py: --sweep-gpus {args.sweep_gpus} needs {args.sweep_gpus} GPUs; "
+              f"{torch.cuda.device_count()} visible", file=sys.stderr)
+        return 2
+
+    def sweep(name: str, gpu: int | None) -> list[dict]:
+        out, failed_at = [], None
         for length in lengths:
             reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
             remaining = args.time_budget - (time.perf_counter() - start)
@@ -389,13 +404,35 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
             if reason:
                 result = {"config": name, "doc_length": length, "status": f"skipped: {reason}"}
             else:
-                args.doc_length = length
-                result = run_one(args, name, min(args.config_timeout, remaining))
-                args.doc_length = None
+                result = run_one(argparse.Namespace(**{**vars(args), "doc_length": length}), name,
+                                 min(args.config_timeout, remaining), gpu=gpu)
                 if not str(result.get("status", "")).startswith("ok"):
                     failed_at = "OOM" if result["status"] == "OOM" else "failed"
-            results.append(result)
-            print(f"[bench] {args.workload} {name} @ {length}: {result['status']}", flush=True)
+            out.append(result)
+            where = f" (GPU {gpu})" if gpu is not None else ""
+            print(f"[bench] {args.workload} {name} @ {length}{where}: {result['status']}", flush=True)
+        return out
+
+    if args.sweep_gpus == 1:
+        per_config = [sweep(name, None) for name in args.configs]
+    else:  # configs side by side, each on the first free GPU; one record (the same run)
+        import queue
+        from concurrent.futures import ThreadPoolExecutor
+
+        free: queue.Queue[int] = queue.Queue()
+        for gpu in range(args.sweep_gpus):
+            free.put(gpu)
+
+        def on_free_gpu(name: str) -> list[dict]:
+            gpu = free.get()
+            try:
+                return sweep(name, gpu)
+            finally:
+                free.put(gpu)
+
+        with ThreadPoolExecutor(max_workers=args.sweep_gpus) as pool:
+            per_config = list(pool.map(on_free_gpu, args.configs))
+    results = [r for rows in per_config for r in rows]
     table = long_context_table(results)
     now = dt.datetime.now(dt.timezone.utc)
     record = {

@@ -38,7 +38,7 @@ def test_first_oom_skips_longer_lengths_and_table_names_longest(monkeypatch, tmp
     statuses = {("a", 32): "ok", ("a", 64): "OOM", ("b", 32): "ok", ("b", 64): "ok", ("b", 128): "error: timeout"}
     ran = []
 
-    def fake_run_one(args, name, timeout):
+    def fake_run_one(args, name, timeout, gpu=None):
         ran.append((name, args.doc_length))
         return {"config": name, "doc_length": args.doc_length, "status": statuses[(name, args.doc_length)],
                 "tokens_per_s": 10.0, "mfu": None}
@@ -53,6 +53,61 @@ def test_first_oom_skips_longer_lengths_and_table_names_longest(monkeypatch, tmp
     assert results[2] == {"config": "a", "doc_length": 128, "status": "skipped: OOM at a shorter length"}
     table = next(tmp_path.glob("*.md")).read_text()
     assert "| a | 32 |" in table and "| b | 64 |" in table  # the longest length each config trained
+
+
+def test_sweep_gpus_runs_configs_side_by_side_in_one_record(monkeypatch, tmp_path):
+    """--sweep-gpus 2: each config's lengths in order on one GPU, two configs at once, one record in config order."""
+    import threading
+    import time
+
+    bench = script_module("bench")
+    ran, running, most = [], [0], [0]
+    lock = threading.Lock()
+
+    def fake_run_one(args, name, timeout, gpu=None):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+            ran.append((name, args.doc_length, gpu))
+        return {"config": name, "doc_length": args.doc_length, "status": "ok", "tokens_per_s": 10.0, "mfu": None,
+                "gpu": gpu}
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    monkeypatch.setattr(bench, "CONFIGS", {n: dataclasses.replace(bench.CONFIGS["hf_accel-best"], name=n)
+                                           for n in ("a", "b")})
+    assert bench.main(["--workload", "llama-1b-long", "--configs", "a,b", "--doc-lengths", "64,32",
+                       "--sweep-gpus", "2", "--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
+    assert most[0] == 2  # side by side
+    gpus = {name: {g for n, _, g in ran if n == name} for name in ("a", "b")}
+    assert gpus["a"] != gpus["b"] and all(len(g) == 1 for g in gpus.values())  # one GPU per config
+    assert [l for n, l, _ in ran if n == "a"] == [32, 64]  # each config's lengths in order
+    records = list(tmp_path.glob("*.json"))
+    assert len(records) == 1
+    results = json.loads(records[0].read_text())["results"]
+    assert [(r["config"], r["doc_length"]) for r in results] == [("a", 32), ("a", 64), ("b", 32), ("b", 64)]
+    with pytest.raises(SystemExit):  # only with a long-context sweep
+        bench.parse_args(["--workload", "llama-1b", "--sweep-gpus", "2"])
+
+
+def test_run_one_pins_its_child_to_one_gpu(monkeypatch):
+    bench = script_module("bench")
+    seen = {}
+
+    def fake_run_group(argv, env, timeout):
+        seen["env"] = env
+        raise subprocess.TimeoutExpired(argv, timeout)
+
+    monkeypatch.setattr(bench, "run_group", fake_run_group)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    args = bench.parse_args(["--workload", "llama-1b-long", "--configs", "hf_accel-best", "--doc-lengths", "32",
+                             "--device", "cpu", "--tiny"])
+    args.doc_length = 32
+    result = bench.run_one(args, "hf_accel-best", 1.0, gpu=1)
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "5"  # the machine's second visible GPU
+    assert result["gpu"] == 1 and result["doc_length"] == 32 and result["status"].startswith("error: timeout")
 
 
 def test_child_records_cuda_oom_as_oom(monkeypatch, tmp_path):

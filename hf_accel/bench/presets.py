@@ -100,7 +100,8 @@ PRESETS: dict[str, Preset] = {
         ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first
         # OOM or timeout. Lengths past ~64k do not fit one 10-minute device call: run them apart with --doc-lengths
-        # (and --configs), e.g. `--preset long-context --doc-lengths 131072,262144 --configs hf_accel-best`.
+        # (and --configs), e.g. `--preset long-context --doc-lengths 131072,262144 --configs hf_accel-best`; on the
+        # 2-GPU machine `--sweep-gpus 2` runs the configs side by side in one run.
         Preset(
             "long-context", "single documents of 16k-256k tokens, Llama-3-8B shapes with Llama-3 rope scaling, LoRA "
             "r=16: the longest length that trains and tokens/s + MFU per length, for TRL + flash-attn-4 + Liger with "
