@@ -181,3 +181,19 @@ def test_runs_log_names_each_long_context_rows_length(tmp_path):
                                                                            doc_length=262144)]))
     log = runs_log(build_index(tmp_path))
     assert "hf_accel-best @ 131,072 tokens 2,882 (42.7); hf_accel-best @ 262,144 tokens 1,609 (41.9)" in log
+
+
+def test_long_context_region_takes_each_config_from_its_newest_run(tmp_path):
+    from hf_accel.bench.tables import long_context_region
+
+    _write(tmp_path, "l1.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
+        _result("trl", 100.0, 40.0, doc_length=64), _result("trl", None, status="OOM", doc_length=128),
+        _result("hf_accel-best", 50.0, 30.0, doc_length=64)]))
+    _write(tmp_path, "l2.json", _record("w-long", "2026-01-06T10:00:00+00:00", [
+        _result("hf_accel-best", 90.0, 20.0, doc_length=64, mfu=0.4), _result("hf_accel-best", 45.0, 21.0,
+                                                                              doc_length=128)]))
+    region = long_context_region(build_index(tmp_path), "w-long")
+    assert region.startswith("From 2 runs:") and "l1.json" in region and "l2.json" in region
+    assert "| `trl` | 100 tokens/s, - MFU, 40.0 GiB | OOM | 64 |" in region
+    # the newer run's rows, not the older 50 tokens/s
+    assert "| `hf_accel-best` | 90 tokens/s, 40.0% MFU, 20.0 GiB | 45 tokens/s, - MFU, 21.0 GiB | 128 |" in region

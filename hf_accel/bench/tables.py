@@ -203,7 +203,43 @@ def multi_gpu_table(index: dict[str, Any], workload: str) -> str:
     return "\n".join(lines) + "\n\n" + scaling_table(run["configs"], stock)
 
 
+def long_context_region(index: dict[str, Any], workload: str) -> str:
+    """A long-context workload (bench.py --doc-lengths): per configuration, from the newest run that ran it, tokens/s,
+    MFU and peak memory at each document length and the longest length that trained; the runs used are listed first
+    (one run when a `--sweep-gpus` run measured every configuration)."""
+    runs = [r for r in index["runs"] if r["workload"] == workload]
+    if not runs:
+        return f"No run of `{workload}` indexed yet: `python scripts/bench.py --preset long-context`."
+    newest: dict[str, dict[str, Any]] = {}
+    for run in sorted(runs, key=lambda r: str(r.get("date"))):
+        for row in run["configs"]:
+            newest[row["config"]] = run
+    used = list({id(run): run for run in newest.values()}.values())
+    lengths = sorted({row["doc_length"] for run in used for row in run["configs"] if row.get("doc_length")})
+    lines = [f"From {'one run' if len(used) == 1 else f'{len(used)} runs'}:", ""]
+    lines += [f"- {_provenance(run)}".replace("\n\n", " ") for run in used]
+    lines += ["", "| configuration | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | longest that trained |",
+              "|---|" + "---|" * len(lengths) + "---:|"]
+    for config, run in newest.items():
+        rows = {row.get("doc_length"): row for row in run["configs"] if row["config"] == config}
+        cells = []
+        for n in lengths:
+            row = rows.get(n)
+            if row is None:
+                cells.append("not run")
+            elif _ok(row):
+                mfu = row.get("mfu")
+                cells.append(f"{_int(row['tokens_per_s'])} tokens/s, {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+                             f" MFU, {_gib(row.get('peak_gib'))} GiB")
+            else:
+                cells.append(row["status"][:60])
+        longest = max((n for n, row in rows.items() if n and _ok(row)), default=None)
+        lines.append(f"| `{config}` | " + " | ".join(cells) + f" | {'none' if longest is None else f'{longest:,}'} |")
+    return "\n".join(lines)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], dict[str, str]], str]] = {
+    "long": lambda index, attrs: long_context_region(index, attrs["workload"]),
     "multi": lambda index, attrs: multi_gpu_table(index, attrs.get("workload", "llama-1b")),
     "table": lambda index, attrs: workload_table(index, attrs["workload"]),
     "summary": lambda index, attrs: summary_table(index),
