@@ -181,10 +181,11 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
 
 
 def options(args: argparse.Namespace) -> Options:
+    compiled = args.best_compile == "on" or (args.best_compile == "auto" and args.device.startswith("cuda"))
     return Options(fused_ce=args.fused_ce, backend=args.best_backend, checkpointing=args.best_checkpointing,
                    ce_chunk_size=args.ce_chunk_size, substitute_attn=args.substitute_attn,
-                   fused_ops=args.best_fused_ops, mlp_chunks=args.best_mlp_chunks, extra_sites=tuple(args.extra_site), site_root=args.site_root,
-                   compile=args.best_compile == "on" or (args.best_compile == "auto" and args.device.startswith("cuda")))
+                   fused_ops=args.best_fused_ops, mlp_chunks=args.best_mlp_chunks,
+                   extra_sites=tuple(args.extra_site), site_root=args.site_root, compile=compiled)
 
 
 def peak(args: argparse.Namespace) -> float | None:
