@@ -46,3 +46,24 @@ def test_no_steady_figure_from_a_single_interval():
     summary = meter.summary()  # the run ended before any log: no steady part to report
     assert summary["tokens_per_s"] == 10.0 and "steady_tokens_per_s" not in summary
     assert "n/a (one logging interval)" in format_summary(summary)
+
+
+def test_summary_sets_a_memory_budgets_plan_against_the_measured_peak():
+    """With a `budget:` checkpointing policy the end summary gives the budget, the plan's predicted peak and the
+    measured one, and says so when the run went over."""
+    from hf_accel.memory.budget import MemoryBudget, plan_vs_peak
+    from hf_accel.memory.checkpointing import FullCheckpointing
+
+    model = tiny_models.make("llama-gqa").train()
+    policy = MemoryBudget(budget="1GiB", batch_tokens=32, verbose=False)
+    assert plan_vs_peak(policy, 0.5) == {}  # not applied yet: no plan
+    policy.apply(model)
+    row = plan_vs_peak(policy, 0.5)
+    assert row["budget_gib"] == 1.0 and row["peak_mem_gib"] == 0.5
+    assert 0 < row["budget_predicted_gib"] <= 1.0
+    assert plan_vs_peak(policy, None) == {} and plan_vs_peak(FullCheckpointing(), 0.5) == {}
+    base = {"tokens": 1, "seconds": 1.0, "tokens_per_s": 1.0, "padding_fraction": 0.0, "data_wait_fraction": 0.0}
+    table = format_summary({**base, **row})
+    line = next(x for x in table.splitlines() if x.strip().startswith("memory budget"))
+    assert line.endswith(f"1.00 GiB: plan predicted {row['budget_predicted_gib']:.2f} GiB, measured 0.50 GiB")
+    assert "OVER the budget" in format_summary({**base, **row, "peak_mem_gib": 1.2})

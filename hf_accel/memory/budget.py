@@ -48,6 +48,7 @@ class MemoryBudget(CheckpointingPolicy):
     # path, so plans price it as such (plan.RECOMPUTE_COST_COMPILED)
     compiled: bool = False
     plan: object = field(default=None, init=False, repr=False)
+    budget_bytes_resolved: int | None = field(default=None, init=False, repr=False)  # the budget apply() planned for
 
     def budget_bytes(self, device: torch.device) -> int:
         from .plan import parse_bytes
@@ -82,6 +83,7 @@ class MemoryBudget(CheckpointingPolicy):
         finally:
             model.train(was_training)
         budget = self.budget_bytes(device)
+        self.budget_bytes_resolved = budget
         self.plan = plan_checkpointing(
             probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer),
             budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
@@ -116,6 +118,15 @@ class MemoryBudget(CheckpointingPolicy):
     def describe(self) -> str:
         planned = "" if self.plan is None else f": {PerLayer(choices=self.plan.choices).describe()}"
         return f"memory budget {self.budget}{planned}"
+
+
+def plan_vs_peak(policy, peak_gib: float | None) -> dict[str, float]:
+    """For a run's end summary: the budget, the plan's predicted peak and the measured peak, in GiB ({} when the
+    policy is no applied memory budget or nothing was measured)."""
+    if not isinstance(policy, MemoryBudget) or policy.plan is None or peak_gib is None:
+        return {}
+    return {"budget_gib": policy.budget_bytes_resolved / 2**30,
+            "budget_predicted_gib": policy.plan.predicted_peak_bytes / 2**30, "peak_mem_gib": peak_gib}
 
 
 DEFAULT_PROBE_TOKENS = 2048

@@ -153,5 +153,11 @@ def format_summary(summary: Mapping[str, float]) -> str:
         ("data wait", f"{summary['data_wait_fraction']:.1%}"),
         ("peak GPU memory", f"{summary['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in summary else "n/a (CPU)"),
     ]
+    if "budget_gib" in summary:  # a checkpointing memory budget: its plan against the measured peak
+        over = summary["peak_mem_gib"] > summary["budget_gib"]
+        rows.append(("memory budget", f"{summary['budget_gib']:.2f} GiB: plan predicted "
+                     f"{summary['budget_predicted_gib']:.2f} GiB, measured {summary['peak_mem_gib']:.2f} GiB"
+                     + (" (OVER the budget: pass MemoryBudget(headroom=...) larger, or a lower budget)" if over
+                        else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(["hf_accel training summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])

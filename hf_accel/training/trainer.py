@@ -99,14 +99,15 @@ class AccelMixin(CheckpointFilesMixin):
         self.accel = accel or AccelArguments()
         self.patch_report = None
         self._accel_check_explicit()
+        self._accel_applied_policy = self._accel_policy()
         if self.accel.patch:
-            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self._accel_policy(),
+            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self._accel_applied_policy,
                                       fused_ops=self.accel.fused_ops, fused_ce=self._accel_fused_ce(),
                                       compile=self._accel_compile(), mlp_chunks=self.accel.mlp_chunks)
             explain_stand_down(self.patch_report, self._accel_compile_stands_down())
             logger.info("%s", self.patch_report)
-        elif self.accel.checkpointing is not None:
-            self._accel_policy().apply(self.model)
+        elif self._accel_applied_policy is not None:
+            self._accel_applied_policy.apply(self.model)
         if self.accel.async_save and self.args.world_size > 1:
             raise ConfigurationError(
                 f"async_save=True with world_size={self.args.world_size}; background saves support one process only. "
@@ -210,7 +211,12 @@ class AccelMixin(CheckpointFilesMixin):
             self._writer.wait()
         # After a normal end only: a summary's device reads must not replace the exception of a failed run.
         if self._meter is not None:
+            from ..memory.budget import plan_vs_peak
+
             self.throughput_summary = self._meter.summary()
+            # a memory budget's plan against what the run measured (is the plan tight, or over?)
+            self.throughput_summary.update(
+                plan_vs_peak(getattr(self, "_accel_applied_policy", None), self.throughput_summary.get("peak_mem_gib")))
             if self.accel.print_summary and self.args.should_log:
                 print(format_summary(self.throughput_summary), flush=True)
         return out
