@@ -158,3 +158,22 @@ def test_offloading_plan_refused_before_training_when_host_memory_is_short(monke
     with pytest.raises(ConfigurationError, match=r"offloads 3 layers' saved inputs, 30.0 MiB of host memory, but only "
                                                  r"20.0 MiB is available"):
         _check_host_memory(plan, "115MiB")
+
+
+def test_budget_plans_under_reentrant_checkpointing_use_whole_layers_only():
+    """Reentrant checkpointing (DeepSpeed ZeRO-3 + PEFT forces it) supports neither op-level nor offloaded layers:
+    budget plans there choose between none and full, and '+offload' is refused before the probe forward."""
+    from hf_accel.memory.budget import MemoryBudget
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert MemoryBudget(budget="1GiB").modes(cuda) == ("none", "op", "full", "offload")
+    assert MemoryBudget(budget="1GiB").modes(cpu) == ("none", "op", "full")
+    assert MemoryBudget(budget="1GiB", use_reentrant=True).modes(cuda) == ("none", "full")
+    forced = policy_from_spec("budget:1GiB+offload", use_reentrant=True)
+    with pytest.raises(ConfigurationError, match="needs non-reentrant checkpointing"):
+        forced.apply(tiny_llama())
+    assert forced.plan is None  # refused before probing
+    policy = policy_from_spec("budget:16MiB", use_reentrant=True)  # tight (all full needs 15.8): layers checkpointed
+    policy.apply(model := tiny_llama())
+    assert set(policy.plan.choices) <= {"none", "full"} and "full" in policy.plan.choices
+    step(model, packed_batch())  # trains with reentrant checkpointing

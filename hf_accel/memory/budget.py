@@ -70,11 +70,11 @@ class MemoryBudget(CheckpointingPolicy):
 
     def apply(self, model: nn.Module) -> None:
         from .estimate import training_state_bytes
-        from .plan import (DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, plan_checkpointing,
-                           probe_training_memory)
+        from .plan import RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, plan_checkpointing, probe_training_memory
 
         remove_checkpointing(model)
         device = next(model.parameters()).device
+        modes, budget = self.modes(device), self.budget_bytes(device)  # bad settings raise before the probe forward
         batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens or DEFAULT_PROBE_TOKENS, device)
         was_training = model.training
         model.train()
@@ -82,12 +82,10 @@ class MemoryBudget(CheckpointingPolicy):
             probe = probe_training_memory(model, batch)
         finally:
             model.train(was_training)
-        budget = self.budget_bytes(device)
         self.budget_bytes_resolved = budget
         self.plan = plan_checkpointing(
             probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer),
-            budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
-            modes=(*DEVICE_MODES, "offload") if self.offloads(device) else DEVICE_MODES,
+            budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes, modes=modes,
             costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST,
         )
         tokens = batch["input_ids"].numel()
@@ -109,8 +107,25 @@ class MemoryBudget(CheckpointingPolicy):
         super().apply(model)
 
     def offloads(self, device: torch.device) -> bool:
-        """Whether plans may offload: as asked, else on CUDA (host memory is a separate pool only there)."""
-        return self.offload if self.offload is not None else device.type == "cuda"
+        """Whether plans may offload: as asked, else on CUDA (host memory is a separate pool only there) with
+        non-reentrant checkpointing (offload hooks what that saves)."""
+        if self.offload is not None:
+            return self.offload
+        return device.type == "cuda" and not self.use_reentrant
+
+    def modes(self, device: torch.device) -> tuple[str, ...]:
+        """The per-layer choices plans may use. Reentrant checkpointing (DeepSpeed ZeRO-3 with PEFT forces it) has
+        neither op-level nor offloaded layers: plans use whole-layer checkpointing or none there."""
+        from .plan import DEVICE_MODES
+
+        if self.use_reentrant:
+            if self.offload:
+                raise ConfigurationError(
+                    f"checkpointing budget {self.budget}+offload needs non-reentrant checkpointing (offload hooks "
+                    "what it saves), but this run uses reentrant checkpointing. Drop '+offload'."
+                )
+            return ("none", "full")
+        return (*DEVICE_MODES, "offload") if self.offloads(device) else DEVICE_MODES
 
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
         return list(self.plan.choices)
