@@ -22,7 +22,7 @@ from . import checkpoint_io
 from .snapshot import SnapshotBuffers
 from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
 from ..errors import ConfigurationError
-from ..patching import patch
+from ..patching import Speedup, patch
 from ..data.sampling import TokenBudgetBatchSampler
 from .checkpoint_hooks import CheckpointFilesMixin, ReserveSnapshotAhead
 from .metrics import ThroughputMeter, format_summary
@@ -86,7 +86,8 @@ class AccelArguments:
 def explain_stand_down(report, reason: str | None) -> None:
     """The report's compile line says why the Trainer turned "auto" compile off, not just "compile=False"."""
     if reason and report is not None:
-        report.speedups = [f"compile: off (auto: {reason})" if line.startswith("compile: off") else line
+        off = Speedup("compile", False, "compile=False").line()  # the line patch() wrote for the Trainer's False
+        report.speedups = [Speedup("compile", False, f"auto: {reason}").line() if line == off else line
                            for line in report.speedups]
 
 
@@ -216,7 +217,7 @@ class AccelMixin(CheckpointFilesMixin):
             self.throughput_summary = self._meter.summary()
             # a memory budget's plan against what the run measured (is the plan tight, or over?)
             self.throughput_summary.update(
-                plan_vs_peak(getattr(self, "_accel_applied_policy", None), self.throughput_summary.get("peak_mem_gib")))
+                plan_vs_peak(self._accel_applied_policy, self.throughput_summary.get("peak_mem_gib")))
             if self.accel.print_summary and self.args.should_log:
                 print(format_summary(self.throughput_summary), flush=True)
         return out
