@@ -141,6 +141,23 @@ def saved_tensors(folder: Path, lora: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def assert_full_model_reloads(folder: Path, scratch: Path) -> None:
+    """A saved full model loads with from_pretrained, nothing missing or unexpected, with exactly the saved weights.
+
+    Compared in the checkpoint's own names: transformers renames some weights between the file and the module tree
+    (GPT-NeoX writes its head as ``embed_out.weight``, the model holds ``lm_head.weight``), so the loaded model is
+    written again with save_pretrained and the two files' tensors are compared name by name."""
+    from transformers import AutoModelForCausalLM
+
+    saved = saved_tensors(folder, lora=False)
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.save_pretrained(scratch)
+    again = saved_tensors(scratch, lora=False)
+    assert set(again) == set(saved), f"names differ after a reload: {sorted(set(again) ^ set(saved))[:6]}"
+    assert_loaded_equals_saved(again, saved)
+
+
 def assert_loaded_equals_saved(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
     """Every saved tensor arrived in the loaded model unchanged (up to the cast to the model's dtype)."""
     missing = sorted(set(saved) - set(loaded))

@@ -62,3 +62,26 @@ def test_saved_files_are_read_and_compared(tmp_path):
         assert_loaded_equals_saved({"a.weight": weights["a.weight"]}, saved)
     with pytest.raises(AssertionError, match="no saved weights"):
         saved_tensors(tmp_path, lora=True)
+
+
+def test_full_model_reload_check_uses_the_checkpoint_names(tmp_path):
+    """GPT-NeoX's head is ``embed_out.weight`` in the file and ``lm_head.weight`` in the module (ZeRO-3 run on the
+    H200, 2026-11-30: a name-by-name check against the loaded state_dict failed for a correct save)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from multi_gpu_runs import assert_full_model_reloads
+
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "run")
+    saved = saved_tensors(tmp_path / "run", lora=False)
+    assert "embed_out.weight" in saved and "embed_out.weight" not in model.state_dict()
+    assert_full_model_reloads(tmp_path / "run", tmp_path / "again")
+    # a save that wrote the head under a name transformers does not map: missing and unexpected on reload
+    (shard,) = (tmp_path / "run").glob("model*.safetensors")
+    tensors = load_file(shard)
+    tensors["head.weight"] = tensors.pop("embed_out.weight")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(AssertionError, match="head.weight"):
+        assert_full_model_reloads(tmp_path / "run", tmp_path / "renamed")

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from multi_gpu_runs import (CASES, EXAMPLES, REAL_SIZE_TIMEOUT_S, ROOT, STEPS, LAUNCH_TIMEOUT_S, ZERO3_CASES, Case,
-                            assert_loaded_equals_saved, assert_loss_fell, assert_same_losses, case_args,
+                            assert_full_model_reloads, assert_loaded_equals_saved, assert_loss_fell,
+                            assert_same_losses, case_args,
                             launch_command, launch_or_fail, read_run, saved_tensors)
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -57,14 +58,10 @@ def _speedups_on(log: str, compiled: bool = True) -> None:
 def _check_saved_model(case: Case, folder: Path) -> None:
     """The 2-process run's saved model loads (full: from_pretrained; LoRA: PEFT on a fresh base of the same shape)
     with exactly the saved weights."""
-    from transformers import AutoModelForCausalLM
-
-    saved = saved_tensors(folder, case.lora)
     if not case.lora:
-        model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-        assert not info["missing_keys"] and not info["unexpected_keys"], info
-        assert_loaded_equals_saved(model.state_dict(), saved)
+        assert_full_model_reloads(folder, folder.parent / "reloaded")
         return
+    saved = saved_tensors(folder, lora=True)
     from peft import PeftModel, get_peft_model_state_dict
 
     sys.path.insert(0, str(ROOT / "scripts"))
