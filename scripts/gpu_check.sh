@@ -4,6 +4,9 @@
 #   bash scripts/gpu_check.sh tests [FILE ...]    # pytest -m gpu: each tests/gpu file in its own process (default all)
 #   bash scripts/gpu_check.sh bench [PRESET ...]  # scripts/bench.py presets, one process per config (default llama-1b)
 #   bash scripts/gpu_check.sh all                 # tests, then bench llama-1b (no per-call limit: ~12 min)
+#   bash scripts/gpu_check.sh suite [ARGS ...]    # `pytest -m gpu tests/gpu` in ONE process (issue 18e: no test may
+#                                                 # depend on memory earlier tests released), the 30 slowest listed;
+#                                                 # ARGS go to pytest (e.g. --ignore=tests/gpu/test_multi_gpu.py)
 #   bash scripts/gpu_check.sh pair "tests FILE ..." "bench PRESET ..."
 #                                                 # 2-GPU machine: the two phases side by side, one GPU each
 #                                                 # (the machine's device time buys twice the single-GPU work)
@@ -31,7 +34,7 @@ cd "$(dirname "$0")/.."
 phase=${1:-}
 shift || true
 case "$phase" in
-tests | bench | all) ;;
+tests | bench | all | suite) ;;
 pair)
     # each half in its own process on its own GPU, its results under $OUT/gpu0 and $OUT/gpu1 (or ./gpu0, ./gpu1)
     [ $# -eq 2 ] || { echo 'usage: bash scripts/gpu_check.sh pair "tests [FILE ...]" "bench [PRESET ...]"' >&2; exit 2; }
@@ -47,7 +50,7 @@ pair)
     exit 0
     ;;
 *)
-    echo "usage: bash scripts/gpu_check.sh tests [FILE ...] | bench [PRESET ...] | all | pair HALF HALF" >&2
+    echo "usage: bash scripts/gpu_check.sh tests [FILE ...] | bench [PRESET ...] | all | suite [ARGS ...] | pair HALF HALF" >&2
     exit 2
     ;;
 esac
@@ -147,8 +150,22 @@ run_bench() {  # run_bench [PRESET ...]: scripts/bench.py --preset P, its time b
     fi
 }
 
+run_suite() {  # run_suite [PYTEST ARGS ...]: the whole GPU suite in one pytest process
+    local start=$SECONDS rc last
+    printf '\n## GPU suite in one process (`python -m pytest -m gpu tests/gpu %s`)\n\n' "$*" >>"$summary"
+    timeout --signal=INT --kill-after=15 "$(left)" python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+        --durations=30 --junitxml="$logs/suite.xml" tests/gpu "$@" >"$logs/suite.log" 2>&1
+    rc=$?
+    last=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$logs/suite.log" | tail -n 1 | tr -d '=|')
+    ((rc == 124)) && last="cut at $((SECONDS - start))s: ${last}"
+    echo "exit $rc after $((SECONDS - start)) s: ${last:-see suite.log}" | tee -a "$summary"
+    grep -E "^(FAILED|ERROR) " "$logs/suite.log" | head -n 20 | sed 's/^/    /' | tee -a "$summary"
+    sed -n '/slowest .*durations/,/^$/p' "$logs/suite.log" | head -n 32 | sed 's/^/    /' | tee -a "$summary"
+}
+
 case "$phase" in
 tests) run_tests "$@" ;;
+suite) run_suite "$@" ;;
 bench) run_bench "$@" ;;
 all)
     run_tests
