@@ -197,3 +197,28 @@ def test_long_context_region_takes_each_config_from_its_newest_run(tmp_path):
     assert "| `trl` | 100 tokens/s, - MFU, 40.0 GiB | OOM | 64 |" in region
     # the newer run's rows, not the older 50 tokens/s
     assert "| `hf_accel-best` | 90 tokens/s, 40.0% MFU, 20.0 GiB | 45 tokens/s, - MFU, 21.0 GiB | 128 |" in region
+
+
+def test_long_context_cell_a_later_run_had_no_time_for_keeps_its_earlier_result(tmp_path):
+    """2026-11-30: a sweep whose time ran out before hf_accel's 128k row would have hidden the 256k measured earlier."""
+    from hf_accel.bench.tables import long_context_region
+
+    _write(tmp_path, "l1.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
+        _result("hf_accel-best", 30.0, 42.0, doc_length=128), _result("hf_accel-best", 16.0, 41.0, doc_length=256)]))
+    _write(tmp_path, "l2.json", _record("w-long", "2026-01-06T10:00:00+00:00", [
+        _result("trl", 100.0, 30.0, doc_length=64), _result("trl", None, status="OOM", doc_length=128),
+        _result("trl", None, status="skipped: OOM at a shorter length", doc_length=256),
+        _result("hf_accel-best", 90.0, 20.0, doc_length=64),
+        _result("hf_accel-best", None, status="skipped: time budget exhausted (540s)", doc_length=128)]))
+    index = build_index(tmp_path)
+    region = long_context_region(index, "w-long")
+    assert region.startswith("From 2 runs:")
+    assert ("| `hf_accel-best` | 90 tokens/s, - MFU, 20.0 GiB | 30 tokens/s, - MFU, 42.0 GiB (2026-01-05 10:00 UTC run)"
+            " | 16 tokens/s, - MFU, 41.0 GiB (2026-01-05 10:00 UTC run) | 256 |") in region
+    assert "| `trl` | 100 tokens/s, - MFU, 30.0 GiB | OOM | skipped: OOM at a shorter length | 64 |" in region
+    # a newer attempt replaces an older result, also when it failed
+    _write(tmp_path, "l3.json", _record("w-long", "2026-01-07T10:00:00+00:00", [
+        _result("hf_accel-best", None, status="OOM", doc_length=256)]))
+    assert "| OOM | 128 |" in long_context_region(build_index(tmp_path), "w-long")
+    # long-context runs have their own table: never a workload's current (headline) run
+    assert not any(run.get("current") for run in index["runs"])

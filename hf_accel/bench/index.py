@@ -8,8 +8,9 @@ measured hf_accel's defaults or best settings; BENCHMARKS.md's and README's tabl
 Older records lack some fields (no `command`, `steady_tokens_per_s`, time zone): an entry keeps what its file has,
 reconstructs the command from the recorded arguments (saying so) and leaves the rest out.
 
-Multi-GPU runs (bench.py --nproc: the record and each row carry `nproc`) are indexed but never `current`: the
-per-workload tables compare single-GPU runs.
+Multi-GPU runs (bench.py --nproc: the record and each row carry `nproc`) and long-context runs (bench.py --doc-lengths:
+each row carries `doc_length`) are indexed but never `current`: the per-workload tables compare single-GPU runs of one
+batch shape; those runs have tables of their own.
 """
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def build_index(results_dir: Path) -> dict[str, Any]:
             entries.append(entry(record, path.name))
     entries.sort(key=_sort_key)
     for workload in {e["workload"] for e in entries}:
-        anchored = [e for e in entries if e["workload"] == workload and _is_comparison(e) and not e.get("nproc")]
+        anchored = [e for e in entries if e["workload"] == workload and _is_comparison(e) and not e.get("nproc")
+                    and not any(r.get("doc_length") for r in e["configs"])]
         # a run of side configurations only (e.g. offload rows beside Unsloth) does not displace the last run that
         # measured the defaults or the best settings: the tables' headline rows
         headline = [e for e in anchored if any(r["role"] in ("defaults", "best") and _measured(r) for r in e["configs"])]

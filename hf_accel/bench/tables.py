@@ -203,38 +203,51 @@ def multi_gpu_table(index: dict[str, Any], workload: str) -> str:
     return "\n".join(lines) + "\n\n" + scaling_table(run["configs"], stock)
 
 
+def _attempted(row: dict[str, Any]) -> bool:
+    """A long-context cell that says something about the length: measured, OOM, an error, or skipped because a shorter
+    length ran out of memory; not a length a run had no time left for."""
+    status = row["status"]
+    return not status.startswith("skipped") or "OOM" in status
+
+
 def long_context_region(index: dict[str, Any], workload: str) -> str:
-    """A long-context workload (bench.py --doc-lengths): per configuration, from the newest run that ran it, tokens/s,
-    MFU and peak memory at each document length and the longest length that trained; the runs used are listed first
-    (one run when a `--sweep-gpus` run measured every configuration)."""
+    """A long-context workload (bench.py --doc-lengths): per configuration and document length, the newest run that
+    attempted it (a length a later run had no time for keeps its earlier result): tokens/s, MFU and peak memory, and
+    the longest length that trained. The runs used are listed first; a cell from an older run than its configuration's
+    newest says which."""
     runs = [r for r in index["runs"] if r["workload"] == workload]
     if not runs:
         return f"No run of `{workload}` indexed yet: `python scripts/bench.py --preset long-context`."
+    cells: dict[str, dict[int, tuple[dict[str, Any], dict[str, Any]]]] = {}
     newest: dict[str, dict[str, Any]] = {}
     for run in sorted(runs, key=lambda r: str(r.get("date"))):
         for row in run["configs"]:
             newest[row["config"]] = run
-    used = list({id(run): run for run in newest.values()}.values())
-    lengths = sorted({row["doc_length"] for run in used for row in run["configs"] if row.get("doc_length")})
+            n = row.get("doc_length")
+            if n and (_attempted(row) or n not in cells.get(row["config"], {})):
+                cells.setdefault(row["config"], {})[n] = (row, run)
+    used = [run for run in runs if any(r is run for c in cells.values() for _, r in c.values())]
+    lengths = sorted({n for c in cells.values() for n in c})
     lines = [f"From {'one run' if len(used) == 1 else f'{len(used)} runs'}:", ""]
     lines += [f"- {_provenance(run)}".replace("\n\n", " ") for run in used]
     lines += ["", "| configuration | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | longest that trained |",
               "|---|" + "---|" * len(lengths) + "---:|"]
-    for config, run in newest.items():
-        rows = {row.get("doc_length"): row for row in run["configs"] if row["config"] == config}
-        cells = []
+    for config, by_length in cells.items():
+        texts = []
         for n in lengths:
-            row = rows.get(n)
+            row, run = by_length.get(n, (None, None))
             if row is None:
-                cells.append("not run")
-            elif _ok(row):
+                texts.append("not run")
+                continue
+            if _ok(row):
                 mfu = row.get("mfu")
-                cells.append(f"{_int(row['tokens_per_s'])} tokens/s, {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
-                             f" MFU, {_gib(row.get('peak_gib'))} GiB")
+                text = (f"{_int(row['tokens_per_s'])} tokens/s, {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
+                        f" MFU, {_gib(row.get('peak_gib'))} GiB")
             else:
-                cells.append(row["status"][:60])
-        longest = max((n for n, row in rows.items() if n and _ok(row)), default=None)
-        lines.append(f"| `{config}` | " + " | ".join(cells) + f" | {'none' if longest is None else f'{longest:,}'} |")
+                text = row["status"][:60]
+            texts.append(text if run is newest[config] else f"{text} ({_date(run)} run)")
+        longest = max((n for n, (row, _) in by_length.items() if _ok(row)), default=None)
+        lines.append(f"| `{config}` | " + " | ".join(texts) + f" | {'none' if longest is None else f'{longest:,}'} |")
     return "\n".join(lines)
 
 
