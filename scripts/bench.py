@@ -393,46 +393,65 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
               f"{torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
 
-    def sweep(name: str, gpu: int | None) -> list[dict]:
-        out, failed_at = [], None
-        for length in lengths:
-            reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
-            remaining = args.time_budget - (time.perf_counter() - start)
-            if reason is None and failed_at is not None:
-                reason = f"{failed_at} at a shorter length"
-            if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
-                reason = f"time budget exhausted ({args.time_budget:.0f}s)"
-            if reason:
-                result = {"config": name, "doc_length": length, "status": f"skipped: {reason}"}
-            else:
-                result = run_one(argparse.Namespace(**{**vars(args), "doc_length": length}), name,
-                                 min(args.config_timeout, remaining), gpu=gpu)
-                if not str(result.get("status", "")).startswith("ok"):
-                    failed_at = "OOM" if result["status"] == "OOM" else "failed"
-            out.append(result)
-            where = f" (GPU {gpu})" if gpu is not None else ""
-            print(f"[bench] {args.workload} {name} @ {length}{where}: {result['status']}", flush=True)
-        return out
+    done: dict[str, list[dict]] = {name: [] for name in args.configs}  # each config's lengths so far, in order
+    failed: dict[str, str | None] = dict.fromkeys(args.configs)  # "OOM" / "failed" once a length did not train
+
+    def measure_next(name: str, gpu: int | None) -> None:
+        """The config's next length (shortest first): run, or skipped with the reason."""
+        length = lengths[len(done[name])]
+        reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
+        remaining = args.time_budget - (time.perf_counter() - start)
+        if reason is None and failed[name] is not None:
+            reason = f"{failed[name]} at a shorter length"
+        if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
+            reason = f"time budget exhausted ({args.time_budget:.0f}s)"
+        if reason:
+            result = {"config": name, "doc_length": length, "status": f"skipped: {reason}"}
+        else:
+            result = run_one(argparse.Namespace(**{**vars(args), "doc_length": length}), name,
+                             min(args.config_timeout, remaining), gpu=gpu)
+            if not str(result.get("status", "")).startswith("ok"):
+                failed[name] = "OOM" if result["status"] == "OOM" else "failed"
+        done[name].append(result)
+        where = f" (GPU {gpu})" if gpu is not None else ""
+        print(f"[bench] {args.workload} {name} @ {length}{where}: {result['status']}", flush=True)
 
     if args.sweep_gpus == 1:
-        per_config = [sweep(name, None) for name in args.configs]
-    else:  # configs side by side, each on the first free GPU; one record (the same run)
-        import queue
-        from concurrent.futures import ThreadPoolExecutor
+        for name in args.configs:
+            while len(done[name]) < len(lengths):
+                measure_next(name, None)
+    else:
+        # Configs side by side, one record (the same run). Each free GPU takes the next length of the config that has
+        # measured the fewest lengths and is not running (ties: --configs order), so all configs advance together and
+        # a time budget that runs out cuts every config's longest lengths, not a whole config queued behind another.
+        import threading
 
-        free: queue.Queue[int] = queue.Queue()
-        for gpu in range(args.sweep_gpus):
-            free.put(gpu)
+        lock = threading.Lock()
+        running: set[str] = set()
 
-        def on_free_gpu(name: str) -> list[dict]:
-            gpu = free.get()
-            try:
-                return sweep(name, gpu)
-            finally:
-                free.put(gpu)
+        def claim() -> str | None:
+            with lock:
+                waiting = [n for n in args.configs if n not in running and len(done[n]) < len(lengths)]
+                if not waiting:
+                    return None
+                name = min(waiting, key=lambda n: len(done[n]))
+                running.add(name)
+                return name
 
-        with ThreadPoolExecutor(max_workers=args.sweep_gpus) as pool:
-            per_config = list(pool.map(on_free_gpu, args.configs))
+        def gpu_worker(gpu: int) -> None:
+            while (name := claim()) is not None:
+                try:
+                    measure_next(name, gpu)
+                finally:
+                    with lock:
+                        running.discard(name)
+
+        workers = [threading.Thread(target=gpu_worker, args=(gpu,)) for gpu in range(args.sweep_gpus)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()  # a worker stops when every config is measured or running on another GPU
+    per_config = [done[name] for name in args.configs]
     results = [r for rows in per_config for r in rows]
     table = long_context_table(results)
     now = dt.datetime.now(dt.timezone.utc)

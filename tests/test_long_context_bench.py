@@ -56,39 +56,46 @@ def test_first_oom_skips_longer_lengths_and_table_names_longest(monkeypatch, tmp
 
 
 def test_sweep_gpus_runs_configs_side_by_side_in_one_record(monkeypatch, tmp_path):
-    """--sweep-gpus 2: each config's lengths in order on one GPU, two configs at once, one record in config order."""
+    """--sweep-gpus 2: two lengths at once on two GPUs, each config's lengths in order, every config advancing one
+    length at a time (three configs on two GPUs: 2026-11-30 a config queued behind another lost its longest lengths
+    to the time budget), one record in config order."""
     import threading
     import time
 
     bench = script_module("bench")
-    ran, running, most = [], [0], [0]
+    ran, running, most = [], [], [0]
     lock = threading.Lock()
 
     def fake_run_one(args, name, timeout, gpu=None):
         with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        time.sleep(0.2)
+            assert name not in running  # a config's lengths one after another (a shorter OOM skips the longer)
+            running.append(name)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.1)
         with lock:
-            running[0] -= 1
+            running.remove(name)
             ran.append((name, args.doc_length, gpu))
         return {"config": name, "doc_length": args.doc_length, "status": "ok", "tokens_per_s": 10.0, "mfu": None,
                 "gpu": gpu}
 
     monkeypatch.setattr(bench, "run_one", fake_run_one)
     monkeypatch.setattr(bench, "CONFIGS", {n: dataclasses.replace(bench.CONFIGS["hf_accel-best"], name=n)
-                                           for n in ("a", "b")})
-    assert bench.main(["--workload", "llama-1b-long", "--configs", "a,b", "--doc-lengths", "64,32",
+                                           for n in ("a", "b", "c")})
+    assert bench.main(["--workload", "llama-1b-long", "--configs", "a,b,c", "--doc-lengths", "64,32,128",
                        "--sweep-gpus", "2", "--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
-    assert most[0] == 2  # side by side
-    gpus = {name: {g for n, _, g in ran if n == name} for name in ("a", "b")}
-    assert gpus["a"] != gpus["b"] and all(len(g) == 1 for g in gpus.values())  # one GPU per config
-    assert [l for n, l, _ in ran if n == "a"] == [32, 64]  # each config's lengths in order
+    assert most[0] == 2 and {g for _, _, g in ran} == {0, 1}  # side by side
+    for name in "abc":
+        assert [l for n, l, _ in ran if n == name] == [32, 64, 128]  # each config's lengths in order
+    # fair progress: no config starts its third length before every config has finished its first
+    first_done = max(ran.index((n, 32, g)) for n, l, g in ran if l == 32)
+    assert all(ran.index(r) > first_done for r in ran if r[1] == 128)
     records = list(tmp_path.glob("*.json"))
     assert len(records) == 1
     results = json.loads(records[0].read_text())["results"]
-    assert [(r["config"], r["doc_length"]) for r in results] == [("a", 32), ("a", 64), ("b", 32), ("b", 64)]
+    assert [(r["config"], r["doc_length"]) for r in results] == [(n, l) for n in "abc" for l in (32, 64, 128)]
     with pytest.raises(SystemExit):  # only with a long-context sweep
+        bench.parse_args(["--workload", "llama-1b-long", "--sweep-gpus", "0", "--doc-lengths", "32"])
+    with pytest.raises(SystemExit):
         bench.parse_args(["--workload", "llama-1b", "--sweep-gpus", "2"])
 
 
