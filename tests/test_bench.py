@@ -123,6 +123,7 @@ def _run_bench(tmp_path, *args: str) -> tuple[str, dict]:
     return proc.stdout, json.loads(json_path.read_text())
 
 
+@pytest.mark.slow
 def test_script_skips_cuda_configs_and_prints_table_last(tmp_path):
     stdout, record = _run_bench(tmp_path, "--configs", "hf-fa4-padded,liger-sdpa-padded")
     lines = [line for line in stdout.strip().splitlines() if line.strip()]

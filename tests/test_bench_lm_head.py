@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_lm_head.py"
 
 
+@pytest.mark.slow
 def test_lm_head_bench_reports_small_errors_for_every_method(tmp_path):
     out = tmp_path / "lm_head.json"
     proc = subprocess.run(
@@ -24,6 +27,7 @@ def test_lm_head_bench_reports_small_errors_for_every_method(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("| inline:64 |")
 
 
+@pytest.mark.slow
 def test_default_methods_include_cut_cross_entropy_and_skip_it_with_a_reason_on_cpu(tmp_path):
     out = tmp_path / "lm_head.json"
     subprocess.run(

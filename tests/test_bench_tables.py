@@ -129,6 +129,7 @@ def test_check_fails_on_hand_edits_and_unindexed_results_until_regenerated(tree,
     assert main(["--check", "--root", str(tree)]) == 1  # a new result file makes the index and tables stale
 
 
+@pytest.mark.slow
 def test_repo_generated_tables_are_current():
     """BENCHMARKS.md, README.md and benchmarks/index.json match benchmarks/results/ (regenerate, never hand-edit)."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_tables.py"), "--check"],

@@ -126,6 +126,7 @@ KILLED_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_background_write_leaves_the_last_checkpoint_resumable(tmp_path, finished):
     out, marker = tmp_path / "run", tmp_path / "paused"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", PAUSE_ENV: f"4:{marker}"}

@@ -294,6 +294,7 @@ def test_trainer_budget_probes_the_runs_micro_batch(tmp_path):
     assert VOCAB and trainer.patch_report.checkpointing.startswith("memory budget")
 
 
+@pytest.mark.slow
 def test_memory_budget_keeps_its_documented_import_path():
     """MemoryBudget lives in hf_accel.memory.budget; README's hf_accel.memory.checkpointing path still imports it, in
     either import order (budget.py imports checkpointing.py)."""

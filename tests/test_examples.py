@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ["patch_plain_loop.py", "trainer_lora.py", "trl_sft.py"]
+# subprocess runs: the Trainer / TRL ones are `slow` (the lower-transformers CI pass keeps the plain loop)
+EXAMPLES = ["patch_plain_loop.py", pytest.param("trainer_lora.py", marks=pytest.mark.slow),
+            pytest.param("trl_sft.py", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -354,6 +354,7 @@ def test_example_custom_transformer_lora_trains():
     assert last < first - 0.1, last_line
 
 
+@pytest.mark.slow
 def test_bench_flash_mha_tiny_smoke(tmp_path):
     out_json = tmp_path / "bench.json"
     stdout = _run_script("scripts/bench_flash_mha.py", "--tiny", "--out", str(out_json))

@@ -15,6 +15,7 @@ from script_modules import script_module
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_long_context_preset_trains_one_document_per_step_in_a_child(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--preset", "long-context", "--device", "cpu",

