@@ -428,6 +428,7 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
 
         lock = threading.Lock()
         running: set[str] = set()
+        errors: list[BaseException] = []
 
         def claim() -> str | None:
             with lock:
@@ -439,9 +440,11 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
                 return name
 
         def gpu_worker(gpu: int) -> None:
-            while (name := claim()) is not None:
+            while not errors and (name := claim()) is not None:
                 try:
                     measure_next(name, gpu)
+                except BaseException as error:  # raised in the main thread after the join, as a serial sweep would
+                    errors.append(error)
                 finally:
                     with lock:
                         running.discard(name)
@@ -451,6 +454,8 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
             worker.start()
         for worker in workers:
             worker.join()  # a worker stops when every config is measured or running on another GPU
+        if errors:
+            raise errors[0]
     per_config = [done[name] for name in args.configs]
     results = [r for rows in per_config for r in rows]
     table = long_context_table(results)

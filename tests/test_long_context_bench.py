@@ -130,3 +130,20 @@ def test_child_records_cuda_oom_as_oom(monkeypatch, tmp_path):
     bench.main(["--workload", "llama-1b-long", "--configs", "hf_accel-best", "--doc-length", "64", "--device", "cpu",
                 "--tiny", "--child", str(out)])
     assert json.loads(out.read_text())["status"] == "OOM"
+
+
+def test_sweep_gpus_raises_what_a_worker_raised(monkeypatch, tmp_path):
+    """An error inside a GPU worker (not a failed child: a bug in bench.py itself) stops the run loudly, as the serial
+    sweep would, instead of writing a record with that config's lengths missing."""
+    bench = script_module("bench")
+
+    def broken_run_one(args, name, timeout, gpu=None):
+        raise RuntimeError(f"bench bug in {name}")
+
+    monkeypatch.setattr(bench, "run_one", broken_run_one)
+    monkeypatch.setattr(bench, "CONFIGS", {n: dataclasses.replace(bench.CONFIGS["hf_accel-best"], name=n)
+                                           for n in ("a", "b")})
+    with pytest.raises(RuntimeError, match="bench bug"):
+        bench.main(["--workload", "llama-1b-long", "--configs", "a,b", "--doc-lengths", "32,64", "--sweep-gpus", "2",
+                    "--device", "cpu", "--tiny", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("*.json"))
