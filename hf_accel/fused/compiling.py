@@ -10,7 +10,8 @@ Only training calls take the compiled path (module in train mode, grad enabled, 
 checkpointing on that layer, whose selective-checkpoint policy must see each op). Evaluation and generation run the
 layer's own eager forward, exactly what the unpatched model computes. The token dimension of the layer's inputs is
 marked dynamic up front, so steps of different token counts share the compiled graphs (the pieces after the attention
-break turn dynamic at the first new length: one recompile, in the first steps). All layers share one set of graphs.
+break turn dynamic at the first new length: one recompile, in the first steps; the H200 showed one more graph at
+the second new length, reason not yet seen). All layers share one set of graphs.
 
 Compilation leaves many long-lived Python objects (graphs, guards, generated code) that every later full garbage
 collection scans: on the H200 such collections grew to 200-400 ms stalls mid-training. After a training
