@@ -272,3 +272,63 @@ def test_estimate_table_counts_offloaded_layers():
     est = estimate_training_memory("llama-3.2-1b", batch_tokens=1024, checkpointing="offload")
     assert est.choices == ("offload",) * 16 and est.activation_bytes == 0
     assert "| activations (16 offload) | 0.0 MiB |" in est.table()
+
+
+def test_op_level_layers_rebuild_the_eager_set_when_figures_come_from_compiled_layers():
+    """A compiled layer saves less than its eager ops (none_bytes); an op-level layer runs eagerly, so its backward
+    rebuilds the eager set (eager_none_bytes) on top of what it retained."""
+    layer = LayerActivation(600, 300, 100, eager_none_bytes=1000)
+    assert [layer.rebuilt(c) for c in ("none", "op", "full", "offload")] == [0, 700, 500, 600]
+    assert plan_peak_bytes([layer, layer], ["op", "none"], 10) == 10 + 300 + 600 + 700
+    assert LayerActivation(600, 300, 100).rebuilt("op") == 300  # eager figures: the same set either way
+    layers = [LayerActivation(600, 300, 100, eager_none_bytes=1000), LayerActivation(900, 200, 100),
+              LayerActivation(500, 450, 50, eager_none_bytes=2000)]
+    every = list(itertools.product(("none", "op", "full"), repeat=3))
+    for budget in range(900, 3000, 50):
+        plan = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=budget)
+        feasible = [plan_cost(c) for c in every if plan_peak_bytes(layers, c, 0) <= budget]
+        assert plan.fits == bool(feasible), budget
+        if feasible:
+            assert plan.recompute_cost == pytest.approx(min(feasible)) and plan.predicted_peak_bytes <= budget
+
+
+def test_budget_probes_compiled_layers_through_their_graphs():
+    """patch(compile=True) with a memory budget: the probe counts what the compiled graphs save (less than the eager
+    ops: the H200 plans over-predicted by 4-7 GiB when compiled layers were probed eagerly), keeps the eager figures
+    for op-level layers, restores each layer's compiled call, and the run then trains with the plan's gradients."""
+    from torch._dynamo.utils import counters
+
+    from hf_accel.fused.compiling import TrainingCompiled
+
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, TOKENS))
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
+    hf_accel.patch(model, backend="reference", compile=True)
+    calls = [layer.__dict__["_compiled_call_impl"] for layer in decoder_layers(model)]
+    assert all(isinstance(call, TrainingCompiled) for call in calls)
+    eager = probe_training_memory(model, batch)
+    probed = probe_training_memory(model, batch, compiled=True)
+    assert [layer.__dict__["_compiled_call_impl"] for layer in decoder_layers(model)] == calls
+    assert counters["stats"]["unique_graphs"] > 0  # the second forward ran the compiled graphs
+    for e, c in zip(eager.layers, probed.layers):
+        assert 0 < c.none_bytes < e.none_bytes  # inductor keeps less than the eager ops
+        assert (c.op_bytes, c.full_bytes, c.eager_none_bytes) == (e.op_bytes, e.full_bytes, e.none_bytes)
+    assert probed.tail_peak_bytes == eager.tail_peak_bytes
+    # a budget between the compiled and the eager no-checkpointing peaks: no recompute with the compiled figures,
+    # where the eager ones would have checkpointed
+    fixed = training_state_bytes(model)
+    none = ["none"] * len(probed.layers)
+    budget = (plan_peak_bytes(probed.layers, none, fixed, probed.tail_peak_bytes)
+              + plan_peak_bytes(eager.layers, none, fixed, eager.tail_peak_bytes)) // 2
+    for compiled, expect_recompute in ((True, False), (False, True)):
+        policy = MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0, verbose=False, compiled=compiled)
+        policy.apply(model)
+        assert policy.plan.fits and (policy.plan.recompute_cost > 0) == expect_recompute, compiled
+    reference = build("llama")
+    hf_accel.patch(reference, backend="reference")
+    for m in (model, reference):
+        m.zero_grad()
+        m(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    hf_accel.unpatch(model)

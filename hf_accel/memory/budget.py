@@ -44,8 +44,8 @@ class MemoryBudget(CheckpointingPolicy):
     # only where device-only plans do not fit): None = where the model is on CUDA; spec "budget:...+offload" forces
     # it on, "budget:...+no-offload" off
     offload: bool | None = None
-    # the decoder layers run compiled (patch(compile=...) sets it): an op-level layer then also loses the compiled
-    # path, so plans price it as such (plan.RECOMPUTE_COST_COMPILED)
+    # the decoder layers run compiled (patch(compile=...) sets it): the probe measures what their compiled graphs
+    # save, and an op-level layer, which loses the compiled path, is priced as such (plan.RECOMPUTE_COST_COMPILED)
     compiled: bool = False
     plan: object = field(default=None, init=False, repr=False)
     budget_bytes_resolved: int | None = field(default=None, init=False, repr=False)  # the budget apply() planned for
@@ -79,7 +79,7 @@ class MemoryBudget(CheckpointingPolicy):
         was_training = model.training
         model.train()
         try:
-            probe = probe_training_memory(model, batch)
+            probe = probe_training_memory(model, batch, compiled=self.compiled)
         finally:
             model.train(was_training)
         self.budget_bytes_resolved = budget

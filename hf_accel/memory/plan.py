@@ -53,9 +53,17 @@ class LayerActivation:
     none_bytes: int
     op_bytes: int
     full_bytes: int
+    # What the layer saves when it runs eagerly, where that differs from none_bytes (measured through compiled
+    # layers): an op-level layer leaves the compiled path, so its backward rebuilds the eager set. None: none_bytes.
+    eager_none_bytes: int | None = None
 
     def retained(self, choice: str) -> int:
         return {"none": self.none_bytes, "op": self.op_bytes, "full": self.full_bytes, "offload": 0}[choice]
+
+    def rebuilt(self, choice: str) -> int:
+        """Bytes the layer's backward rebuilds on top of what it retained (a recompute brings back the rest)."""
+        whole = self.eager_none_bytes if choice == "op" and self.eager_none_bytes is not None else self.none_bytes
+        return max(whole - self.retained(choice), 0)
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,7 @@ def plan_peak_bytes(layers: Sequence[LayerActivation], choices: Sequence[str], f
                     extra_bytes: int = 0) -> int:
     """Peak = fixed + every layer's retained activations + the largest one recomputed layer rebuilds in backward."""
     retained = sum(layer.retained(c) for layer, c in zip(layers, choices))
-    rebuilt = max((layer.none_bytes - layer.retained(c) for layer, c in zip(layers, choices)), default=0)
+    rebuilt = max((layer.rebuilt(c) for layer, c in zip(layers, choices)), default=0)
     return fixed_bytes + extra_bytes + retained + rebuilt
 
 
@@ -111,7 +119,7 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
     forwards (RECOMPUTE_COST_COMPILED where the layers are compiled).
     """
     units = {c: round(costs[c] * 10) for c in modes}
-    caps = sorted({layer.none_bytes - layer.retained(c) for layer in layers for c in units})
+    caps = sorted({layer.rebuilt(c) for layer in layers for c in units})
     best_fit, best_any = None, None
     for cap in caps or [0]:
         table: dict[int, tuple[int, tuple[str, ...]]] = {0: (0, ())}  # total cost -> (least retained, choices)
@@ -119,7 +127,7 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
             grown: dict[int, tuple[int, tuple[str, ...]]] = {}
             for cost, (retained, choices) in table.items():
                 for c, unit in units.items():
-                    if layer.none_bytes - layer.retained(c) > cap:
+                    if layer.rebuilt(c) > cap:
                         continue
                     entry = (retained + layer.retained(c), choices + (c,))
                     if cost + unit not in grown or entry[0] < grown[cost + unit][0]:
@@ -165,10 +173,14 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
 
 
 def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Module] | None = None,
-                          save_ops: frozenset | None = None) -> Probe:
-    """``probe_layer_activations`` plus the loss tail's peak (see ``Probe``), from the same forward. Compiled layers
-    run eagerly for the probe (``torch.compiler.set_stance("force_eager")``): eager layers keep at least what
-    inductor's partitioned graphs keep, so the plan errs on the side of the budget."""
+                          save_ops: frozenset | None = None, compiled: bool = False) -> Probe:
+    """``probe_layer_activations`` plus the loss tail's peak (see ``Probe``), from the same forward, run eagerly
+    (``torch.compiler.set_stance("force_eager")``).
+
+    compiled: the decoder layers are bound to compiled training calls (patch(compile=...)). A second forward then
+    runs them as bound and counts what their compiled graphs save (inductor's partitioner keeps less than the eager
+    ops: on the H200 eager-probed plans for compiled layers over-predicted peaks by 4-7 GiB). That becomes each
+    layer's no-checkpointing (and recompute) bytes; op-level layers, which run eagerly, keep the eager figures."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -246,7 +258,67 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
             handle.remove()
         for layer, flag in zip(layers, flags):
             layer.gradient_checkpointing = flag
-    return Probe([LayerActivation(s, i + o, i) for s, o, i in zip(saved, op_out, inputs)], tail_peak[0])
+    if not compiled:
+        return Probe([LayerActivation(s, i + o, i) for s, o, i in zip(saved, op_out, inputs)], tail_peak[0])
+    bound = _bound_saved_bytes(model, batch, layers, params)
+    return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s)
+                  for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak[0])
+
+
+_CALL_SLOT = "_compiled_call_impl"  # what nn.Module.__call__ prefers when set (torch.compile of a module, hf_accel's)
+
+
+def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module], params: set[int]) -> list[int]:
+    """Per decoder layer, the bytes autograd saves when the layers run as bound (compiled ones through their graphs).
+
+    Each layer's call slot is wrapped for the forward so saved tensors are attributed to the layer running (module
+    hooks would run inside the compiled region); every slot is restored exactly afterwards.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved = [0] * len(layers)
+    seen: dict[int, StorageWeakRef] = {}
+    current: list[int | None] = [None]
+
+    def pack(t: torch.Tensor) -> None:
+        ptr, nbytes = _storage_key(t)
+        known = seen.get(ptr)
+        if current[0] is not None and ptr not in params and (known is None or known.expired()):
+            seen[ptr] = StorageWeakRef(t.untyped_storage())
+            saved[current[0]] += nbytes
+        return None  # forward only, as in probe_training_memory
+
+    def unpack(_):
+        raise RuntimeError("the probe runs a forward only; its graph cannot be back-propagated")
+
+    missing = object()
+    previous = [layer.__dict__.get(_CALL_SLOT, missing) for layer in layers]
+
+    def attributed(index: int, layer: nn.Module, call):
+        def run(*args, **kwargs):
+            current[0] = index
+            try:
+                return (call or layer._call_impl)(*args, **kwargs)
+            finally:
+                current[0] = None
+        return run
+
+    flags = [layer.gradient_checkpointing for layer in layers]
+    try:
+        for i, (layer, call) in enumerate(zip(layers, previous)):
+            layer.gradient_checkpointing = False
+            layer.__dict__[_CALL_SLOT] = attributed(i, layer, None if call is missing else call)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = model(**batch)
+        del out
+    finally:
+        for layer, call, flag in zip(layers, previous, flags):
+            if call is missing:
+                layer.__dict__.pop(_CALL_SLOT, None)
+            else:
+                layer.__dict__[_CALL_SLOT] = call
+            layer.gradient_checkpointing = flag
+    return saved
 
 
 def live_activation_bytes(model: nn.Module, batch: dict) -> int:
