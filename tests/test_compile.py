@@ -91,8 +91,9 @@ def test_inductor_llama_matches_unpatched_and_reuses_graphs():
     for seed, lengths in enumerate(STEPS):
         assert_same_step(ours, ref, packed(lengths, seed))
         graphs.append(counters["stats"]["unique_graphs"])
-    # the second step may turn the graph pieces after the attention break dynamic; later steps must reuse them
-    assert graphs[1] == graphs[2] == graphs[3], graphs
+    # compiled with a dynamic token dimension from the first step: steps of new lengths and document counts reuse the
+    # graphs (compiled static first, the pieces after the attention break compiled again at the second step)
+    assert graphs[0] == graphs[1] == graphs[2] == graphs[3], graphs
 
 
 @pytest.mark.parametrize("variant", ["neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi",

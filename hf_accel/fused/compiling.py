@@ -8,10 +8,11 @@ before.
 
 Only training calls take the compiled path (module in train mode, grad enabled, no KV cache, and no op-level
 checkpointing on that layer, whose selective-checkpoint policy must see each op). Evaluation and generation run the
-layer's own eager forward, exactly what the unpatched model computes. The token dimension of the layer's inputs is
-marked dynamic up front, so steps of different token counts share the compiled graphs (the pieces after the attention
-break turn dynamic at the first new length: one recompile, in the first steps; the H200 showed one more graph at
-the second new length, reason not yet seen). All layers share one set of graphs.
+layer's own eager forward, exactly what the unpatched model computes. The layers compile with ``dynamic=True`` (a
+symbolic token dimension from the first step, in the pieces after the attention break too), so steps of different
+token counts share the compiled graphs: on CPU no step after the first compiles anything. (Compiled static first,
+those pieces compiled again at the first new length, and on the H200 at the second as well.) A user's options dict
+may set ``dynamic`` itself. All layers share one set of graphs.
 
 Compilation leaves many long-lived Python objects (graphs, guards, generated code) that every later full garbage
 collection scans: on the H200 such collections grew to 200-400 ms stalls mid-training. After a training
@@ -137,7 +138,10 @@ def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list
             f"compile=True needs torch.compile, which torch {torch.__version__} does not support on Python "
             f"{sys.version.split()[0]} here. Pass compile=False (hf_accel's other speed-ups do not need it)."
         )
-    options = {"fullgraph": False, **(options or {})}
+    # dynamic=True: every graph piece is compiled with a symbolic token dimension from the first step. With the
+    # default (static first, dynamic after a change) the pieces after the attention break, whose token count is a
+    # Python int in the resumed frame, compiled again at the first new length (and on the H200 at the second).
+    options = {"fullgraph": False, "dynamic": True, **(options or {})}
     names = {id(m): n for n, m in model.named_modules()}
     bound, undo = [], []
     for layer in decoder_layers(model):

@@ -79,9 +79,9 @@ def test_compiled_train_steps_match_eager(name):
         for batch in batches:
             assert_within_bf16(step(ours, batch), step(ref16, batch), step(ref32, batch))
             graphs_after.append(counters["stats"]["unique_graphs"])
-    # New lengths stop compiling: the first new length recompiles the pieces after the attention break (they turn
-    # dynamic; on CPU that is all); on the H200 (2026-11-30, torch 2.11) the second new length added one more graph,
-    # reason not yet seen. The last two new lengths and document counts must add none.
+    # New lengths stop compiling. Layers now compile with dynamic=True, after which no new length compiles anything
+    # on CPU; compiled static first, the H200 (2026-11-30, torch 2.11) added graphs at the first and second new
+    # lengths (reason not seen). The last two new lengths and document counts must add none.
     assert graphs_after[2] == graphs_after[3] == graphs_after[4], (graphs_after, "\n".join(reasons))
     # evaluation runs the eager layers: identical to the patched eager model
     ours.eval()
