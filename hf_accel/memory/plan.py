@@ -190,26 +190,9 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     layers = list(layers if layers is not None else decoder_layers(model))
     save_ops = save_ops if save_ops is not None else default_save_ops()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, StorageWeakRef] = {}  # storages counted so far; an address freed and reused counts again
-    saved = [0] * len(layers)
+    counter = _SavedBytes(len(layers), params)
     op_out = [0] * len(layers)
     inputs = [0] * len(layers)
-    current: list[int | None] = [None]
-
-    def pack(t: torch.Tensor) -> None:
-        ptr, nbytes = _storage_key(t)
-        known = seen.get(ptr)
-        if current[0] is not None and ptr not in params and (known is None or known.expired()):
-            seen[ptr] = StorageWeakRef(t.untyped_storage())
-            saved[current[0]] += nbytes
-        # Only the size is kept: no backward runs on the probe, so autograd need not hold the tensor, and the probe's
-        # peak stays at about one layer's transient memory (a 16k-token Llama-8B forward keeping everything would
-        # not fit on an H200). Handing back `t` itself also tied saved outputs to their own grad_fn in a cycle
-        # Python's collector cannot break, so the whole probe graph stayed allocated for the rest of training.
-        return None
-
-    def unpack(_):
-        raise RuntimeError("probe_layer_activations runs a forward only; its graph cannot be back-propagated")
 
     left = [0]  # decoder layers the forward has left
     tail: dict[int, tuple[StorageWeakRef, int]] = {}  # storages allocated after the last layer
@@ -219,9 +202,9 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            if current[0] is not None and func.overloadpacket in save_ops:
-                op_out[current[0]] += sum(_storage_key(t)[1] for t in tensors)
-            if current[0] is None and left[0] == len(layers):
+            if counter.layer is not None and func.overloadpacket in save_ops:
+                op_out[counter.layer] += sum(_storage_key(t)[1] for t in tensors)
+            if counter.layer is None and left[0] == len(layers):
                 for t in tensors:
                     ptr, nbytes = _storage_key(t)
                     known = tail.get(ptr)
@@ -235,11 +218,11 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs.get("hidden_states")
             inputs[index] = hidden.untyped_storage().nbytes()
-            current[0] = index
+            counter.layer = index
         return hook
 
     def leave(module, args, output):
-        current[0] = None
+        counter.layer = None
         left[0] += 1
 
     flags = [layer.gradient_checkpointing for layer in layers]
@@ -249,8 +232,7 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
             layer.gradient_checkpointing = False
             handles.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(leave))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), SaveableOutputs(), \
-                torch.compiler.set_stance("force_eager"):
+        with torch.enable_grad(), counter.hooks(), SaveableOutputs(), torch.compiler.set_stance("force_eager"):
             out = model(**batch)
         del out
     finally:
@@ -258,11 +240,45 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
             handle.remove()
         for layer, flag in zip(layers, flags):
             layer.gradient_checkpointing = flag
+    saved = counter.saved
     if not compiled:
         return Probe([LayerActivation(s, i + o, i) for s, o, i in zip(saved, op_out, inputs)], tail_peak[0])
     bound = _bound_saved_bytes(model, batch, layers, params)
     return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s)
                   for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak[0])
+
+
+class _SavedBytes:
+    """Saved-tensor hooks that count the bytes autograd saves per decoder layer (`layer`: the one running, or None)
+    and keep nothing: each storage counted once (an address freed and reused counts again), parameters excluded."""
+
+    def __init__(self, layers: int, params: set[int]):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self.saved = [0] * layers
+        self.layer: int | None = None
+        self._params = params
+        self._seen: dict = {}
+
+    def pack(self, t: torch.Tensor) -> None:
+        ptr, nbytes = _storage_key(t)
+        known = self._seen.get(ptr)
+        if self.layer is not None and ptr not in self._params and (known is None or known.expired()):
+            self._seen[ptr] = self._ref(t.untyped_storage())
+            self.saved[self.layer] += nbytes
+        # Only the size is kept: no backward runs on a probe, so autograd need not hold the tensor, and the probe's
+        # peak stays at about one layer's transient memory (a 16k-token Llama-8B forward keeping everything would
+        # not fit on an H200). Handing back `t` itself also tied saved outputs to their own grad_fn in a cycle
+        # Python's collector cannot break, so the whole probe graph stayed allocated for the rest of training.
+        return None
+
+    @staticmethod
+    def unpack(_):
+        raise RuntimeError("the memory probe runs a forward only; its graph cannot be back-propagated")
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
 _CALL_SLOT = "_compiled_call_impl"  # what nn.Module.__call__ prefers when set (torch.compile of a module, hf_accel's)
@@ -274,33 +290,17 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
     Each layer's call slot is wrapped for the forward so saved tensors are attributed to the layer running (module
     hooks would run inside the compiled region); every slot is restored exactly afterwards.
     """
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    saved = [0] * len(layers)
-    seen: dict[int, StorageWeakRef] = {}
-    current: list[int | None] = [None]
-
-    def pack(t: torch.Tensor) -> None:
-        ptr, nbytes = _storage_key(t)
-        known = seen.get(ptr)
-        if current[0] is not None and ptr not in params and (known is None or known.expired()):
-            seen[ptr] = StorageWeakRef(t.untyped_storage())
-            saved[current[0]] += nbytes
-        return None  # forward only, as in probe_training_memory
-
-    def unpack(_):
-        raise RuntimeError("the probe runs a forward only; its graph cannot be back-propagated")
-
+    counter = _SavedBytes(len(layers), params)
     missing = object()
     previous = [layer.__dict__.get(_CALL_SLOT, missing) for layer in layers]
 
     def attributed(index: int, layer: nn.Module, call):
         def run(*args, **kwargs):
-            current[0] = index
+            counter.layer = index
             try:
                 return (call or layer._call_impl)(*args, **kwargs)
             finally:
-                current[0] = None
+                counter.layer = None
         return run
 
     flags = [layer.gradient_checkpointing for layer in layers]
@@ -308,7 +308,7 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
         for i, (layer, call) in enumerate(zip(layers, previous)):
             layer.gradient_checkpointing = False
             layer.__dict__[_CALL_SLOT] = attributed(i, layer, None if call is missing else call)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.enable_grad(), counter.hooks():
             out = model(**batch)
         del out
     finally:
@@ -318,7 +318,7 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
             else:
                 layer.__dict__[_CALL_SLOT] = call
             layer.gradient_checkpointing = flag
-    return saved
+    return counter.saved
 
 
 def live_activation_bytes(model: nn.Module, batch: dict) -> int:
