@@ -82,6 +82,7 @@ def test_compiled_train_steps_match_eager(name):
     # New lengths stop compiling. Layers now compile with dynamic=True, after which no new length compiles anything
     # on CPU; compiled static first, the H200 (2026-11-30, torch 2.11) added graphs at the first and second new
     # lengths (reason not seen). The last two new lengths and document counts must add none.
+    print(f"{name}: graphs after each step {graphs_after}")  # shown with -rA: whether dynamic=True recompiles on GPU
     assert graphs_after[2] == graphs_after[3] == graphs_after[4], (graphs_after, "\n".join(reasons))
     # evaluation runs the eager layers: identical to the patched eager model
     ours.eval()
