@@ -85,8 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "length, each (config, length) in its own process, shortest first; a config stops at its "
                         "first failure (OOM, timeout)")
     p.add_argument("--sweep-gpus", type=int, default=1,
-                   help="long-context sweep: spread the configurations over this many GPUs of the machine (each "
-                        "config's lengths in order on one GPU, configs side by side), one run and one record")
+                   help="long-context sweep: run over this many GPUs of the machine, one record (each free GPU "
+                        "takes the next length of the config with the fewest lengths measured; a config's lengths "
+                        "run in order, one at a time)")
     p.add_argument("--doc-length", type=int, default=None, help=argparse.SUPPRESS)  # one length, in a child
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=0,
