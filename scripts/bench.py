@@ -457,8 +457,7 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
             worker.join()  # a worker stops when every config is measured or running on another GPU
         if errors:
             raise errors[0]
-    per_config = [done[name] for name in args.configs]
-    results = [r for rows in per_config for r in rows]
+    results = [r for name in args.configs for r in done[name]]
     table = long_context_table(results)
     now = dt.datetime.now(dt.timezone.utc)
     record = {

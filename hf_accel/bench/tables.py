@@ -220,7 +220,7 @@ def long_context_region(index: dict[str, Any], workload: str) -> str:
         return f"No run of `{workload}` indexed yet: `python scripts/bench.py --preset long-context`."
     cells: dict[str, dict[int, tuple[dict[str, Any], dict[str, Any]]]] = {}
     newest: dict[str, dict[str, Any]] = {}
-    for run in sorted(runs, key=lambda r: str(r.get("date"))):
+    for run in runs:  # the index's order: oldest first
         for row in run["configs"]:
             newest[row["config"]] = run
             n = row.get("doc_length")

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef  # loaded by `import torch` already
 
 _GIB = 1024**3
 
@@ -181,7 +182,6 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     runs them as bound and counts what their compiled graphs save (inductor's partitioner keeps less than the eager
     ops: on the H200 eager-probed plans for compiled layers over-predicted peaks by 4-7 GiB). That becomes each
     layer's no-checkpointing (and recompute) bytes; op-level layers, which run eagerly, keep the eager figures."""
-    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -253,19 +253,16 @@ class _SavedBytes:
     and keep nothing: each storage counted once (an address freed and reused counts again), parameters excluded."""
 
     def __init__(self, layers: int, params: set[int]):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self._ref = StorageWeakRef
         self.saved = [0] * layers
         self.layer: int | None = None
         self._params = params
-        self._seen: dict = {}
+        self._seen: dict[int, StorageWeakRef] = {}
 
     def pack(self, t: torch.Tensor) -> None:
         ptr, nbytes = _storage_key(t)
         known = self._seen.get(ptr)
         if self.layer is not None and ptr not in self._params and (known is None or known.expired()):
-            self._seen[ptr] = self._ref(t.untyped_storage())
+            self._seen[ptr] = StorageWeakRef(t.untyped_storage())
             self.saved[self.layer] += nbytes
         # Only the size is kept: no backward runs on a probe, so autograd need not hold the tensor, and the probe's
         # peak stays at about one layer's transient memory (a 16k-token Llama-8B forward keeping everything would
@@ -327,7 +324,6 @@ def live_activation_bytes(model: nn.Module, batch: dict) -> int:
     Sees through checkpointing (inputs a checkpoint keeps, op-level caches), which saved-tensor hooks cannot: inside
     a checkpoint torch's own hooks replace ours. The reference the policies' memory claims are tested against.
     """
-    from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
