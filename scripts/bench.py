@@ -417,46 +417,46 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
         where = f" (GPU {gpu})" if gpu is not None else ""
         print(f"[bench] {args.workload} {name} @ {length}{where}: {result['status']}", flush=True)
 
+    # Each free GPU (one: the current device) takes the next length of the config that has measured the fewest
+    # lengths and is not running (ties: --configs order), so all configs advance together and a time budget that runs
+    # out cuts every config's longest lengths, not a whole config queued behind another (2026-11-30 14:30, one GPU:
+    # TRL and HF sdpa took the whole budget and hf_accel measured nothing). --sweep-gpus N: configs side by side, one
+    # record (the same run).
+    import threading
+
+    lock = threading.Lock()
+    running: set[str] = set()
+    errors: list[BaseException] = []
+
+    def claim() -> str | None:
+        with lock:
+            waiting = [n for n in args.configs if n not in running and len(done[n]) < len(lengths)]
+            if not waiting:
+                return None
+            name = min(waiting, key=lambda n: len(done[n]))
+            running.add(name)
+            return name
+
+    def gpu_worker(gpu: int | None) -> None:
+        while not errors and (name := claim()) is not None:
+            try:
+                measure_next(name, gpu)
+            except BaseException as error:  # raised in the main thread after the join, as a serial sweep would
+                errors.append(error)
+            finally:
+                with lock:
+                    running.discard(name)
+
     if args.sweep_gpus == 1:
-        for name in args.configs:
-            while len(done[name]) < len(lengths):
-                measure_next(name, None)
+        gpu_worker(None)
     else:
-        # Configs side by side, one record (the same run). Each free GPU takes the next length of the config that has
-        # measured the fewest lengths and is not running (ties: --configs order), so all configs advance together and
-        # a time budget that runs out cuts every config's longest lengths, not a whole config queued behind another.
-        import threading
-
-        lock = threading.Lock()
-        running: set[str] = set()
-        errors: list[BaseException] = []
-
-        def claim() -> str | None:
-            with lock:
-                waiting = [n for n in args.configs if n not in running and len(done[n]) < len(lengths)]
-                if not waiting:
-                    return None
-                name = min(waiting, key=lambda n: len(done[n]))
-                running.add(name)
-                return name
-
-        def gpu_worker(gpu: int) -> None:
-            while not errors and (name := claim()) is not None:
-                try:
-                    measure_next(name, gpu)
-                except BaseException as error:  # raised in the main thread after the join, as a serial sweep would
-                    errors.append(error)
-                finally:
-                    with lock:
-                        running.discard(name)
-
         workers = [threading.Thread(target=gpu_worker, args=(gpu,)) for gpu in range(args.sweep_gpus)]
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()  # a worker stops when every config is measured or running on another GPU
-        if errors:
-            raise errors[0]
+    if errors:
+        raise errors[0]
     results = [r for name in args.configs for r in done[name]]
     table = long_context_table(results)
     now = dt.datetime.now(dt.timezone.utc)

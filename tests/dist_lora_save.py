@@ -6,9 +6,9 @@ activation checkpointing (``fsdp2_apply_ac``: a ``CheckpointWrapper`` around eac
 ``fsdp2_prepare_model`` (one unit per decoder layer, the tail unit, the root), a few SGD steps, then the Trainer's final
 save under FSDP2: accelerate's full state dict (``get_model_state_dict``: full, broadcast from rank 0, on CPU) on every
 rank and ``_save`` of an hf_accel Trainer holding the model on rank 0 (transformers' ``save_model`` does exactly this;
-the Trainer only saves here, the loop above is by hand). Output under --out: <layout>/adapter/ and
-<layout>/trained.safetensors (every LoRA tensor after training, gathered from the shards, keyed by the unsharded PEFT
-model's parameter names).
+the Trainer only saves here, the loop above is by hand). Output under --out: <layout>/adapter/ (layout "full":
+<layout>/model/) and <layout>/trained.safetensors (every LoRA tensor after training, for "full" every parameter,
+gathered from the shards, keyed by the unsharded model's parameter names).
 """
 from __future__ import annotations
 
@@ -25,10 +25,20 @@ import tiny_models  # noqa: E402
 
 from hf_accel.training.adapters import plain_name  # noqa: E402
 
-LAYOUTS = {"ac": True, "plain": False}  # layout: FSDP activation checkpointing (fsdp2_checkpointing.yaml / fsdp2.yaml)
+# layout: FSDP activation checkpointing (fsdp2_checkpointing.yaml / fsdp2.yaml); "full": a full fine-tune of a Llama
+# with tied input and output embeddings under fsdp2.yaml (its save wrote the head twice on 2 GPUs)
+LAYOUTS = {"ac": True, "plain": False, "full": False}
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 STEPS = 2
 LR = 0.5
+
+
+def build_tied() -> torch.nn.Module:
+    """Tiny Llama (seed 0) whose LM head is its input embedding (``tie_word_embeddings``), for a full fine-tune."""
+    torch.manual_seed(0)
+    model = tiny_models._llama(tie_word_embeddings=True)
+    model.config.use_cache = False
+    return model
 
 
 def build() -> torch.nn.Module:
@@ -73,7 +83,8 @@ def run_layout(layout: str, out: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    trainer = trainer_for(build(), out / layout)
+    full = layout == "full"
+    trainer = trainer_for(build_tied() if full else build(), out / layout)
     rank = dist.get_rank()
     model = shard(trainer.model, LAYOUTS[layout])  # in place: the Trainer holds the sharded model
     assert all(isinstance(p, DTensor) for p in model.parameters()), "FSDP2 left a parameter unsharded"
@@ -85,13 +96,13 @@ def run_layout(layout: str, out: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
     trained = {plain_name(n): p.full_tensor().detach().clone()  # a collective: every rank
-               for n, p in model.named_parameters() if "lora_" in n}
+               for n, p in model.named_parameters() if full or "lora_" in n}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)  # accelerate's
     state = get_model_state_dict(model, options=options)
     if rank == 0:
         (out / layout).mkdir(parents=True, exist_ok=True)
         save_file(trained, str(out / layout / "trained.safetensors"))
-        trainer._save(str(out / layout / "adapter"), state_dict=state)
+        trainer._save(str(out / layout / ("model" if full else "adapter")), state_dict=state)
     dist.barrier()
 
 

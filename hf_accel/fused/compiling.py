@@ -11,8 +11,10 @@ checkpointing on that layer, whose selective-checkpoint policy must see each op)
 layer's own eager forward, exactly what the unpatched model computes. The layers compile with ``dynamic=True`` (a
 symbolic token dimension from the first step, in the pieces after the attention break too), so steps of different
 token counts share the compiled graphs: on CPU no step after the first compiles anything. (Compiled static first,
-those pieces compiled again at the first new length, and on the H200 at the second as well.) A user's options dict
-may set ``dynamic`` itself. All layers share one set of graphs.
+those pieces compiled again at the first new length.) On the H200 (torch 2.11) inductor also guards the first graphs
+on a token range from its fusion heuristics (``2560 <= tokens <= 4095`` after a 3,072-token first step), so the
+first length outside it compiles them once more, and no later length does. A user's options dict may set
+``dynamic`` itself. All layers share one set of graphs.
 
 Compilation leaves many long-lived Python objects (graphs, guards, generated code) that every later full garbage
 collection scans: on the H200 such collections grew to 200-400 ms stalls mid-training. After a training

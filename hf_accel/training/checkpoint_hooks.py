@@ -308,7 +308,8 @@ class CheckpointFilesMixin:
         gathered state dict and wrote an empty adapter."""
         unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         if not adapters.is_peft_model(unwrapped):
-            return super()._save(output_dir, state_dict)
+            return super()._save(output_dir, state_dict if state_dict is None else share_tied_copies(unwrapped,
+                                                                                                     state_dict))
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         adapters.save_adapter(unwrapped, output_dir, state_dict if state_dict is not None else unwrapped.state_dict())
@@ -321,3 +322,21 @@ class CheckpointFilesMixin:
         if not selective.is_selective(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         selective.load_trainable(model if model is not None else self.model, resume_from_checkpoint)
+
+
+def share_tied_copies(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with each weight the model ties to another (``all_tied_weights_keys``, e.g. a Llama head tied to
+    its input embedding) pointing at that other tensor, when the two hold the same values.
+
+    A full state dict gathered from shards (accelerate's under FSDP2) holds tied weights as separate copies, and
+    transformers' save drops a tied name only when it shares storage with its source, so the file held the head a
+    second time. Sharing the storage lets transformers keep the name it expects on reload. Copies that differ stay as
+    they are (what transformers writes for them)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    out = dict(state_dict)
+    for target, source in tied.items():
+        copy_, original = out.get(target), out.get(source)
+        if (isinstance(copy_, torch.Tensor) and isinstance(original, torch.Tensor) and copy_ is not original
+                and copy_.shape == original.shape and copy_.dtype == original.dtype and torch.equal(copy_, original)):
+            out[target] = original
+    return out
