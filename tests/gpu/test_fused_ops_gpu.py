@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_accel
-from test_models_gpu import EQUIVALENCE_LAYERS, PLAIN, SHAPES, assert_within_bf16, packed, step
+from test_models_gpu import EQUIVALENCE_LAYERS, FP32_MATH, PLAIN, SHAPES, assert_within_bf16, packed, step
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ def _assert_within_bf16_error(name: str, **patch_kwargs):
     ref32 = SHAPES[name](EQUIVALENCE_LAYERS).cuda().float().train()
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     fused = copy.deepcopy(ref16)
-    hf_accel.patch(ref32, **PLAIN)
+    hf_accel.patch(ref32, **FP32_MATH)
     hf_accel.patch(ref16, **PLAIN)
     report = hf_accel.patch(fused, **{**PLAIN, **patch_kwargs})
     assert report.fused_ops

@@ -15,6 +15,9 @@ pytestmark = pytest.mark.gpu
 # patch() without its CUDA defaults (fused loss, fused ops, compiled layers): the eager patched model these tests
 # compare (each default has its own tests)
 PLAIN = {"fused_ce": False, "fused_ops": False, "compile": False}
+# the fp32 references attend by plain fp32 math ("reference": one document at a time), not through flex_attention,
+# which compiles once per padded length (~10 s each on the H200) and would be a second fast kernel under test
+FP32_MATH = {**PLAIN, "backend": "reference"}
 
 # Real widths and head layouts. `layers`: depth for the equivalence tests (the math is per layer; 4 layers keep the
 # fp32 references quick, so the whole GPU suite fits one process and one 10-minute call); None = the real depth
