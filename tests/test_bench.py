@@ -221,7 +221,7 @@ def test_host_events_name_what_stalled_a_step():
     import gc
 
     from hf_accel.bench.report import _slowest
-    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
+    from hf_accel.bench.train import RunSettings, Timing, run_loop
     from hf_accel.bench.workloads import WORKLOADS
 
     torch.manual_seed(0)

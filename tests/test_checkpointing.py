@@ -13,7 +13,7 @@ from hf_accel.memory.checkpointing import (EveryN, FullCheckpointing, NoCheckpoi
                                     applied_policy, decoder_layers, policy_from_spec, reapply_checkpointing)
 from hf_accel.memory.targets import _hf_enable_function
 from hf_accel.errors import ConfigurationError
-from hf_accel.memory.estimate import live_activation_bytes
+from hf_accel.memory.plan import live_activation_bytes
 
 # fp32 on CPU: recompute runs the same kernels on the same inputs, so only summation-order noise is allowed
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5

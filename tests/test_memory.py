@@ -14,10 +14,9 @@ import hf_accel
 from hf_accel.memory.budget import MemoryBudget
 from hf_accel.memory.checkpointing import decoder_layers
 from hf_accel.errors import ConfigurationError
-from hf_accel.memory.estimate import (KNOWN_SHAPES, LayerActivation, estimate_training_memory, loss_bytes,
-                             plan_checkpointing, plan_cost, plan_peak_bytes, probe_layer_activations,
-                             training_state_bytes)
-from hf_accel.memory.plan import probe_training_memory
+from hf_accel.memory.estimate import KNOWN_SHAPES, estimate_training_memory, loss_bytes, training_state_bytes
+from hf_accel.memory.plan import (LayerActivation, plan_checkpointing, plan_cost, plan_peak_bytes,
+                                  probe_layer_activations, probe_training_memory)
 
 # The formula counts the big per-token tensors a decoder layer saves for a flash-style kernel; HF's CPU reference
 # path adds or drops a few (Falcon's broadcast K/V and its seq x seq mask, layout copies), which for these tiny

@@ -13,10 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-# the probe and the planner live in checkpoint_plan; their names stay importable from here
-from .plan import (RECOMPUTE_COST, CheckpointPlan, LayerActivation, format_bytes,  # noqa: F401
-                              live_activation_bytes, parse_bytes, plan_checkpointing, plan_cost, plan_peak_bytes,
-                              probe_layer_activations)
+from .plan import LayerActivation, format_bytes, plan_checkpointing, plan_peak_bytes
 from ..errors import ConfigurationError
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
