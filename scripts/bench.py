@@ -86,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "first failure (OOM, timeout)")
     p.add_argument("--sweep-gpus", type=int, default=1,
                    help="long-context sweep: run over this many GPUs of the machine, one record (each free GPU "
-                        "takes the next length of the config with the fewest lengths measured; a config's lengths "
-                        "run in order, one at a time)")
+                        "takes the next length of the config with the fewest lengths measured, as one GPU does; a "
+                        "config's lengths run in order, one at a time)")
     p.add_argument("--doc-length", type=int, default=None, help=argparse.SUPPRESS)  # one length, in a child
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=0,
