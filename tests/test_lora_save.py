@@ -120,3 +120,21 @@ def test_empty_adapter_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="no tensors"):
         adapters.save_adapter(model, str(tmp_path / "a"), base_only)
     assert not (tmp_path / "a").exists()
+
+
+def test_share_tied_copies_only_aliases_equal_copies():
+    """A gathered state dict's tied head points at the embedding when the values are equal; a head that differs (the
+    tie broken in training) is kept as it is, and untied models' entries are never touched."""
+    from hf_accel.training.checkpoint_hooks import share_tied_copies
+
+    tied = dist_lora_save.build_tied()
+    gathered = {k: v.clone() for k, v in tied.state_dict().items()}
+    shared = share_tied_copies(tied, gathered)
+    assert shared["lm_head.weight"] is shared["model.embed_tokens.weight"]
+    assert gathered["lm_head.weight"] is not gathered["model.embed_tokens.weight"]  # the caller's dict is not changed
+    gathered["lm_head.weight"][0, 0] += 1.0
+    assert share_tied_copies(tied, gathered)["lm_head.weight"] is gathered["lm_head.weight"]
+    untied = dist_lora_save.tiny_models.make("llama-gqa")
+    state = {k: v.clone() for k, v in untied.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # equal values, but not tied in the model
+    assert share_tied_copies(untied, state)["lm_head.weight"] is state["lm_head.weight"]
