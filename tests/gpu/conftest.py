@@ -22,8 +22,12 @@ def free_cuda_memory_between_tests():
 
 
 def pytest_runtest_logreport(report):
-    """A failure's traceback written when it happens: a run cut by a device call's time limit still shows why each
-    finished test failed (pytest prints its summary only at the end; 2026-11-30 lost three failures that way)."""
+    """A failure's traceback, and each test's time, written when it happens: a run cut by a device call's time limit
+    still shows why each finished test failed and what took the time (pytest prints its summary and --durations only
+    at the end; 2026-11-30 lost three failures and the one-process suite's durations that way)."""
+    if report.when == "call" or (report.when == "setup" and report.duration > 1.0):
+        sys.stderr.write(f"[{report.when} {report.duration:.1f}s {report.outcome}] {report.nodeid}\n")
+        sys.stderr.flush()
     if report.failed:
         sys.stderr.write(f"\n[FAILED {report.when}] {report.nodeid}\n{report.longreprtext[-4000:]}\n")
         sys.stderr.flush()
