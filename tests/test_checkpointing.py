@@ -292,6 +292,20 @@ def test_trainer_budget_probes_the_runs_micro_batch(tmp_path):
                                                                               checkpointing="budget:1GiB"))
     assert applied_policy(model2).batch_tokens == 20 + 14  # packing, 2 examples: the two longest
     assert VOCAB and trainer.patch_report.checkpointing.startswith("memory budget")
+    # one micro-batch per optimizer step: transformers frees the gradients before each forward, and the plan knows
+    assert budget.grads_freed is True and applied_policy(model2).grads_freed is True
+    assert budget.plan.freed_grad_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    accumulating = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                                  gradient_accumulation_steps=2, max_steps=1, report_to="none",
+                                                  use_cpu=True, save_strategy="no")
+    model3 = make("llama-gqa").train()
+    Trainer(model=model3, args=accumulating, train_dataset=data,
+            accel=AccelArguments(backend="reference", checkpointing="budget:1GiB"))
+    assert applied_policy(model3).grads_freed is False and applied_policy(model3).plan.freed_grad_bytes is None
+    model4 = make("llama-gqa").train()  # a user's explicit choice stands
+    Trainer(model=model4, args=args, train_dataset=data,
+            accel=AccelArguments(backend="reference", checkpointing=MemoryBudget(budget="1GiB", grads_freed=False)))
+    assert applied_policy(model4).grads_freed is False
 
 
 @pytest.mark.slow

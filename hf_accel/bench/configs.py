@@ -206,6 +206,8 @@ def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timi
     policy = policy_from_spec(spec)
     if isinstance(policy, MemoryBudget) and policy.sample_batch is None:
         policy.batch_tokens = tokens_per_step
+    if isinstance(policy, MemoryBudget) and policy.grads_freed is None:
+        policy.grads_freed = True  # the bench loop: one micro-batch per step, zero_grad(set_to_none=True)
     policy.apply(model)
     timing.notes.append(f"checkpointing: {policy.describe()}")
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .plan import LayerActivation, format_bytes, plan_checkpointing, plan_peak_bytes
+from .plan import GradientBytes, LayerActivation, format_bytes, plan_checkpointing, plan_peak_bytes
 from ..errors import ConfigurationError
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -28,14 +28,33 @@ def _optimizer_state_bytes(numel: int, elem_bytes: int, optimizer: str) -> int:
     return numel * per_param[optimizer]
 
 
-def training_state_bytes(model: nn.Module, optimizer: str = "adamw") -> int:
-    """Weights (all) + gradients and optimizer states (trainable parameters only) of a real model."""
+def training_state_bytes(model: nn.Module, optimizer: str = "adamw", grads: bool = True) -> int:
+    """Weights (all) + gradients (unless ``grads=False``) and optimizer states (trainable parameters only) of a real
+    model."""
     unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in unique)
     for p in unique:
         if p.requires_grad:
-            total += p.numel() * p.element_size() + _optimizer_state_bytes(p.numel(), p.element_size(), optimizer)
+            total += p.numel() * p.element_size() * grads + _optimizer_state_bytes(p.numel(), p.element_size(),
+                                                                                   optimizer)
     return total
+
+
+def gradient_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> GradientBytes:
+    """The trainable parameters' gradient bytes in each of ``layers`` (the probed decoder layers) and elsewhere."""
+    seen: set[int] = set()
+
+    def trainable_bytes(params) -> int:
+        total = 0
+        for p in params:
+            key = p.untyped_storage().data_ptr()
+            if p.requires_grad and key not in seen:
+                seen.add(key)
+                total += p.numel() * p.element_size()
+        return total
+
+    per_layer = tuple(trainable_bytes(layer.parameters()) for layer in layers)
+    return GradientBytes(per_layer=per_layer, other=trainable_bytes(model.parameters()))
 
 
 def loss_bytes(tokens: int, vocab_size: int, dtype_bytes: int) -> int:

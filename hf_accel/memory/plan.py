@@ -78,6 +78,7 @@ class CheckpointPlan:
     recompute_cost: float
     fits: bool
     host_bytes: int = 0  # offloaded layers' saved inputs, held in (pinned) host memory between forward and backward
+    freed_grad_bytes: int | None = None  # gradients freed before each forward (not in fixed_bytes); None: in it
 
     def table(self) -> str:
         full = [i for i, c in enumerate(self.choices) if c == "full"]
@@ -90,18 +91,49 @@ class CheckpointPlan:
             *([f"| offloaded checkpointing | {self.choices.count('offload')} layers, "
                f"{format_bytes(self.host_bytes)} of host memory |"] if "offload" in self.choices else []),
             f"| recompute (layer forwards) | {self.recompute_cost:.1f} |",
-            f"| fixed (params, grads, optimizer) | {format_bytes(self.fixed_bytes)} |",
+            *([f"| fixed (params, grads, optimizer) | {format_bytes(self.fixed_bytes)} |"]
+              if self.freed_grad_bytes is None else
+              [f"| fixed (params, optimizer) | {format_bytes(self.fixed_bytes)} |",
+               f"| gradients (freed before each forward) | {format_bytes(self.freed_grad_bytes)} |"]),
             f"| predicted peak | {format_bytes(self.predicted_peak_bytes)} |",
             f"| budget | {format_bytes(self.budget_bytes)}{'' if self.fits else ' (does NOT fit)'} |",
         ])
 
 
+@dataclass(frozen=True)
+class GradientBytes:
+    """Gradient bytes per decoder layer (in the order of the probed layers) and outside them (embeddings, head,
+    final norm), for a training loop that frees gradients before each forward (see ``plan_peak_bytes``)."""
+
+    per_layer: tuple[int, ...]
+    other: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.other
+
+
 def plan_peak_bytes(layers: Sequence[LayerActivation], choices: Sequence[str], fixed_bytes: int,
-                    extra_bytes: int = 0) -> int:
-    """Peak = fixed + every layer's retained activations + the largest one recomputed layer rebuilds in backward."""
-    retained = sum(layer.retained(c) for layer, c in zip(layers, choices))
-    rebuilt = max((layer.rebuilt(c) for layer, c in zip(layers, choices)), default=0)
-    return fixed_bytes + extra_bytes + retained + rebuilt
+                    extra_bytes: int = 0, grads: GradientBytes | None = None) -> int:
+    """Peak = fixed + every layer's retained activations + the largest one recomputed layer rebuilds in backward.
+
+    grads: the loop frees gradients before each forward (one micro-batch per optimizer step, ``zero_grad(
+    set_to_none=True)``), and ``fixed_bytes`` holds no gradients. Gradients then never meet the whole forward's
+    activations: backward makes them top layer first while it frees that layer's activations. The peak is the larger
+    of the forward's end (with the head's and embeddings' gradients, which the loss may make early) and each layer's
+    backward (the activations of the layers below, this layer's retained and rebuilt bytes, the gradients of this layer
+    and those above). Never above the figure without ``grads``, which counts every gradient on top of everything."""
+    retained = [layer.retained(c) for layer, c in zip(layers, choices)]
+    rebuilt = [layer.rebuilt(c) for layer, c in zip(layers, choices)]
+    forward_end = extra_bytes + sum(retained) + max(rebuilt, default=0)
+    if grads is None:
+        return fixed_bytes + forward_end
+    if len(grads.per_layer) != len(retained):
+        raise ValueError(f"{len(grads.per_layer)} layers of gradient bytes for {len(retained)} probed layers")
+    below = list(itertools.accumulate(retained, initial=0))  # activations of the layers under layer j
+    above = list(itertools.accumulate(reversed(grads.per_layer), initial=0))[::-1]  # gradients of layers j and up
+    backward = max((below[j] + retained[j] + rebuilt[j] + above[j] for j in range(len(retained))), default=0)
+    return fixed_bytes + grads.other + max(forward_end, backward)
 
 
 def plan_cost(choices: Sequence[str], costs: dict[str, float] = RECOMPUTE_COST) -> float:
@@ -110,14 +142,15 @@ def plan_cost(choices: Sequence[str], costs: dict[str, float] = RECOMPUTE_COST) 
 
 def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, budget_bytes: int,
                        extra_bytes: int = 0, modes: Sequence[str] = DEVICE_MODES,
-                       costs: dict[str, float] = RECOMPUTE_COST) -> CheckpointPlan:
+                       costs: dict[str, float] = RECOMPUTE_COST, grads: GradientBytes | None = None) -> CheckpointPlan:
     """The least-recompute per-layer choice whose predicted peak fits `budget_bytes` (pure function, exact).
 
     For each cap on the bytes one recomputed layer rebuilds, a knapsack over layers (cost in tenths of a layer
     forward) finds the least retained memory per total cost; the cheapest fitting plan wins, ties to the lower
     peak. When nothing fits, the plan with the lowest peak is returned with fits=False. `modes`: the choices to
     consider (add "offload" to let layers keep their input in host memory). `costs`: recompute per choice, in layer
-    forwards (RECOMPUTE_COST_COMPILED where the layers are compiled).
+    forwards (RECOMPUTE_COST_COMPILED where the layers are compiled). `grads`: gradients freed before each forward
+    (see plan_peak_bytes; `fixed_bytes` then holds none).
     """
     units = {c: round(costs[c] * 10) for c in modes}
     caps = sorted({layer.rebuilt(c) for layer in layers for c in units})
@@ -135,16 +168,16 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
                         grown[cost + unit] = entry
             table = grown
         for cost, (_, choices) in table.items():
-            peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
+            peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes, grads)
             if peak <= budget_bytes and (best_fit is None or (cost, peak) < best_fit[:2]):
                 best_fit = (cost, peak, choices)
             if best_any is None or (peak, cost) < best_any[:2]:
                 best_any = (peak, cost, choices)
     choices = best_fit[2] if best_fit else best_any[2]
-    peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes)
+    peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes, grads)
     host = sum(layer.full_bytes for layer, c in zip(layers, choices) if c == "offload")
     return CheckpointPlan(tuple(choices), peak, budget_bytes, fixed_bytes, plan_cost(choices, costs),
-                          best_fit is not None, host)
+                          best_fit is not None, host, None if grads is None else grads.total)
 
 
 # ----------------------------------------------------------------------------------------------- measurement

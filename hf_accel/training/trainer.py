@@ -175,6 +175,11 @@ class AccelMixin(CheckpointFilesMixin):
             tokens = self._micro_batch_tokens()
             if tokens:
                 policy.batch_tokens = tokens
+        if isinstance(policy, MemoryBudget) and policy.grads_freed is None:
+            # transformers' loop frees the gradients after each optimizer step (model.zero_grad(), set_to_none);
+            # with one micro-batch per step none exist during a forward. DeepSpeed keeps its own gradient buffers.
+            policy.grads_freed = (self.args.gradient_accumulation_steps == 1
+                                  and not getattr(self, "is_deepspeed_enabled", False))
         return policy
 
     def _micro_batch_tokens(self) -> int | None:
