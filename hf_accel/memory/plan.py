@@ -150,7 +150,9 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
     peak. When nothing fits, the plan with the lowest peak is returned with fits=False. `modes`: the choices to
     consider (add "offload" to let layers keep their input in host memory). `costs`: recompute per choice, in layer
     forwards (RECOMPUTE_COST_COMPILED where the layers are compiled). `grads`: gradients freed before each forward
-    (see plan_peak_bytes; `fixed_bytes` then holds none).
+    (see plan_peak_bytes; `fixed_bytes` then holds none). Each candidate's peak is then exact, but the candidates are
+    still the least-retained plans per cost, so the cheapest fitting plan is exact only while the forward's end is
+    the peak (a full fine-tune's usual case: the gradients of one layer are far below its activations).
     """
     units = {c: round(costs[c] * 10) for c in modes}
     caps = sorted({layer.rebuilt(c) for layer in layers for c in units})
