@@ -36,10 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory.targets import OP_LEVEL_ATTR, decoder_layers
+from ..memory.targets import CALL_SLOT as SLOT, OP_LEVEL_ATTR, decoder_layers
 from ..errors import BackendUnavailable
-
-SLOT = "_compiled_call_impl"  # what nn.Module.compile sets and nn.Module.__call__ prefers
 
 
 def _mark_dynamic(value: Any, seq_len: int) -> None:

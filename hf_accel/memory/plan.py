@@ -313,18 +313,17 @@ class _SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-_CALL_SLOT = "_compiled_call_impl"  # what nn.Module.__call__ prefers when set (torch.compile of a module, hf_accel's)
-
-
 def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module], params: set[int]) -> list[int]:
     """Per decoder layer, the bytes autograd saves when the layers run as bound (compiled ones through their graphs).
 
     Each layer's call slot is wrapped for the forward so saved tensors are attributed to the layer running (module
     hooks would run inside the compiled region); every slot is restored exactly afterwards.
     """
+    from .targets import CALL_SLOT
+
     counter = _SavedBytes(len(layers), params)
     missing = object()
-    previous = [layer.__dict__.get(_CALL_SLOT, missing) for layer in layers]
+    previous = [layer.__dict__.get(CALL_SLOT, missing) for layer in layers]
 
     def attributed(index: int, layer: nn.Module, call):
         def run(*args, **kwargs):
@@ -339,16 +338,16 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
     try:
         for i, (layer, call) in enumerate(zip(layers, previous)):
             layer.gradient_checkpointing = False
-            layer.__dict__[_CALL_SLOT] = attributed(i, layer, None if call is missing else call)
+            layer.__dict__[CALL_SLOT] = attributed(i, layer, None if call is missing else call)
         with torch.enable_grad(), counter.hooks():
             out = model(**batch)
         del out
     finally:
         for layer, call, flag in zip(layers, previous, flags):
             if call is missing:
-                layer.__dict__.pop(_CALL_SLOT, None)
+                layer.__dict__.pop(CALL_SLOT, None)
             else:
-                layer.__dict__[_CALL_SLOT] = call
+                layer.__dict__[CALL_SLOT] = call
             layer.gradient_checkpointing = flag
     return counter.saved
 

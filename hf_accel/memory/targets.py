@@ -50,6 +50,9 @@ def _as_packet(op) -> torch._ops.OpOverloadPacket:
 # Marks the checkpoint functions of op-level layers: compiled layers (hf_accel.fused.compiling) run eagerly under them, since
 # the selective-checkpoint policy must see every op.
 OP_LEVEL_ATTR = "_hf_accel_op_level"
+# The call slot nn.Module.__call__ prefers when set (what nn.Module.compile sets): hf_accel.fused.compiling binds
+# compiled layers there, and the memory probe (hf_accel.memory.plan) wraps it to attribute what a layer saves.
+CALL_SLOT = "_compiled_call_impl"
 
 
 def _op_level_context_fn(save_ops: frozenset) -> Callable:
