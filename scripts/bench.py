@@ -30,13 +30,16 @@ hf_accel/bench/flops.py (6*trainable + 4*frozen matmul params per token + causal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -53,7 +56,7 @@ import torch  # noqa: E402
 from hf_accel.bench import flops  # noqa: E402
 from hf_accel.bench.apart import child_env  # noqa: E402
 from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
-from hf_accel.bench.distributed import Rank, gather_ranks, launch_argv, run_group  # noqa: E402
+from hf_accel.bench.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
                                    scaling_table, versions, write_outputs)
@@ -294,13 +297,21 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         start = time.perf_counter()
+        length = {"doc_length": args.doc_length} if args.doc_length else {}
         try:
             proc = run_group(child_argv(args, name, out, nproc), env, timeout)
+        except RunStopped as stop:
+            return {"config": name, "status": f"stopped: bench.py got {stop} after "
+                    f"{time.perf_counter() - start:.0f}s of this configuration", **extra, **length}
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-2000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return {"config": name, "status": f"error: timeout after {timeout:.0f}s", "log_tail": tail, **extra,
-                    **({"doc_length": args.doc_length} if args.doc_length else {})}
+            if timeout < args.config_timeout:  # the run's time budget had less left than a configuration may take
+                status = (f"skipped: time budget exhausted (the {timeout:.0f}s left of it ran out before the "
+                          f"configuration finished; it may take {args.config_timeout:.0f}s)")
+            else:
+                status = f"error: timeout after {timeout:.0f}s"
+            return {"config": name, "status": status, "log_tail": tail, **extra, **length}
         result = json.loads(out.read_text()) if out.exists() else {
             "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)"}
         result.update(extra)
@@ -322,14 +333,50 @@ def main(argv: list[str] | None = None) -> int:
         child_main(args)
         return 0
     workload, opts, start = WORKLOADS[args.workload], options(args), time.perf_counter()
-    if args.doc_lengths:
-        return long_context_main(args, argv, workload, opts, start)
+    with stop_on_signals():
+        if args.doc_lengths:
+            return long_context_main(args, argv, workload, opts, start)
+        return sweep_main(args, argv, workload, opts, start)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGTERM / SIGINT (an outer `timeout`, Ctrl-C) stop the run instead of killing bench.py: the running children
+    are killed with their process groups, what is left is recorded as skipped, the record is written and bench.py
+    exits with 128 + the signal's number (see ChildGroups)."""
+    def handler(signum, frame):
+        CHILDREN.stop(signal.Signals(signum).name)
+
+    CHILDREN.reset()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def exit_code() -> int:
+    """0, or 128 + the number of the signal that stopped the run (as a shell reports a signal's end)."""
+    return 0 if CHILDREN.stopped_by is None else 128 + signal.Signals[CHILDREN.stopped_by].value
+
+
+def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Options, start: float) -> int:
+    """Each configuration (at each --nproc count) in its own process, one after another, then the table."""
     results = []
     for nproc in args.nproc or [None]:
         for name in args.configs:
             reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts) or \
                 launch_unmet(args, name, nproc)
             remaining = args.time_budget - (time.perf_counter() - start)
+            if reason is None and CHILDREN.stopped_by is not None:
+                reason = f"the run was stopped ({CHILDREN.stopped_by})"
             if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
                 reason = f"time budget exhausted ({args.time_budget:.0f}s)"
             if reason:
@@ -359,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer": "torch.optim.AdamW(fused=True), lr 1e-5", "peak_flops": peak(args),
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
+        **({"stopped_by": CHILDREN.stopped_by} if CHILDREN.stopped_by else {}),
     }
     if args.nproc:
         record.update(nproc=args.nproc, accelerate_config=args.accelerate_config)
@@ -367,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, md_path = write_outputs(args.out, stem, record, table)
     print(f"[bench] wrote {json_path} and {md_path}", flush=True)
     print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
-    return 0
+    return exit_code()
 
 
 def launch_unmet(args: argparse.Namespace, name: str, nproc: int | None) -> str | None:
@@ -402,6 +450,8 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
         length = lengths[len(done[name])]
         reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
         remaining = args.time_budget - (time.perf_counter() - start)
+        if reason is None and CHILDREN.stopped_by is not None:
+            reason = f"the run was stopped ({CHILDREN.stopped_by})"
         if reason is None and failed[name] is not None:
             reason = f"{failed[name]} at a shorter length"
         if reason is None and remaining < MIN_CONFIG_SECONDS[args.tiny]:
@@ -411,8 +461,9 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
         else:
             result = run_one(argparse.Namespace(**{**vars(args), "doc_length": length}), name,
                              min(args.config_timeout, remaining), gpu=gpu)
-            if not str(result.get("status", "")).startswith("ok"):
-                failed[name] = "OOM" if result["status"] == "OOM" else "failed"
+            status = str(result.get("status", ""))
+            if not status.startswith(("ok", "skipped", "stopped")):  # did not train (not: ran out of time)
+                failed[name] = "OOM" if status == "OOM" else "failed"
         done[name].append(result)
         where = f" (GPU {gpu})" if gpu is not None else ""
         print(f"[bench] {args.workload} {name} @ {length}{where}: {result['status']}", flush=True)
@@ -422,8 +473,6 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
     # out cuts every config's longest lengths, not a whole config queued behind another (2026-11-30 14:30, one GPU:
     # TRL and HF sdpa took the whole budget and hf_accel measured nothing). --sweep-gpus N: configs side by side, one
     # record (the same run).
-    import threading
-
     lock = threading.Lock()
     running: set[str] = set()
     errors: list[BaseException] = []
@@ -467,12 +516,13 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
         "data": {"doc_lengths": lengths, "docs_per_step": 1}, "peak_flops": peak(args),
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
+        **({"stopped_by": CHILDREN.stopped_by} if CHILDREN.stopped_by else {}),
     }
     stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{now:%Y-%m-%dT%H%M%S}"
     json_path, md_path = write_outputs(args.out, stem, record, table)
     print(f"[bench] wrote {json_path} and {md_path}", flush=True)
     print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
-    return 0
+    return exit_code()
 
 
 if __name__ == "__main__":

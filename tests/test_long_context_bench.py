@@ -115,9 +115,72 @@ def test_run_one_pins_its_child_to_one_gpu(monkeypatch):
     args = bench.parse_args(["--workload", "llama-1b-long", "--configs", "hf_accel-best", "--doc-lengths", "32",
                              "--device", "cpu", "--tiny"])
     args.doc_length = 32
-    result = bench.run_one(args, "hf_accel-best", 1.0, gpu=1)
+    result = bench.run_one(args, "hf_accel-best", args.config_timeout, gpu=1)
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "5"  # the machine's second visible GPU
     assert result["gpu"] == 1 and result["doc_length"] == 32 and result["status"].startswith("error: timeout")
+
+
+def test_a_timeout_the_time_budget_shortened_is_no_failure(monkeypatch, tmp_path):
+    """A configuration started with less of the run's time budget left than it may take, and cut when that ran out,
+    did not fail at that length: it is recorded as skipped for time (2026-11-30 16:10, Unsloth at 128k was cut after
+    the budget's last 123 s and the table said "error: timeout", so its longest length read as 64k)."""
+    bench = script_module("bench")
+
+    def slow(argv, env, timeout):
+        raise subprocess.TimeoutExpired(argv, timeout)
+
+    monkeypatch.setattr(bench, "run_group", slow)
+    args = bench.parse_args(["--workload", "llama-1b-long", "--configs", "hf_accel-best", "--doc-lengths", "32",
+                             "--device", "cpu", "--tiny", "--config-timeout", "400"])
+    args.doc_length = 32
+    cut = bench.run_one(args, "hf_accel-best", 123.0)
+    assert cut["status"].startswith("skipped: time budget exhausted") and "123s" in cut["status"]
+    assert bench.run_one(args, "hf_accel-best", 400.0)["status"] == "error: timeout after 400s"
+
+
+@pytest.mark.parametrize("long_context", [True, False], ids=["long-context", "workload"])
+def test_sigterm_stops_the_run_kills_the_child_and_writes_the_record(monkeypatch, tmp_path, long_context):
+    """An outer `timeout` (SIGTERM) while a configuration runs: its child's process group is killed (it runs in its
+    own session, out of reach of a signal to bench.py's group), every result so far and the rest as skipped are
+    written, and bench.py exits 143 (2026-11-30 16:30: a device call's outer timeout ended bench.py mid-run; no record
+    was written and the child was left training)."""
+    import signal
+    import threading
+    import time
+
+    from hf_accel.bench.distributed import CHILDREN
+
+    bench = script_module("bench")
+    monkeypatch.setattr(bench, "CONFIGS", {n: dataclasses.replace(bench.CONFIGS["hf_accel-best"], name=n)
+                                           for n in ("a", "b")})
+    monkeypatch.setattr(bench, "child_argv", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(120)"])
+    seen = {}
+
+    def send_sigterm_once_the_child_runs():
+        deadline = time.monotonic() + 60
+        while not CHILDREN._running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["pid"] = next(iter(CHILDREN._running)).pid
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=send_sigterm_once_the_child_runs)
+    sender.start()
+    workload = ["--workload", "llama-1b-long", "--doc-lengths", "32,64"] if long_context else ["--workload", "llama-1b"]
+    before = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    code = bench.main([*workload, "--configs", "a,b", "--device", "cpu", "--tiny", "--config-timeout", "100",
+                       "--time-budget", "200", "--out", str(tmp_path)])
+    sender.join()
+    assert code == 128 + signal.SIGTERM.value and time.monotonic() - started < 60
+    with pytest.raises(ProcessLookupError):
+        os.kill(seen["pid"], 0)  # the child is gone (and reaped)
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert record["stopped_by"] == "SIGTERM"
+    statuses = [r["status"] for r in record["results"]]
+    assert statuses[0].startswith("stopped: bench.py got SIGTERM")
+    assert statuses[1:] and all(s == "skipped: the run was stopped (SIGTERM)" for s in statuses[1:])
+    assert signal.getsignal(signal.SIGTERM) is before and CHILDREN._running == set()  # handlers restored
 
 
 def test_child_records_cuda_oom_as_oom(monkeypatch, tmp_path):

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,17 +58,76 @@ def launch_argv(accelerate_config: Path, nproc: int, script_argv: list[str]) -> 
             "--num_processes", str(nproc), "--main_process_port", str(free_port()), *script_argv]
 
 
+class ChildGroups:
+    """The process groups `run_group` has running, and whether the run was stopped from outside.
+
+    Each child runs in its own session (so that a timeout can kill a launcher with all its ranks), which also puts it
+    out of reach of a signal sent to bench.py's own process group: `timeout 500 python scripts/bench.py ...` would end
+    bench.py and leave its child training on the GPU (2026-11-30 16:30: a device call's outer `timeout` ended bench.py
+    mid-configuration and no record was written). `stop` kills every running group and marks the run stopped; bench.py
+    calls it from its SIGTERM / SIGINT handler, records what it has and exits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self.stopped_by: str | None = None  # the signal's name once stopped
+
+    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with self._lock:
+            if self.stopped_by is not None:
+                raise RunStopped(self.stopped_by)
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                    start_new_session=True)
+            self._running.add(proc)
+        if self.stopped_by is not None:  # the signal came while Popen ran, before the group was known
+            _kill_group(proc)
+        return proc
+
+    def reset(self) -> None:
+        """A new run (bench.main called again in one process, as the tests do)."""
+        self.stopped_by = None
+
+    def finished(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.discard(proc)
+
+    def stop(self, reason: str) -> None:
+        """Mark the run stopped and kill every running group (safe to call from a signal handler: no waiting)."""
+        self.stopped_by = self.stopped_by or reason
+        for proc in list(self._running):
+            _kill_group(proc)
+
+
+class RunStopped(RuntimeError):
+    """The run was stopped (a signal to bench.py) before or while this child ran."""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+CHILDREN = ChildGroups()
+
+
 def run_group(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run `argv` in its own process group; on a timeout kill the whole group (launcher and every rank) and raise
-    subprocess.TimeoutExpired carrying the captured stderr."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    subprocess.TimeoutExpired carrying the captured stderr. Raises RunStopped when `CHILDREN.stop` ended the run
+    (before the start or during it: the group is killed either way)."""
+    proc = CHILDREN.start(argv, env)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from exc
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            _kill_group(proc)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from exc
+    finally:
+        CHILDREN.finished(proc)
+    if CHILDREN.stopped_by is not None:
+        raise RunStopped(CHILDREN.stopped_by)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
