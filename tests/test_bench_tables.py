@@ -223,3 +223,31 @@ def test_long_context_cell_a_later_run_had_no_time_for_keeps_its_earlier_result(
     assert "| OOM | 128 |" in long_context_region(build_index(tmp_path), "w-long")
     # long-context runs have their own table: never a workload's current (headline) run
     assert not any(run.get("current") for run in index["runs"])
+
+
+def test_a_timeout_the_time_budget_shortened_reads_as_skipped_not_failed(tmp_path):
+    """Records written before bench.py told the two apart (2026-11-30 16:10: Unsloth's 128k started with 123 s of the
+    budget left, was cut, and was recorded as "error: timeout after 123s" with --config-timeout 400): the index reads a
+    timeout shorter than the run's --config-timeout as the budget's cut, so an earlier result of that length stays and
+    the cell is no failure; a timeout at the full --config-timeout stays an error."""
+    from hf_accel.bench.tables import long_context_region
+
+    _write(tmp_path, "l1.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
+        _result("unsloth", 30.0, 40.0, doc_length=128)]))
+    cut = _record("w-long", "2026-01-06T10:00:00+00:00", [
+        _result("unsloth", 90.0, 20.0, doc_length=64),
+        _result("unsloth", None, status="error: timeout after 123s", doc_length=128),
+        _result("unsloth", None, status="skipped: failed at a shorter length", doc_length=256),
+        _result("trl", 95.0, 20.0, doc_length=64),
+        _result("trl", None, status="error: timeout after 400s", doc_length=128)])
+    cut["args"]["config_timeout"] = "400"
+    _write(tmp_path, "l2.json", cut)
+    index = build_index(tmp_path)
+    statuses = {(r["config"], r.get("doc_length")): r["status"] for run in index["runs"] for r in run["configs"]}
+    assert statuses[("unsloth", 128)] == "skipped: time budget exhausted after 123s"
+    assert statuses[("unsloth", 256)] == "skipped: time budget exhausted"  # not a failure either
+    assert statuses[("trl", 128)] == "error: timeout after 400s"
+    region = long_context_region(index, "w-long")
+    assert ("| `unsloth` | 90 tokens/s, - MFU, 20.0 GiB | 30 tokens/s, - MFU, 40.0 GiB (2026-01-05 10:00 UTC run) | "
+            "skipped: time budget exhausted | 128 |") in region
+    assert "| `trl` | 95 tokens/s, - MFU, 20.0 GiB | error: timeout after 400s | not run | 64 |" in region

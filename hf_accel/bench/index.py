@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any, Iterable
@@ -68,9 +69,28 @@ def reconstructed_command(args: dict[str, str]) -> str:
     return shlex.join(argv)
 
 
-def _row(result: dict[str, Any]) -> dict[str, Any]:
+_TIMEOUT = re.compile(r"error: timeout after (\d+)s$")
+
+
+def _status(result: dict[str, Any], config_timeout: float | None) -> str:
+    """The result's status; a timeout shorter than the run's --config-timeout reads as the time budget's cut.
+
+    bench.py gives a configuration the smaller of --config-timeout and what is left of --time-budget; until
+    2026-11-30 16:35 it recorded a cut by the budget as "error: timeout after Ns", as if that length had failed
+    (bench.py now records it as skipped). Records keep what was written; the index reads such a status for what it
+    was."""
+    status = str(result.get("status", "?")).splitlines()[0][:200]
+    cut = _TIMEOUT.match(status)
+    if cut and config_timeout is not None and float(cut[1]) < config_timeout:
+        return f"skipped: time budget exhausted after {cut[1]}s"
+    return status
+
+
+def _row(result: dict[str, Any], config_timeout: float | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"config": result.get("config", "?"), "role": role(result.get("config", "?")),
-                           "status": str(result.get("status", "?")).splitlines()[0][:200]}
+                           "status": _status(result, config_timeout)}
+    if row["status"] != str(result.get("status", "?")).splitlines()[0][:200]:
+        row["recorded_status"] = str(result["status"])
     for key in ROW_FIELDS:
         value = result.get(key)
         if value is not None:
@@ -86,6 +106,27 @@ def _row(result: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's rows; in a long-context sweep, a length the old bench.py skipped as "failed at a shorter length"
+    after a cut by the time budget reads as skipped for time, as the cut itself does (see `_status`)."""
+    rows, cut_configs = [], set()
+    for result in record["results"]:
+        row = _row(result, _float(record["args"].get("config_timeout")))
+        if row["status"] == "skipped: failed at a shorter length" and row["config"] in cut_configs:
+            row.update(status="skipped: time budget exhausted", recorded_status=result["status"])
+        if row["status"].startswith("skipped: time budget exhausted after"):
+            cut_configs.add(row["config"])
+        rows.append(row)
+    return rows
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def entry(record: dict[str, Any], file: str) -> dict[str, Any]:
     """The index entry of one bench.py record stored as `file` (a name under benchmarks/results/)."""
     versions = record.get("versions") or {}
@@ -99,7 +140,7 @@ def entry(record: dict[str, Any], file: str) -> dict[str, Any]:
         "versions": {k: versions[k] for k in ("torch", "transformers", "trl", "peft", "liger-kernel", "flash-attn-4",
                                               "hf_accel_commit") if versions.get(k)},
         "current": False,
-        "configs": [_row(r) for r in record["results"]],
+        "configs": _rows(record),
     }
     return {k: v for k, v in out.items() if v is not None}
 

@@ -224,7 +224,8 @@ def long_context_region(index: dict[str, Any], workload: str) -> str:
         for row in run["configs"]:
             newest[row["config"]] = run
             n = row.get("doc_length")
-            if n and (_attempted(row) or n not in cells.get(row["config"], {})):
+            earlier = cells.get(row["config"], {}).get(n)
+            if n and (earlier is None or _attempted(row) or not _attempted(earlier[0])):
                 cells.setdefault(row["config"], {})[n] = (row, run)
     used = [run for run in runs if any(r is run for c in cells.values() for _, r in c.values())]
     lengths = sorted({n for c in cells.values() for n in c})
