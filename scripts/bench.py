@@ -301,13 +301,13 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
         try:
             proc = run_group(child_argv(args, name, out, nproc), env, timeout)
         except RunStopped as stop:
-            return {"config": name, "status": f"stopped: bench.py got {stop} after "
+            return {"config": name, "status": f"skipped: the run was stopped ({stop}) after "
                     f"{time.perf_counter() - start:.0f}s of this configuration", **extra, **length}
         except subprocess.TimeoutExpired as exc:
             tail = (exc.stderr or b"")[-2000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
             if timeout < args.config_timeout:  # the run's time budget had less left than a configuration may take
-                status = f"skipped: time budget exhausted after {timeout:.0f}s"  # of the --config-timeout's
+                status = f"skipped: time budget exhausted after {timeout:.0f}s"
             else:
                 status = f"error: timeout after {timeout:.0f}s"
             return {"config": name, "status": status, "log_tail": tail, **extra, **length}
@@ -461,7 +461,7 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
             result = run_one(argparse.Namespace(**{**vars(args), "doc_length": length}), name,
                              min(args.config_timeout, remaining), gpu=gpu)
             status = str(result.get("status", ""))
-            if not status.startswith(("ok", "skipped", "stopped")):  # did not train (not: ran out of time)
+            if not status.startswith(("ok", "skipped")):  # did not train (not: time ran out, or the run stopped)
                 failed[name] = "OOM" if status == "OOM" else "failed"
         done[name].append(result)
         where = f" (GPU {gpu})" if gpu is not None else ""

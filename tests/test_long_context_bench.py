@@ -178,7 +178,7 @@ def test_sigterm_stops_the_run_kills_the_child_and_writes_the_record(monkeypatch
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert record["stopped_by"] == "SIGTERM"
     statuses = [r["status"] for r in record["results"]]
-    assert statuses[0].startswith("stopped: bench.py got SIGTERM")
+    assert statuses[0].startswith("skipped: the run was stopped (SIGTERM) after")
     assert statuses[1:] and all(s == "skipped: the run was stopped (SIGTERM)" for s in statuses[1:])
     assert signal.getsignal(signal.SIGTERM) is before and CHILDREN._running == set()  # handlers restored
 

@@ -72,14 +72,13 @@ def reconstructed_command(args: dict[str, str]) -> str:
 _TIMEOUT = re.compile(r"error: timeout after (\d+)s$")
 
 
-def _status(result: dict[str, Any], config_timeout: float | None) -> str:
-    """The result's status; a timeout shorter than the run's --config-timeout reads as the time budget's cut.
+def _status(status: str, config_timeout: float | None) -> str:
+    """A result's status; a timeout shorter than the run's --config-timeout reads as the time budget's cut.
 
     bench.py gives a configuration the smaller of --config-timeout and what is left of --time-budget; until
     2026-11-30 16:35 it recorded a cut by the budget as "error: timeout after Ns", as if that length had failed
     (bench.py now records it as skipped). Records keep what was written; the index reads such a status for what it
     was."""
-    status = str(result.get("status", "?")).splitlines()[0][:200]
     cut = _TIMEOUT.match(status)
     if cut and config_timeout is not None and float(cut[1]) < config_timeout:
         return f"skipped: time budget exhausted after {cut[1]}s"
@@ -87,10 +86,11 @@ def _status(result: dict[str, Any], config_timeout: float | None) -> str:
 
 
 def _row(result: dict[str, Any], config_timeout: float | None = None) -> dict[str, Any]:
+    recorded = str(result.get("status", "?")).splitlines()[0][:200]
     row: dict[str, Any] = {"config": result.get("config", "?"), "role": role(result.get("config", "?")),
-                           "status": _status(result, config_timeout)}
-    if row["status"] != str(result.get("status", "?")).splitlines()[0][:200]:
-        row["recorded_status"] = str(result["status"])
+                           "status": _status(recorded, config_timeout)}
+    if row["status"] != recorded:
+        row["recorded_status"] = recorded
     for key in ROW_FIELDS:
         value = result.get(key)
         if value is not None:
