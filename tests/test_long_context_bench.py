@@ -138,8 +138,8 @@ def test_a_timeout_the_time_budget_shortened_is_no_failure(monkeypatch, tmp_path
     assert bench.run_one(args, "hf_accel-best", 400.0)["status"] == "error: timeout after 400s"
 
 
-@pytest.mark.parametrize("long_context", [True, False], ids=["long-context", "workload"])
-def test_sigterm_stops_the_run_kills_the_child_and_writes_the_record(monkeypatch, tmp_path, long_context):
+@pytest.mark.parametrize("mode", ["long-context", "long-context-2-gpus", "workload"])
+def test_sigterm_stops_the_run_kills_the_child_and_writes_the_record(monkeypatch, tmp_path, mode):
     """An outer `timeout` (SIGTERM) while a configuration runs: its child's process group is killed (it runs in its
     own session, out of reach of a signal to bench.py's group), every result so far and the rest as skipped are
     written, and bench.py exits 143 (2026-11-30 16:30: a device call's outer timeout ended bench.py mid-run; no record
@@ -157,29 +157,35 @@ def test_sigterm_stops_the_run_kills_the_child_and_writes_the_record(monkeypatch
     seen = {}
 
     def send_sigterm_once_the_child_runs():
-        deadline = time.monotonic() + 60
-        while not CHILDREN._running and time.monotonic() < deadline:
+        deadline, running = time.monotonic() + 60, 2 if mode == "long-context-2-gpus" else 1
+        while len(CHILDREN._running) < running and time.monotonic() < deadline:
             time.sleep(0.05)
-        seen["pid"] = next(iter(CHILDREN._running)).pid
-        time.sleep(0.5)
+        seen["pids"] = [proc.pid for proc in CHILDREN._running]
+        time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGTERM)
 
     sender = threading.Thread(target=send_sigterm_once_the_child_runs)
     sender.start()
-    workload = ["--workload", "llama-1b-long", "--doc-lengths", "32,64"] if long_context else ["--workload", "llama-1b"]
+    workload = {"long-context": ["--workload", "llama-1b-long", "--doc-lengths", "32,64"],
+                "long-context-2-gpus": ["--workload", "llama-1b-long", "--doc-lengths", "32,64", "--sweep-gpus", "2"],
+                "workload": ["--workload", "llama-1b"]}[mode]
     before = signal.getsignal(signal.SIGTERM)
     started = time.monotonic()
     code = bench.main([*workload, "--configs", "a,b", "--device", "cpu", "--tiny", "--config-timeout", "100",
                        "--time-budget", "200", "--out", str(tmp_path)])
     sender.join()
     assert code == 128 + signal.SIGTERM.value and time.monotonic() - started < 60
-    with pytest.raises(ProcessLookupError):
-        os.kill(seen["pid"], 0)  # the child is gone (and reaped)
+    assert len(seen["pids"]) == (2 if mode == "long-context-2-gpus" else 1)
+    for pid in seen["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the child is gone (and reaped)
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert record["stopped_by"] == "SIGTERM"
     statuses = [r["status"] for r in record["results"]]
-    assert statuses[0].startswith("skipped: the run was stopped (SIGTERM) after")
-    assert statuses[1:] and all(s == "skipped: the run was stopped (SIGTERM)" for s in statuses[1:])
+    stopped = [s for s in statuses if s.startswith("skipped: the run was stopped (SIGTERM) after")]
+    assert len(stopped) == len(seen["pids"])  # the configurations that were running
+    assert len(statuses) == (4 if mode.startswith("long") else 2)  # every (config, length) has its row
+    assert all(s == "skipped: the run was stopped (SIGTERM)" for s in statuses if s not in stopped)
     assert signal.getsignal(signal.SIGTERM) is before and CHILDREN._running == set()  # handlers restored
 
 
