@@ -8,17 +8,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/tiny_models.py, tests/test_kernels.py
 
 
+GIB = 1024**3
+# What a test may leave allocated after it ends and the cleanup below ran: the workspaces libraries keep once created
+# (cuBLAS, kernel caches) are small; a model or its activations still referenced are gigabytes.
+RETAINED_LIMIT_GIB = 0.5
+_start_allocated: list[int] = []  # bytes allocated before the first test of the process
+
+
 @pytest.fixture(autouse=True)
-def free_cuda_memory_between_tests():
-    """`pytest -m gpu tests/gpu` in one process: each test starts with the memory earlier tests held released
-    (compiled graphs and their cached tensors, models in reference cycles, the allocator's cache)."""
+def free_cuda_memory_between_tests(request):
+    """`pytest -m gpu tests/gpu` in one process (issue 18e): each test starts with the memory earlier tests held
+    released (compiled graphs and their cached tensors, models in reference cycles, the allocator's cache), and a test
+    that leaves more than RETAINED_LIMIT_GIB allocated after that fails at teardown, naming the amount. So a suite run
+    in several processes (one device call cannot hold it all) still shows that no test passes on memory an earlier
+    one would hold in a single process (2026-11-29: one process held 133 GiB before the last test and it ran out)."""
+    cuda = torch.cuda.is_available()
+    if cuda and not _start_allocated:
+        _start_allocated.append(torch.cuda.memory_allocated())
     yield
     torch._dynamo.reset()
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    if not cuda:
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    retained = (torch.cuda.memory_allocated() - _start_allocated[0]) / GIB
+    if retained > 0.01:
+        sys.stderr.write(f"[retained {retained:.2f} GiB] {request.node.nodeid}\n")
+    assert retained <= RETAINED_LIMIT_GIB, (
+        f"{retained:.2f} GiB of CUDA memory is still allocated after the test ended, gc ran and dynamo was reset: "
+        f"something outlives the test (a module-level cache, a fixture, a global); in one process every later test "
+        f"would run without it")
 
 
 def pytest_runtest_logreport(report):
