@@ -157,3 +157,33 @@ def test_offload_uses_pinned_host_memory():
     offloaded = [h for h in hosts if hasattr(h, "host")]  # pack keeps small saved tensors on the device as they are
     assert len(offloaded) == model.config.num_hidden_layers  # each layer's input, once
     assert all(h.host.device.type == "cpu" and h.host.is_pinned() for h in offloaded)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mlp_chunks_match_unchunked_and_lower_the_peak(compiled):
+    """`patch(mlp_chunks=N)` on the GPU (bf16, one 32k-token document, full checkpointing, the fused loss so the
+    logits are not the peak): the unchunked model's loss and gradients within bf16 differences (a chunk's GEMMs may
+    round differently from the whole's) and within twice the unchunked run's own run-to-run noise, and a lower peak by
+    at least one whole (tokens x intermediate) tensor: the MLP intermediates exist one chunk at a time."""
+    tokens, chunk = 32768, 4096
+    base = _small_llama_32k().to(torch.bfloat16)
+    batch = _one_document(tokens, base.config.vocab_size)
+    results = {}
+    for name, chunks in (("off", False), ("off-again", False), ("chunked", chunk)):
+        model = copy.deepcopy(base)
+        report = hf_accel.patch(model, checkpointing="full", mlp_chunks=chunks,
+                                **{**PLAIN, "fused_ce": True, "compile": compiled})
+        step(model, batch)  # warm-up (compile, allocator)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss, grads = step(model, batch)
+        results[name] = (loss, grads, torch.cuda.max_memory_allocated() - before, str(report))
+        del model
+    loss_off, g_off, peak_off, _ = results["off"]
+    loss_chunked, g_chunked, peak_chunked, text = results["chunked"]
+    assert "mlp_chunks" in text and str(chunk) in text, text
+    noise = (results["off-again"][1] - g_off).abs().max().item()
+    assert abs(loss_chunked - loss_off) <= 1e-2 * abs(loss_off)
+    assert (g_chunked - g_off).abs().max().item() <= 2 * noise + 1e-2 * g_off.abs().max().item()
+    intermediate = tokens * base.config.intermediate_size * 2  # one bf16 (tokens x intermediate) tensor
+    assert peak_chunked <= peak_off - intermediate, (peak_chunked, peak_off, intermediate)
