@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -113,6 +114,31 @@ def test_patched_matches_unpatched_at_32k_tokens():
     assert_within_bf16(ours_step, low, ref, str(report.backend))
 
 
+class Measured(NamedTuple):
+    loss: float
+    grads: torch.Tensor
+    peak: int  # bytes allocated at the step's peak over what was allocated before it
+    policy: object  # the checkpoint policy applied
+    report: str  # the PatchReport, as printed
+
+
+def _measured_steps(base: torch.nn.Module, batch: dict, settings: dict[str, dict]) -> dict[str, Measured]:
+    """Per name, a copy of `base` patched with those settings: a warm-up step (compile, allocator), then one measured
+    step. Each copy is deleted before the next is built."""
+    results = {}
+    for name, kwargs in settings.items():
+        model = copy.deepcopy(base)
+        report = hf_accel.patch(model, **kwargs)
+        step(model, batch)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss, grads = step(model, batch)
+        results[name] = Measured(loss, grads, torch.cuda.max_memory_allocated() - before, applied_policy(model),
+                                 str(report))
+        del model
+    return results
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_offload_matches_full_checkpointing_and_frees_device_memory(compiled):
     """Offloaded vs full checkpointing, bf16, 16k tokens: the same loss, gradients within the run-to-run noise of full
@@ -120,20 +146,13 @@ def test_offload_matches_full_checkpointing_and_frees_device_memory(compiled):
     host memory, all but the first prefetched, and a lower peak by about the layer inputs' size."""
     tokens = 16384
     base = _small_llama_32k().to(torch.bfloat16)
-    batch = _one_document(tokens, base.config.vocab_size)
-    results = {}
-    for name in ("full", "full-again", "offload"):
-        model = copy.deepcopy(base)
-        hf_accel.patch(model, checkpointing=name.replace("-again", ""), **{**PLAIN, "compile": compiled})
-        step(model, batch)  # warm-up (compile, allocator)
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        loss, grads = step(model, batch)
-        results[name] = (loss, grads, torch.cuda.max_memory_allocated() - before, applied_policy(model))
-        del model
-    loss_full, g_full, peak_full, _ = results["full"]
-    loss_off, g_off, peak_off, policy = results["offload"]
-    noise = (results["full-again"][1] - g_full).abs().max().item()
+    settings = {**PLAIN, "compile": compiled}
+    results = _measured_steps(base, _one_document(tokens, base.config.vocab_size), {
+        "full": dict(settings, checkpointing="full"), "full-again": dict(settings, checkpointing="full"),
+        "offload": dict(settings, checkpointing="offload")})
+    loss_full, g_full, peak_full, _, _ = results["full"]
+    loss_off, g_off, peak_off, policy, _ = results["offload"]
+    noise = (results["full-again"].grads - g_full).abs().max().item()
     # compiled: the offload hooks may split the compiled graphs differently, so allow bf16-level differences
     floor = 1e-2 if compiled else 1e-6
     assert abs(loss_off - loss_full) <= floor * abs(loss_full)
@@ -167,22 +186,14 @@ def test_mlp_chunks_match_unchunked_and_lower_the_peak(compiled):
     at least one whole (tokens x intermediate) tensor: the MLP intermediates exist one chunk at a time."""
     tokens, chunk = 32768, 4096
     base = _small_llama_32k().to(torch.bfloat16)
-    batch = _one_document(tokens, base.config.vocab_size)
-    results = {}
-    for name, chunks in (("off", False), ("off-again", False), ("chunked", chunk)):
-        model = copy.deepcopy(base)
-        report = hf_accel.patch(model, checkpointing="full", mlp_chunks=chunks,
-                                **{**PLAIN, "fused_ce": True, "compile": compiled})
-        step(model, batch)  # warm-up (compile, allocator)
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        loss, grads = step(model, batch)
-        results[name] = (loss, grads, torch.cuda.max_memory_allocated() - before, str(report))
-        del model
-    loss_off, g_off, peak_off, _ = results["off"]
-    loss_chunked, g_chunked, peak_chunked, text = results["chunked"]
-    assert "mlp_chunks" in text and str(chunk) in text, text
-    noise = (results["off-again"][1] - g_off).abs().max().item()
+    settings = {**PLAIN, "fused_ce": True, "compile": compiled, "checkpointing": "full"}
+    results = _measured_steps(base, _one_document(tokens, base.config.vocab_size), {
+        "off": dict(settings, mlp_chunks=False), "off-again": dict(settings, mlp_chunks=False),
+        "chunked": dict(settings, mlp_chunks=chunk)})
+    loss_off, g_off, peak_off, _, _ = results["off"]
+    loss_chunked, g_chunked, peak_chunked, _, report = results["chunked"]
+    assert "mlp_chunks" in report and str(chunk) in report, report
+    noise = (results["off-again"].grads - g_off).abs().max().item()
     assert abs(loss_chunked - loss_off) <= 1e-2 * abs(loss_off)
     assert (g_chunked - g_off).abs().max().item() <= 2 * noise + 1e-2 * g_off.abs().max().item()
     intermediate = tokens * base.config.intermediate_size * 2  # one bf16 (tokens x intermediate) tensor
