@@ -361,8 +361,14 @@ def stop_on_signals():
             signal.signal(sig, old)
 
 
-def exit_code() -> int:
-    """0, or 128 + the number of the signal that stopped the run (as a shell reports a signal's end)."""
+def finish(args: argparse.Namespace, stem: str, record: dict, table: str) -> int:
+    """Write the run's record (with the signal that stopped it, if one did) and table, print the table last; returns
+    bench.py's exit code: 0, or 128 + the number of that signal (as a shell reports a signal's end)."""
+    if CHILDREN.stopped_by:
+        record["stopped_by"] = CHILDREN.stopped_by
+    json_path, md_path = write_outputs(args.out, stem, record, table)
+    print(f"[bench] wrote {json_path} and {md_path}", flush=True)
+    print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
     return 0 if CHILDREN.stopped_by is None else 128 + signal.Signals[CHILDREN.stopped_by].value
 
 
@@ -405,16 +411,12 @@ def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Option
         "optimizer": "torch.optim.AdamW(fused=True), lr 1e-5", "peak_flops": peak(args),
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
-        **({"stopped_by": CHILDREN.stopped_by} if CHILDREN.stopped_by else {}),
     }
     if args.nproc:
         record.update(nproc=args.nproc, accelerate_config=args.accelerate_config)
     nprocs = f"-nproc{'-'.join(map(str, args.nproc))}" if args.nproc else ""
     stem = f"{args.workload}{'-tiny' if args.tiny else ''}{nprocs}_{now:%Y-%m-%dT%H%M%S}"
-    json_path, md_path = write_outputs(args.out, stem, record, table)
-    print(f"[bench] wrote {json_path} and {md_path}", flush=True)
-    print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
-    return exit_code()
+    return finish(args, stem, record, table)
 
 
 def launch_unmet(args: argparse.Namespace, name: str, nproc: int | None) -> str | None:
@@ -515,13 +517,9 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
         "data": {"doc_lengths": lengths, "docs_per_step": 1}, "peak_flops": peak(args),
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
-        **({"stopped_by": CHILDREN.stopped_by} if CHILDREN.stopped_by else {}),
     }
     stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{now:%Y-%m-%dT%H%M%S}"
-    json_path, md_path = write_outputs(args.out, stem, record, table)
-    print(f"[bench] wrote {json_path} and {md_path}", flush=True)
-    print(f"\n## {args.workload} ({record['versions'].get('gpu') or args.device})\n\n{table}", flush=True)
-    return exit_code()
+    return finish(args, stem, record, table)
 
 
 if __name__ == "__main__":
