@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CPU smoke test)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 30; tiny 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed warmup steps (default 3; tiny 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed warmup steps (default 3; tiny 1); 0 times the first step too, compiles and all")
     p.add_argument("--step-time-budget", type=float, default=15.0, help="stop timing a config after this many s")
     p.add_argument("--time-budget", type=float, default=540.0, help="total seconds for all configs")
     p.add_argument("--config-timeout", type=float, default=200.0, help="seconds before a config is killed")
@@ -139,7 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(workload=preset.workload, configs=",".join(preset.configs), **preset.settings)
     args = p.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 30)
-    args.warmup = max(1, args.warmup if args.warmup is not None else 1 if args.tiny else 3)
+    args.warmup = args.warmup if args.warmup is not None else 1 if args.tiny else 3
+    if args.warmup < 0 or args.steps < 1:
+        p.error(f"--warmup must be >= 0 and --steps >= 1 (got {args.warmup} and {args.steps})")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
