@@ -23,8 +23,11 @@ STEPS = 20
 TOKENS_PER_BATCH = 4096  # per micro-batch: 2 x 20 steps need 40 bins; EXAMPLES digit rows give ~75
 EXAMPLES = 24000  # of the embedded digit task, ~13 tokens each
 LR = {"full": "1e-4", "lora": "1e-3"}  # 20 steps: enough for the loss to fall clearly, not enough to diverge
-LAUNCH_TIMEOUT_S = 300  # a small case takes ~30-60 s (start-up, compile); longer means a rank waits in a collective
-HANG_DUMP_S = "120"  # a rank still running after this prints every thread's stack (tests/dist_sft.py)
+# A small case takes ~30-60 s full fine-tune, ~70 s (1 GPU) to ~130 s (2 ranks compiling at once) with LoRA: inductor
+# compiles the LoRA layers' graphs in the first step (2×H200, tests/gpu/RESULTS.md run 15). Longer: a rank waits in a
+# collective.
+LAUNCH_TIMEOUT_S = 360
+HANG_DUMP_S = "200"  # a rank still running after this prints every thread's stack (tests/dist_sft.py)
 # Step 1: same weights, same samples, same kernels; only the order of the loss / gradient reductions differs:
 # within about one bf16 ulp (2**-8 = 3.9e-3).
 STEP1_RTOL = 4e-3
