@@ -184,6 +184,39 @@ def test_patch_fused_ce_equals_stock_loss_and_grads(variant):
     assert "forward" not in fused.__dict__
 
 
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch"])
+def test_patch_fused_ce_honours_shift_labels(variant):
+    """transformers' causal-LM loss takes pre-shifted ``shift_labels`` (what sequence parallelism's data loader
+    hands the model: labels sharded after the shift); it then scores position t against shift_labels[t] and uses
+    ``labels`` only as the switch that turns the loss on. The fused loss must do the same, not shift again."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hf_accel
+    from tiny_models import VOCAB, make
+
+    stock = make(variant).train()
+    fused = copy.deepcopy(stock)
+    hf_accel.patch(stock)
+    hf_accel.patch(fused, fused_ce=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, 17), generator=g)
+    shifted = torch.randint(0, VOCAB, (1, 17), generator=g)  # not ids shifted: the loss must follow this tensor
+    shifted[0, -1] = -100
+    shifted[0, 3] = -100
+    results = []
+    for model in (stock, fused):
+        out = model(input_ids=ids, labels=shifted, shift_labels=shifted)
+        out.loss.backward()
+        results.append((out.loss, {n: p.grad for n, p in model.named_parameters()}))
+    (stock_loss, stock_grads), (fused_loss, fused_grads) = results
+    torch.testing.assert_close(fused_loss, stock_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in stock_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_inline_without_grad_mode_is_the_plain_loss():
     """Evaluation with labels (no_grad) takes the loss-only pass: same value, and no gradient is computed."""
     hidden, labels = _data(3)

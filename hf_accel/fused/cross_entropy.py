@@ -193,6 +193,7 @@ def causal_lm_loss_from_hidden(
     labels: torch.Tensor,
     num_items_in_batch: int | torch.Tensor | None = None,
     *,
+    shift_labels: torch.Tensor | None = None,
     chunk_size: int | None = None,
     method: Method = "auto",
 ) -> torch.Tensor:
@@ -201,12 +202,17 @@ def causal_lm_loss_from_hidden(
     Shifts like transformers' `ForCausalLMLoss` (position t predicts label t+1; the last position of each row has no
     target), uses the model's output embedding module (works for PEFT models and tied heads), and returns mean over
     target tokens, or sum / num_items_in_batch. The labels move, not the hidden states: no copy of (B, S, H).
+    ``shift_labels`` (B, S), as transformers takes it: targets already aligned with the positions (position t
+    predicts shift_labels[t], e.g. a sequence-parallel shard's), used as they are; ``labels`` is then not read.
     """
     head = model.get_output_embeddings()
     if head is None:
         raise ConfigurationError(f"{type(model).__name__} has no output embeddings (lm_head); pass a causal-LM model.")
     hidden_nh = hidden_states.reshape(-1, hidden_states.shape[-1])
-    labels_n = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(hidden_states.device)
+    if shift_labels is not None:
+        labels_n = shift_labels.reshape(-1).to(hidden_states.device)
+    else:
+        labels_n = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(hidden_states.device)
     return linear_cross_entropy(
         hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, method=method
     )
@@ -233,10 +239,11 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return stock(*args, labels=labels, **kwargs)
         kwargs.pop("logits_to_keep", None)
+        shift_labels = kwargs.pop("shift_labels", None)  # transformers' loss kwarg: pre-shifted targets
         body = getattr(self, self.base_model_prefix)
         out = body(**kwargs)
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
-                                          chunk_size=chunk_size, method=method)
+                                          shift_labels=shift_labels, chunk_size=chunk_size, method=method)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
 
     # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.
