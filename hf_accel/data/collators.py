@@ -14,6 +14,7 @@ Nothing is dropped silently: every truncation, split, dropped empty or all-maske
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Mapping, Sequence
 
@@ -246,9 +247,23 @@ class DataCollatorForPacking(_BaseCollator):
             raise ConfigurationError(f"overflow={overflow!r}; allowed: 'error', 'truncate', 'split'.")
         self.max_tokens = max_tokens
         self.overflow = overflow
+        self.sp_size = 1  # sequence_parallel()
         self.fallback_to_padding = False
         if fallback_to_padding:
             self.use_padding("fallback_to_padding=True was passed")
+
+    def sequence_parallel(self, size: int) -> None:
+        """Emit what Ulysses sequence parallelism (DeepSpeed's ``UlyssesSPDataLoaderAdapter``) can shard: rows whose
+        length divides by ``size`` (the padding tail stays its own dummy document) and only (rows, length) tensors,
+        so no ``cu_seq_lens_*`` / ``max_length_*`` (the attention wrapper gathers ``position_ids`` instead)."""
+        if size < 1:
+            raise ConfigurationError(f"sequence parallel size {size}; use a positive int.")
+        if self.fallback_to_padding:
+            raise ConfigurationError("sequence parallelism needs packed rows; this collator emits padded ones "
+                                     "(an attention mask the Ulysses wrapper cannot shard)")
+        base = self.pad_to_multiple_of or 1
+        self.pad_to_multiple_of = base * size // math.gcd(base, size)
+        self.sp_size = size
 
     def use_padding(self, reason: str) -> None:
         """Switch to padded output (for backends without varlen support); logs ``reason`` once."""
@@ -315,10 +330,15 @@ class DataCollatorForPacking(_BaseCollator):
         self.stats.documents += len(docs)
         self.stats.real_tokens += sum(len(ids) for ids, _ in docs)
         self.stats.slots += len(rows) * seq_len
-        return {
+        rows_out = {
             "input_ids": torch.tensor(input_ids, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
             "position_ids": torch.tensor(position_ids, dtype=torch.long),
+        }
+        if self.sp_size > 1:
+            return rows_out
+        return {
+            **rows_out,
             "cu_seq_lens_q": cu_seq_lens,
             "cu_seq_lens_k": cu_seq_lens.clone(),
             "max_length_q": max_length,

@@ -109,6 +109,7 @@ class AccelMixin(CheckpointFilesMixin):
             logger.info("%s", self.patch_report)
         elif self._accel_applied_policy is not None:
             self._accel_applied_policy.apply(self.model)
+        self._accel_sequence_parallel()
         if self.accel.async_save and self.args.world_size > 1:
             raise ConfigurationError(
                 f"async_save=True with world_size={self.args.world_size}; background saves support one process only. "
@@ -126,6 +127,36 @@ class AccelMixin(CheckpointFilesMixin):
         self._saving_checkpoint = False
         self._meter: ThroughputMeter | None = None
         self.throughput_summary: dict[str, float] | None = None
+
+    def _accel_sequence_parallel(self) -> None:
+        """Ulysses sequence parallelism (accelerate ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``): DeepSpeed
+        wraps the attention function registered under ``sp_attn_implementation`` with its all-to-alls and requires that
+        name to be the model's own, so a patched model hands it hf_accel's (accelerate accepts only its built-in names
+        there, hence set after validation); our packing collator emits rows it can shard. Falcon's attention does not
+        go through transformers' AttentionInterface, so the wrapper would never run: refused instead of each rank
+        attending within its own shard."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        if config is None or getattr(config, "sp_backend", None) != "deepspeed" or not getattr(config, "sp_enabled",
+                                                                                                False):
+            return
+        model_type = getattr(getattr(self.model, "config", None), "model_type", None)
+        if model_type == "falcon":
+            raise ConfigurationError(
+                "sequence parallelism (sp_size > 1) wraps transformers' AttentionInterface, which Falcon's attention "
+                "does not call: each rank would attend only within its own shard of the sequence. Train Falcon "
+                "without sp_size, or a Llama / GPT-NeoX model with it.")
+        if self._own_collator:
+            if not hasattr(self.data_collator, "sequence_parallel"):
+                raise ConfigurationError(
+                    "sequence parallelism needs packed batches (AccelArguments(packing=True)): padded rows carry an "
+                    "attention mask that DeepSpeed's Ulysses wrapper does not shard.")
+            self.data_collator.sequence_parallel(config.sp_size)
+        attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if self.accel.patch and attn is not None:
+            if config.sp_handler.sp_attn_implementation not in (None, attn):
+                logger.info("hf_accel: sequence parallelism wraps hf_accel's attention (%r), not the configured %r",
+                            attn, config.sp_handler.sp_attn_implementation)
+            config.sp_handler.sp_attn_implementation = attn
 
     def _accel_check_explicit(self) -> None:
         """Explicit requests that cannot work raise here, before patching ("auto" stands down instead)."""

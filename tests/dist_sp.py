@@ -1,0 +1,56 @@
+"""hf_accel.Trainer for one process of a launch, with or without Ulysses sequence parallelism (``--sp N``: accelerate
+``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``), on a tiny Llama and a dataset of one repeated
+document, so that every optimizer step sees the same packed rows whatever the sampler's order: the per-step
+losses of a sequence-parallel run and of one process are then comparable step by step. Writes
+``<out>/losses.rank<R>.json``. Used by tests/test_sequence_parallel.py.
+"""
+import argparse
+import json
+import os
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sp", type=int, default=1)
+    p.add_argument("--out", required=True)
+    p.add_argument("--fused-ce", action="store_true")
+    args = p.parse_args()
+    from transformers import TrainingArguments
+
+    import hf_accel
+    from hf_accel.data.default_task import tiny_llama
+
+    model = tiny_llama(64, seed=0, hidden_size=64)
+    g = torch.Generator().manual_seed(0)
+    # one 20-token document, 24 times: every step packs three copies into one 60-token row (the token budget), whose
+    # two 30-token shards cut the middle copy in two, so attention must cross the shard boundary
+    doc = torch.randint(3, 64, (20,), generator=g).tolist()
+    rows = [{"input_ids": doc, "labels": doc} for _ in range(24)]
+    kw = {}
+    if args.sp > 1:
+        from accelerate import ParallelismConfig
+
+        kw["parallelism_config"] = ParallelismConfig(sp_backend="deepspeed", sp_size=args.sp)
+    training = TrainingArguments(
+        output_dir=args.out, max_steps=4, learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1,
+        report_to=[], save_strategy="no", per_device_train_batch_size=1, use_cpu=args.sp == 1, seed=0,
+        dataloader_num_workers=0, **kw)
+    accel = hf_accel.AccelArguments(max_tokens_per_batch=60, fused_ce=args.fused_ce, print_summary=False)
+    trainer = hf_accel.Trainer(model=model, args=training, train_dataset=rows, accel=accel)
+    trainer.train()
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    attn = model.config._attn_implementation
+    # what the model's attention name resolves to: hf_accel's function, or DeepSpeed's Ulysses wrapper around it
+    wrapper = getattr(ALL_ATTENTION_FUNCTIONS.get(attn), "__self__", ALL_ATTENTION_FUNCTIONS.get(attn))
+    with open(os.path.join(args.out, f"losses.rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump({"losses": losses, "attn": attn, "attn_function": type(wrapper).__name__
+                   if not callable(wrapper) or hasattr(wrapper, "__self__") else getattr(wrapper, "__qualname__",
+                                                                                          type(wrapper).__name__)}, f)
+
+
+if __name__ == "__main__":
+    main()
