@@ -119,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tr.add_argument("--batch-size", type=int, default=None, help="examples per micro-batch (without a token budget)")
     tr.add_argument("--grad-accum", type=int, default=1)
     tr.add_argument("--max-tokens-per-batch", type=int, default=None, help="token budget per packed micro-batch")
+    tr.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                    help="split each packed row's tokens over N processes (Ulysses: DeepSpeed's all-to-all around "
+                         "hf_accel's attention), for documents longer than one GPU holds; needs a DeepSpeed launch, "
+                         "e.g. accelerate launch --config_file examples/accelerate/deepspeed_zero3.yaml")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--bf16", action="store_true")
     tr.add_argument("--output-dir", default="sft-output")
@@ -164,6 +168,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.model and (args.smollm2 or args.model_shape):
         p.error("--model cannot be combined with --smollm2 or --model-shape")
+    if args.sequence_parallel < 1:
+        p.error(f"--sequence-parallel {args.sequence_parallel}: use 1 (off) or the number of processes per sequence")
+    if args.sequence_parallel > 1:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+            p.error(f"--sequence-parallel {args.sequence_parallel} runs on DeepSpeed: launch with `accelerate launch "
+                    f"--config_file examples/accelerate/deepspeed_zero3.yaml --num_processes "
+                    f"{args.sequence_parallel} scripts/sft.py ...` (this run was not launched that way)")
+        if world % args.sequence_parallel:
+            p.error(f"--sequence-parallel {args.sequence_parallel} must divide the {world} launched processes")
+        if not args.packing:
+            p.error("--sequence-parallel needs packed batches; drop --no-packing")
     return args
 
 
@@ -387,11 +403,24 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
         lr_scheduler_type="cosine", warmup_steps=min(30, max(1, max_steps // 10)) if max_steps > 0 else 0,
         weight_decay=0.0, logging_steps=args.logging_steps or (25 if tiny_default else 10),
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        bf16=args.bf16 or args.model_shape is not None, use_cpu=not torch.cuda.is_available(), seed=args.seed,
+        bf16=args.bf16 or args.model_shape is not None, seed=args.seed,
+        # use_cpu keeps accelerate from starting torch.distributed early, which DeepSpeed's sequence-parallel set-up
+        # needs before the engine exists (on CPU its launch runs on DeepSpeed's CPU accelerator instead)
+        use_cpu=not torch.cuda.is_available() and args.sequence_parallel == 1,
         report_to="none", dataloader_num_workers=0, disable_tqdm=True,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; finding unused ones costs a pass
         logging_nan_inf_filter=False,  # its check reads every step's loss back (a host sync); NaN shows in the log
+        **_sequence_parallel_config(args.sequence_parallel),
     )
+
+
+def _sequence_parallel_config(size: int) -> dict[str, Any]:
+    """TrainingArguments' parallelism_config for --sequence-parallel (accelerate's Ulysses / DeepSpeed backend)."""
+    if size == 1:
+        return {}
+    from accelerate import ParallelismConfig
+
+    return {"parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=size)}
 
 
 def _is_main_process() -> bool:

@@ -83,8 +83,12 @@ def _trainer_with_sp(model_type: str, collator, patch: bool = True):
     handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
     config = SimpleNamespace(sp_backend="deepspeed", sp_enabled=True, sp_size=2, sp_handler=handler)
     model = SimpleNamespace(config=SimpleNamespace(model_type=model_type, _attn_implementation="hf_accel"))
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=config), model=model,
-                              data_collator=collator, _own_collator=True, accel=AccelArguments(patch=patch))
+    plugin = SimpleNamespace(deepspeed_config={"train_micro_batch_size_per_gpu": 32, "train_batch_size": 64})
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=config,
+                                                          state=SimpleNamespace(deepspeed_plugin=plugin)),
+                              model=model, data_collator=collator, _own_collator=True,
+                              accel=AccelArguments(patch=patch),
+                              args=SimpleNamespace(world_size=2, gradient_accumulation_steps=3))
     return trainer, handler, AccelMixin._accel_sequence_parallel
 
 
@@ -94,6 +98,9 @@ def test_trainer_hands_deepspeed_hf_accels_attention_and_refuses_what_cannot_sha
     trainer, handler, setup = _trainer_with_sp("llama", DataCollatorForPacking(pad_token_id=0))
     setup(trainer)
     assert handler.sp_attn_implementation == "hf_accel" and trainer.data_collator.sp_size == 2
+    # one packed row per micro-batch: the size DeepSpeed's Ulysses wrapper checks activations against
+    ds = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
+    assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]) == (1, 6)
     unpatched, handler, setup = _trainer_with_sp("llama", DataCollatorForPacking(pad_token_id=0), patch=False)
     setup(unpatched)
     assert handler.sp_attn_implementation == "sdpa"  # the stock model keeps the user's choice
@@ -101,3 +108,35 @@ def test_trainer_hands_deepspeed_hf_accels_attention_and_refuses_what_cannot_sha
         setup(_trainer_with_sp("falcon", DataCollatorForPacking(pad_token_id=0))[0])
     with pytest.raises(ConfigurationError, match="packed batches"):
         setup(_trainer_with_sp("llama", DataCollatorForPadding(pad_token_id=0))[0])
+
+
+def test_sft_script_refuses_sequence_parallelism_outside_a_deepspeed_launch(tmp_path, monkeypatch, capsys):
+    from script_modules import script_module
+
+    sft = script_module("sft")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    with pytest.raises(SystemExit):
+        sft.parse_args(["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")])
+    assert "deepspeed_zero3.yaml" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        sft.parse_args(["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")])
+    assert "must divide the 3 launched processes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sft_script_trains_with_sequence_parallelism(tmp_path):
+    """scripts/sft.py --sequence-parallel 2 on 2 CPU processes under ZeRO-3 (the embedded task): exits 0 with its
+    metrics and a falling loss, the same command a 2-GPU run takes (docs/MULTI_GPU.md)."""
+    pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
+    cmd = launch_argv(CONFIGS / "deepspeed_zero3_cpu.yaml", 2,
+                      ["--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"), str(ROOT / "tests" / "dist_sft.py")])
+    out = tmp_path / "run"
+    log = launch_or_fail(cmd + ["--sequence-parallel", "2", "--max-steps", "6", "--logging-steps", "1",
+                                "--eval-examples", "0", "--max-tokens-per-batch", "160", "--output-dir", str(out)],
+                         tmp_path, RUN_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
+    records = [json.loads(line) for line in (out / "rank0" / "logs.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0], (losses, log[-3000:])
+    assert (out / "rank0" / "metrics.json").exists()

@@ -151,6 +151,12 @@ class AccelMixin(CheckpointFilesMixin):
                     "sequence parallelism needs packed batches (AccelArguments(packing=True)): padded rows carry an "
                     "attention mask that DeepSpeed's Ulysses wrapper does not shard.")
             self.data_collator.sequence_parallel(config.sp_size)
+            # one packed row per micro-batch whatever per_device_train_batch_size says (it counts examples): the
+            # Ulysses wrapper checks every activation against DeepSpeed's micro-batch size, so that is 1 row
+            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+            if plugin is not None:
+                plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+                plugin.deepspeed_config["train_batch_size"] = self.args.world_size * self.args.gradient_accumulation_steps
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if self.accel.patch and attn is not None:
             if config.sp_handler.sp_attn_implementation not in (None, attn):
