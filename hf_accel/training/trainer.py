@@ -145,7 +145,7 @@ class AccelMixin(CheckpointFilesMixin):
                 "sequence parallelism (sp_size > 1) wraps transformers' AttentionInterface, which Falcon's attention "
                 "does not call: each rank would attend only within its own shard of the sequence. Train Falcon "
                 "without sp_size, or a Llama / GPT-NeoX model with it.")
-        if self._own_collator:
+        if getattr(self, "_own_collator", False):  # hf_accel.Trainer's collator (the TRL SFTTrainer brings its own)
             if not hasattr(self.data_collator, "sequence_parallel"):
                 raise ConfigurationError(
                     "sequence parallelism needs packed batches (AccelArguments(packing=True)): padded rows carry an "
