@@ -6,12 +6,16 @@
     python scripts/sft.py --model-shape llama-1b --max-steps 30            # GPU speed check, random init, bf16
     python scripts/sft.py --model-shape llama-1b --max-steps 30 --no-patch # the stock baseline for the same check
     accelerate launch --config_file examples/accelerate/fsdp2.yaml scripts/sft.py --model-shape llama-small  # 2 GPUs
+    accelerate launch --config_file examples/accelerate/deepspeed_zero3.yaml scripts/sft.py --model-shape \
+        llama-8b-long --lora-r 16 --sequence-parallel 2 --doc-length 524288 --max-tokens-per-batch 524288  # 2 GPUs
     python scripts/sft.py --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16
 
 --model-shape: a random-init model of a benchmark workload's shapes (hf_accel.bench.workloads), on CUDA in bf16,
 trained on random tokens of its vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b,
-falcon-1b, and the small test shapes llama-small, neox-small, falcon-small (the same families and features, 4 layers of
-width 1024, vocabulary 32000).
+falcon-1b, the long-context shapes llama-1b-long and llama-8b-long (Llama-3 rope scaling, 1M positions), and the small
+test shapes llama-small, neox-small, falcon-small (the same families and features, 4 layers of width 1024, vocabulary
+32000). --sequence-parallel N splits each packed row's tokens over N processes of a DeepSpeed launch (not yet run on
+GPUs: docs/MULTI_GPU.md).
 
 Datasets: local json/jsonl/parquet files, a folder written by scripts/pretokenize.py, or a hub id, with chat
 ``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``). Every row is checked once
