@@ -44,12 +44,11 @@ def main() -> None:
 
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     attn = model.config._attn_implementation
-    # what the model's attention name resolves to: hf_accel's function, or DeepSpeed's Ulysses wrapper around it
-    wrapper = getattr(ALL_ATTENTION_FUNCTIONS.get(attn), "__self__", ALL_ATTENTION_FUNCTIONS.get(attn))
+    # what that name resolves to: hf_accel's function, or DeepSpeed's Ulysses wrapper around it
+    function = ALL_ATTENTION_FUNCTIONS.get(attn)
     with open(os.path.join(args.out, f"losses.rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-        json.dump({"losses": losses, "attn": attn, "attn_function": type(wrapper).__name__
-                   if not callable(wrapper) or hasattr(wrapper, "__self__") else getattr(wrapper, "__qualname__",
-                                                                                          type(wrapper).__name__)}, f)
+        json.dump({"losses": losses, "attn": attn,
+                   "attn_function": getattr(function, "__qualname__", type(function).__name__)}, f)
 
 
 if __name__ == "__main__":
