@@ -311,16 +311,15 @@ def configure_threads(args: argparse.Namespace, tiny_default: bool) -> dict[str,
 def resolve_max_length(args: argparse.Namespace, model: torch.nn.Module) -> int:
     """--max-length, checked against the model's max_position_embeddings (positions it was never built for)."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if args.max_length is None and getattr(args, "doc_length", None):
-        args.max_length = args.doc_length  # checked below like a given --max-length
-    if args.max_length is None:
+    wanted = args.max_length if args.max_length is not None else args.doc_length  # --doc-length N: N, checked alike
+    if wanted is None:
         return min(2048, limit) if limit else 2048
-    if args.max_length < 1:
-        raise ConfigurationError(f"--max-length {args.max_length}; pass a positive number of tokens.")
-    if limit and args.max_length > limit:
-        raise ConfigurationError(f"--max-length {args.max_length} exceeds the model's max_position_embeddings "
+    if wanted < 1:
+        raise ConfigurationError(f"--max-length {wanted}; pass a positive number of tokens.")
+    if limit and wanted > limit:
+        raise ConfigurationError(f"--max-length {wanted} exceeds the model's max_position_embeddings "
                                  f"({limit}); pass --max-length {limit} or less.")
-    return args.max_length
+    return wanted
 
 
 def read_dataset(path: str) -> tuple[Any, DataReport | None, list[str] | None]:
@@ -373,7 +372,7 @@ def load_data(args: argparse.Namespace, tok: Any, model: torch.nn.Module,
 
         gen = torch.Generator().manual_seed(args.seed)
         max_len = min(max_length, 4096)  # a --max-length under the median (350) lowers the median with it
-        lengths = [args.doc_length] * 16 if getattr(args, "doc_length", None) else \
+        lengths = [args.doc_length] * 16 if args.doc_length else \
             sft_lengths(4000, seed=args.seed, median=min(350, max_len), max_len=max_len, min_len=min(16, max_len))
         vocab_size = model.config.vocab_size
         rows = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
