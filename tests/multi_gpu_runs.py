@@ -76,6 +76,12 @@ def launch_command(config: str, processes: int, sft_args: list[str]) -> list[str
     return launch_argv(CONFIGS / config, processes, [str(DIST_SFT), *sft_args])
 
 
+def zero3_cpu_launch(script: Path, processes: int = 2) -> list[str]:
+    """``accelerate launch`` of ``script`` under ZeRO-3 on CPU processes (gloo, DeepSpeed's CPU accelerator)."""
+    return launch_argv(CONFIGS / "deepspeed_zero3_cpu.yaml", processes,
+                       ["--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"), str(script)])
+
+
 def case_args(case: Case, data: Path, out: Path, grad_accum: int) -> list[str]:
     """sft.py's arguments for one run of ``case``: no --no-* flag, so every speed-up stays at its CUDA default."""
     return ["--model-shape", case.shape, "--dataset", str(data), "--bf16", "--seed", "0",

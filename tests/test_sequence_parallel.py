@@ -12,15 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_accel.bench.distributed import launch_argv
 from hf_accel.data.collators import DataCollatorForPacking
 from hf_accel.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_gpu_runs import launch_or_fail  # noqa: E402
+from multi_gpu_runs import launch_or_fail, zero3_cpu_launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ROOT / "examples" / "accelerate"
 RUN_TIMEOUT_S = 150  # ~15 s on 2 cores; longer means a rank waits in a collective
 # fp32: the ranks compute the same sums in another order (attention over all-to-all'd heads, the loss as a
 # token-weighted mean of the two shards' means); measured: equal to ~1e-7
@@ -43,9 +41,7 @@ def test_two_sequence_parallel_ranks_train_like_one_process(tmp_path, fused_ce):
     launch_or_fail([sys.executable, str(ROOT / "tests" / "dist_sp.py"), "--out", str(one), *flags], tmp_path,
                    RUN_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
     two = tmp_path / "two"
-    cmd = launch_argv(CONFIGS / "deepspeed_zero3_cpu.yaml", 2,
-                      ["--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"), str(ROOT / "tests" / "dist_sp.py")])
-    launch_or_fail(cmd + ["--sp", "2", "--out", str(two), *flags], tmp_path, RUN_TIMEOUT_S,
+    launch_or_fail(zero3_cpu_launch(ROOT / "tests" / "dist_sp.py") + ["--sp", "2", "--out", str(two), *flags], tmp_path, RUN_TIMEOUT_S,
                    env={"OMP_NUM_THREADS": "1"})
     reference, ranks = _losses(one), [_losses(two, r) for r in (0, 1)]
     assert reference["attn_function"] == "hf_accel_attention"
@@ -130,10 +126,8 @@ def test_sft_script_trains_with_sequence_parallelism(tmp_path):
     """scripts/sft.py --sequence-parallel 2 on 2 CPU processes under ZeRO-3 (the embedded task): exits 0 with its
     metrics and a falling loss, the same command a 2-GPU run takes (docs/MULTI_GPU.md)."""
     pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
-    cmd = launch_argv(CONFIGS / "deepspeed_zero3_cpu.yaml", 2,
-                      ["--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"), str(ROOT / "tests" / "dist_sft.py")])
     out = tmp_path / "run"
-    log = launch_or_fail(cmd + ["--sequence-parallel", "2", "--max-steps", "6", "--logging-steps", "1",
+    log = launch_or_fail(zero3_cpu_launch(ROOT / "tests" / "dist_sft.py") + ["--sequence-parallel", "2", "--max-steps", "6", "--logging-steps", "1",
                                 "--eval-examples", "0", "--max-tokens-per-batch", "160", "--output-dir", str(out)],
                          tmp_path, RUN_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
     records = [json.loads(line) for line in (out / "rank0" / "logs.jsonl").read_text().splitlines()]

@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_accel.bench.distributed import launch_argv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_gpu_runs import launch_or_fail  # noqa: E402
+from multi_gpu_runs import launch_or_fail, zero3_cpu_launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ROOT / "examples" / "accelerate"
 DIST_SFT = ROOT / "tests" / "dist_sft.py"
 # fp32, same samples per optimizer step: only the order of ZeRO-3's gradient reduce-scatter over 2 ranks vs the
 # accumulation of 2 micro-batches on 1 process differs. Measured: identical losses, weights within 1.2e-7.
@@ -55,8 +53,7 @@ def zero3_inputs(tmp_path_factory) -> Path:
 def _run(root: Path, model: str, out: str, processes: int) -> Path:
     """scripts/sft.py through tests/dist_sft.py: ZeRO-3 on 2 processes, or 1 plain process x grad-accum 2."""
     if processes == 2:
-        cmd = launch_argv(CONFIGS / "deepspeed_zero3_cpu.yaml", 2,
-                          ["--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"), str(DIST_SFT)])
+        cmd = zero3_cpu_launch(DIST_SFT)
     else:
         cmd = [sys.executable, str(DIST_SFT), "--grad-accum", "2"]
     launch_or_fail(cmd + ["--model", model, *SFT_ARGS, "--output-dir", out], root, RUN_TIMEOUT_S,
