@@ -14,7 +14,7 @@
 # Presets: `python scripts/bench.py --list-presets` (llama-1b ~3 min, neox-1.4b ~3, falcon-1b ~3, falcon-rw-1b ~7,
 # llama-8b-lora ~7 (six configurations); two short ones fit one call: `gpu_check.sh bench neox-1.4b falcon-1b`). Each test file runs in its own process because
 # one process holding every test's models ran out of memory (issue 18). The multi-GPU presets (multi-gpu ~7-9 min,
-# multi-gpu-8b-lora ~9, multi-gpu-8b ~6; one per call) need 2 GPUs (device kind nvidia-h200-x2): bench.py --nproc.
+# multi-gpu-8b-lora ~5.5, multi-gpu-8b ~3; one per call) need 2 GPUs (device kind nvidia-h200-x2): bench.py --nproc.
 #
 # Set-up (the GPU image lacks flash-attn-4, liger-kernel, trl, datasets): `bash ../shared/gpu/fetch-gpu-wheels.sh` on
 # the CPU machine, then on the H200, back to back: call 1 (carrying .gpu/a) `bash .gpu/a/stage.sh`; call 2 (carrying

@@ -60,8 +60,8 @@ CASES = {
     "falcon-lora": Case("falcon-small", "fsdp2.yaml", ("--lora-r", "16")),
 }
 
-# Issue 19b: the same checks under DeepSpeed ZeRO-3 (bf16, fp32 optimizer partitions). ZeRO-3 + PEFT forces reentrant
-# checkpointing, so the LoRA cases use whole-layer policies. hf_accel.Trainer leaves compiled layers off under
+# Issue 19b: the same checks under DeepSpeed ZeRO-3 (bf16, fp32 optimizer partitions). The LoRA cases use whole-layer
+# policies, which also run reentrant (deepspeed before its fix for frozen parameters in a recompute needed that). hf_accel.Trainer leaves compiled layers off under
 # DeepSpeed (not measured there); the fused loss and fused ops stay on.
 ZERO3_CASES = {
     "llama-full": Case("llama-small", "deepspeed_zero3.yaml"),

@@ -3,7 +3,7 @@ controlled clock. The multi-rank sums are checked by the 2-process runs in tests
 import torch
 
 import tiny_models
-from hf_accel.training.metrics import ThroughputMeter, format_summary
+from hf_accel.training.metrics import ThroughputMeter, batch_counts, format_summary
 
 
 class Clock:
@@ -36,6 +36,34 @@ def test_summary_gives_steady_tokens_per_s_next_to_the_whole_run():
     assert summary["steady_tokens_per_s"] == 300 / 4.0 and summary["steady_seconds"] == 4.0
     table = format_summary(summary)
     assert "tokens/s, whole run" in table and "tokens/s, steady" in table and "75 (last 4.0 s" in table
+
+
+def test_sharded_positions_count_the_whole_documents_attention():
+    """Under sequence parallelism each rank meters only its slice of the packed row (DeepSpeed's Ulysses loader
+    adapter hands rank r the r-th contiguous 1/N of every (batch, seq) tensor, position_ids as they are), with
+    documents cut at the slice edges. The ranks' counts must still add up to the whole row's: its tokens, and its
+    attention as the unsharded row's cu_seq_lens give it."""
+    lengths = [300, 500, 224]  # a 1,024-token row; both 2-way and 4-way cuts go through documents
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    whole = {"input_ids": torch.zeros(1, 1024, dtype=torch.long), "position_ids": positions,
+             "cu_seq_lens_q": cu}
+    tokens, slots, squared = batch_counts(whole)
+    assert float(squared) == sum(n * n for n in lengths)
+    model = tiny_models.make("llama-gqa")
+    reference = ThroughputMeter(model, torch.device("cpu"))
+    reference.add_batch(whole)
+    for ranks in (2, 4):
+        shards = [{k: v[:, i * 1024 // ranks:(i + 1) * 1024 // ranks] for k, v in whole.items() if k != "cu_seq_lens_q"}
+                  for i in range(ranks)]
+        counts = [batch_counts(shard) for shard in shards]
+        assert sum(float(c[0]) for c in counts) == float(tokens)
+        assert sum(float(c[2]) for c in counts) == float(squared)
+        meters = [ThroughputMeter(model, torch.device("cpu")) for _ in shards]
+        for meter, shard in zip(meters, shards):
+            meter.add_batch(shard)
+        torch.testing.assert_close(sum(float(m.total.flops) for m in meters), float(reference.total.flops), rtol=1e-12,
+                                   atol=0)
 
 
 def test_no_steady_figure_from_a_single_interval():

@@ -161,8 +161,8 @@ def test_offloading_plan_refused_before_training_when_host_memory_is_short(monke
 
 
 def test_budget_plans_under_reentrant_checkpointing_use_whole_layers_only():
-    """Reentrant checkpointing (DeepSpeed ZeRO-3 + PEFT forces it) supports neither op-level nor offloaded layers:
-    budget plans there choose between none and full, and '+offload' is refused before the probe forward."""
+    """Reentrant checkpointing (ZeRO-3 + PEFT on an older deepspeed needs it) supports neither op-level nor offloaded
+    layers: budget plans there choose between none and full, and '+offload' is refused before the probe forward."""
     from hf_accel.memory.budget import MemoryBudget
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -17,8 +17,8 @@ TRL + flash-attn-4 + Liger through SFTTrainer and hf_accel defaults through hf_a
 16k tokens per GPU, so N GPUs train N times the tokens per step), and the table ends with the scaling (steady tokens/s
 on 2 GPUs / on 1) and hf_accel / TRL at each count. Each launch costs ~40-90 s of start-up and compile: `multi-gpu`
 (6 launches of Llama-1B) fits one 10-minute device call (about 7 minutes); `multi-gpu-8b-lora` (4 launches of 8B)
-is sized for one call but its last launch may be cut by the time budget (then `--nproc 2` alone); `multi-gpu-8b`
-(8B full FT) runs on 2 GPUs only: its fp32 master weights and AdamW states (~128 GB) leave one H200 no room.
+took 5.3 minutes and `multi-gpu-8b` 2.8 (2026-11-30, 2×H200); `multi-gpu-8b` (8B full FT) runs on 2 GPUs only: its
+fp32 master weights and AdamW states (~128 GB) leave one H200 no room.
 
 A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
 "not implemented yet: issue N" and what it will run.

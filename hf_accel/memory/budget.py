@@ -123,8 +123,8 @@ class MemoryBudget(CheckpointingPolicy):
         return device.type == "cuda" and not self.use_reentrant
 
     def modes(self, device: torch.device) -> tuple[str, ...]:
-        """The per-layer choices plans may use. Reentrant checkpointing (docs/MULTI_GPU.md: ZeRO-3 with PEFT needs it)
-        has neither op-level nor offloaded layers: plans use whole-layer checkpointing or none there."""
+        """The per-layer choices plans may use. Reentrant checkpointing (docs/MULTI_GPU.md: ZeRO-3 with PEFT on an older
+        deepspeed) has neither op-level nor offloaded layers: plans use whole-layer checkpointing or none there."""
         from .plan import DEVICE_MODES
 
         if self.use_reentrant:
