@@ -29,14 +29,23 @@ def _losses(out: Path, rank: int = 0) -> dict:
     return json.loads((out / f"losses.rank{rank}.json").read_text())
 
 
+CASES = {
+    "plain": [],
+    "fused-ce": ["--fused-ce"],
+    # the long-document setting: LoRA (frozen base weights, which ZeRO-3 re-partitions around a checkpoint's
+    # recompute) with offloaded, non-reentrant checkpointing, whose recompute re-runs the all-to-alls
+    "lora-offload": ["--fused-ce", "--lora", "--checkpointing", "offload"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fused_ce", [False, True])
-def test_two_sequence_parallel_ranks_train_like_one_process(tmp_path, fused_ce):
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_sequence_parallel_ranks_train_like_one_process(tmp_path, case):
     """Each 60-token row is cut into two 30-token shards through the middle of a document, so a rank attending only
     within its shard, metadata built from a shard's positions, or labels shifted twice (the fused loss before it took
     ``shift_labels``) each change the losses."""
     pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
-    flags = ["--fused-ce"] if fused_ce else []
+    flags = CASES[case]
     one = tmp_path / "one"
     launch_or_fail([sys.executable, str(ROOT / "tests" / "dist_sp.py"), "--out", str(one), *flags], tmp_path,
                    RUN_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
@@ -50,6 +59,8 @@ def test_two_sequence_parallel_ranks_train_like_one_process(tmp_path, fused_ce):
         assert rank["attn"] == "hf_accel" and "uattn_wrapper" in rank["attn_function"], rank
         assert len(rank["losses"]) == len(reference["losses"]) == 4
         torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(reference["losses"]), rtol=RTOL, atol=0)
+        if "offload" in flags:  # the policy really ran on the sharded run: each layer's input went to host and back
+            assert rank["offloaded"] and rank["offloaded"] >= 4 * 2, rank
     assert reference["losses"][-1] < reference["losses"][0]
 
 
