@@ -95,3 +95,44 @@ def test_summary_sets_a_memory_budgets_plan_against_the_measured_peak():
     line = next(x for x in table.splitlines() if x.strip().startswith("memory budget"))
     assert line.endswith(f"1.00 GiB: plan predicted {row['budget_predicted_gib']:.2f} GiB, measured 0.50 GiB")
     assert "OVER the budget" in format_summary({**base, **row, "peak_mem_gib": 1.2})
+
+
+class _ReportedPeak(ThroughputMeter):
+    """A meter whose GPU peak reading (``torch.cuda.max_memory_allocated``, which a CPU cannot give) is a set value."""
+
+    def __init__(self, peak_bytes: int, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.peak_bytes = peak_bytes
+
+    def _local_peak_bytes(self) -> int:
+        return self.peak_bytes
+
+
+def _two_rank_summaries(rank: int, world: int, init_file: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        meter = _ReportedPeak((1 + 2 * rank) * 2**30, tiny_models.make("llama-gqa"), torch.device("cpu"))
+        meter.add_batch(packed(10 * (rank + 1)))
+        logged = meter.pop()
+        meter.add_batch(packed(10))
+        summary = meter.summary()
+        torch.save({"logged": logged, "summary": summary, "table": format_summary(summary)}, f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_peak_memory_is_the_largest_ranks(tmp_path):
+    """A 2-GPU run's summary and logs report the largest rank's peak memory (rank 1's 3 GiB here, rank 0 saw 1),
+    on every rank, and say over how many ranks; the tokens are the sum."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "summary")
+    mp.spawn(_two_rank_summaries, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = torch.load(f"{out}.{rank}")
+        assert got["logged"]["peak_mem_gib"] == 3.0 and got["summary"]["peak_mem_gib"] == 3.0
+        assert got["logged"]["tokens"] == 30 and got["summary"]["tokens"] == 50
+        assert "3.00 GiB (the largest of 2 ranks)" in got["table"]
+    single = _ReportedPeak(2**30, tiny_models.make("llama-gqa"), torch.device("cpu"))
+    single.add_batch(packed(10))
+    assert format_summary(single.summary()).splitlines()[-1].split() == ["peak", "GPU", "memory", "1.00", "GiB"]

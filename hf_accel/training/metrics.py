@@ -89,20 +89,27 @@ class ThroughputMeter:
         for w in self._open_windows():
             w.data_wait_s += seconds
 
+    def _local_peak_bytes(self) -> int | None:
+        """This process's peak allocated GPU memory so far; None on CPU (not reported there)."""
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
     def _metrics(self, w: Window, now: float) -> dict[str, float]:
-        """Metrics of a window over every rank: counts summed, time of the slowest rank. Every rank calls this at the
-        same logging step and at the end (each call is two small collectives)."""
+        """Metrics of a window over every rank: counts summed, time of the slowest rank, peak memory of the largest
+        (``peak_mem_gib``, the run's peak so far; ``world_size`` says over how many ranks). Every rank calls this at
+        the same logging step and at the end (each call is two small collectives)."""
         elapsed = max(now - w.start, 1e-9)
         tokens, slots, flops, wait = float(w.tokens), float(w.slots), float(w.flops), w.data_wait_s  # host reads
+        peak = self._local_peak_bytes()
         world = 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             world = torch.distributed.get_world_size()
             device = self.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
             totals = torch.tensor([tokens, slots, flops, wait], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(totals)
-            slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
-            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-            (tokens, slots, flops, wait), elapsed = totals.tolist(), slowest.item()
+            largest = torch.tensor([elapsed, float(peak or 0)], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+            (tokens, slots, flops, wait), (elapsed, peak_max) = totals.tolist(), largest.tolist()
+            peak = peak_max if peak is not None else None
         out = {
             "tokens": tokens,
             "seconds": elapsed,
@@ -112,14 +119,16 @@ class ThroughputMeter:
         }
         if self.peak:
             out["mfu"] = flops / elapsed / (self.peak * world)
+        if peak is not None:
+            out["peak_mem_gib"] = peak / 2**30
+        out["world_size"] = world
         return out
 
     def pop(self) -> dict[str, float]:
         now = self.clock()
         out = self._metrics(self.window, now)
         out.pop("seconds")
-        if self.device.type == "cuda":
-            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        out.pop("world_size")
         self.window = Window(start=now)
         if self.steady is None:
             self.steady = Window(start=now)
@@ -134,8 +143,6 @@ class ThroughputMeter:
             steady = self._metrics(self.steady, now)
             if steady["tokens"] > 0:
                 out.update({f"steady_{k}": steady[k] for k in ("tokens_per_s", "seconds", "mfu") if k in steady})
-        if self.device.type == "cuda":
-            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
 
@@ -151,7 +158,9 @@ def format_summary(summary: Mapping[str, float]) -> str:
         ("MFU, steady", f"{summary['steady_mfu']:.1%}" if "steady_mfu" in summary else "n/a"),
         ("padding", f"{summary['padding_fraction']:.1%}"),
         ("data wait", f"{summary['data_wait_fraction']:.1%}"),
-        ("peak GPU memory", f"{summary['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in summary else "n/a (CPU)"),
+        ("peak GPU memory", (f"{summary['peak_mem_gib']:.2f} GiB" + (
+            f" (the largest of {summary['world_size']:.0f} ranks)" if summary.get("world_size", 1) > 1 else ""))
+         if "peak_mem_gib" in summary else "n/a (CPU)"),
     ]
     if "budget_gib" in summary:  # a checkpointing memory budget: its plan against the measured peak
         over = summary["peak_mem_gib"] > summary["budget_gib"]
