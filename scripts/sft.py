@@ -111,8 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--model-shape", choices=list(MODEL_SHAPES), help="random-init model of a benchmark workload's "
                      "shapes (CUDA, bf16; see above); random tokens unless --dataset is given")
     src.add_argument("--doc-length", type=int, default=None, metavar="N",
-                     help="with --model-shape: every random document exactly N tokens (default: SFT-like lengths, "
-                          "median 350); --max-length defaults to N then")
+                     help="train on 16 random documents of exactly N tokens from the model's vocabulary instead of "
+                          "a dataset (with --model-shape, the default is SFT-like random lengths, median 350); "
+                          "--max-length defaults to N then")
     src.add_argument("--max-length", type=int, default=None,
                      help="truncate longer examples to this many tokens (counted in the data check); default: the "
                           "smaller of 2048 and the model's max_position_embeddings, which it may not exceed")
@@ -179,9 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.model and (args.smollm2 or args.model_shape):
         p.error("--model cannot be combined with --smollm2 or --model-shape")
-    if args.doc_length is not None and (args.doc_length < 1 or not args.model_shape or args.dataset):
-        p.error(f"--doc-length {args.doc_length}: a positive length for --model-shape's random documents (not with "
-                "--dataset)")
+    if args.doc_length is not None and (args.doc_length < 1 or args.dataset):
+        p.error(f"--doc-length {args.doc_length}: a positive length for random documents (not with --dataset)")
     if args.sequence_parallel < 1:
         p.error(f"--sequence-parallel {args.sequence_parallel}: use 1 (off) or the number of processes per sequence")
     if args.sequence_parallel > 1:
@@ -194,6 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--sequence-parallel {args.sequence_parallel} must divide the {world} launched processes")
         if not args.packing:
             p.error("--sequence-parallel needs packed batches; drop --no-packing")
+        if not args.max_tokens_per_batch:
+            p.error("--sequence-parallel needs --max-tokens-per-batch (every rank reads its own packed rows from the "
+                    "token-budget sampler; e.g. the document length)")
     return args
 
 
@@ -367,7 +370,7 @@ def load_data(args: argparse.Namespace, tok: Any, model: torch.nn.Module,
     from datasets import Dataset
 
     report, locations, heldout = None, None, None
-    if args.model_shape and not args.dataset:
+    if args.doc_length or (args.model_shape and not args.dataset):
         from hf_accel.data.prepare import sft_lengths
 
         gen = torch.Generator().manual_seed(args.seed)

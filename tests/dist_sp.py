@@ -1,7 +1,7 @@
 """hf_accel.Trainer for one process of a launch, with or without Ulysses sequence parallelism (``--sp N``: accelerate
-``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``), on a tiny Llama and a dataset of one repeated
-document, so that every optimizer step sees the same packed rows whatever the sampler's order: the per-step
-losses of a sequence-parallel run and of one process are then comparable step by step. Writes
+``ParallelismConfig(sp_backend="deepspeed", sp_size=N)``), on a tiny Llama and 24 different documents: the
+token-budget sampler deals the same packed rows in the same order to one process and, one row per rank and step
+in turn, to a sequence-parallel group, so the per-step losses of the two are comparable step by step. Writes
 ``<out>/losses.rank<R>.json``. Used by tests/test_sequence_parallel.py. ``--lora`` and ``--checkpointing offload``:
 the Llama-3-8B long-document setting (LoRA, layer inputs in host memory) in miniature.
 """
@@ -32,10 +32,11 @@ def main() -> None:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
     g = torch.Generator().manual_seed(0)
-    # one 20-token document, 24 times: every step packs three copies into one 60-token row (the token budget), whose
-    # two 30-token shards cut the middle copy in two, so attention must cross the shard boundary
-    doc = torch.randint(3, 64, (20,), generator=g).tolist()
-    rows = [{"input_ids": doc, "labels": doc} for _ in range(24)]
+    # 24 different 20-token documents: every step packs three into one 60-token row (the token budget), whose two
+    # 30-token shards cut the middle one in two, so attention must cross the shard boundary; different documents, so
+    # a step that trains another row than one process's (or the same row twice) changes the losses
+    docs = [torch.randint(3, 64, (20,), generator=g).tolist() for _ in range(24)]
+    rows = [{"input_ids": doc, "labels": doc} for doc in docs]
     kw = {}
     if args.sp > 1:
         from accelerate import ParallelismConfig

@@ -3,6 +3,7 @@ controlled clock. The multi-rank sums are checked by the 2-process runs in tests
 import torch
 
 import tiny_models
+from hf_accel.data.collators import DataCollatorForPacking
 from hf_accel.training.metrics import ThroughputMeter, batch_counts, format_summary
 
 
@@ -64,6 +65,17 @@ def test_sharded_positions_count_the_whole_documents_attention():
             meter.add_batch(shard)
         torch.testing.assert_close(sum(float(m.total.flops) for m in meters), float(reference.total.flops), rtol=1e-12,
                                    atol=0)
+    # the sequence-parallel collator's rows, padded to the token budget: the padding tail counts neither as tokens
+    # nor as attention, on any shard
+    collator = DataCollatorForPacking(pad_token_id=0)
+    collator.sequence_parallel(2, row_length=1024)
+    docs = [300, 500, 200]
+    row = collator([{"input_ids": [5] * n, "labels": [5] * n} for n in docs])
+    assert row["input_ids"].shape == (1, 1024)
+    shards = [{k: v[:, i * 512:(i + 1) * 512] for k, v in row.items()} for i in range(2)]
+    counts = [batch_counts(shard) for shard in shards]
+    assert sum(float(c[0]) for c in counts) == sum(docs) and sum(c[1] for c in counts) == 1024
+    assert sum(float(c[2]) for c in counts) == sum(n * n for n in docs)
 
 
 def test_no_steady_figure_from_a_single_interval():

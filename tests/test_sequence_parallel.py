@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_accel.data.collators import DataCollatorForPacking
-from hf_accel.errors import ConfigurationError
+from hf_accel.data.collators import REAL_TOKENS_KEY, DataCollatorForPacking
+from hf_accel.errors import ConfigurationError, InvalidBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multi_gpu_runs import launch_or_fail, zero3_cpu_launch  # noqa: E402
@@ -61,7 +61,8 @@ def test_two_sequence_parallel_ranks_train_like_one_process(tmp_path, case):
         torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(reference["losses"]), rtol=RTOL, atol=0)
         if "offload" in flags:  # the policy really ran on the sharded run: each layer's input went to host and back
             assert rank["offloaded"] and rank["offloaded"] >= 4 * 2, rank
-    assert reference["losses"][-1] < reference["losses"][0]
+    # every step trains other documents: a run that repeated a row, or took them in another order, would not match
+    assert len(set(reference["losses"])) == 4, reference
 
 
 def test_collator_rows_for_sequence_parallelism():
@@ -71,16 +72,26 @@ def test_collator_rows_for_sequence_parallelism():
     collator.sequence_parallel(3)
     features = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (5, 4)]
     batch = collator(features)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", REAL_TOKENS_KEY}
     assert batch["input_ids"].shape == (1, 12)  # 9 tokens, rounded up to a multiple of lcm(4, 3)
     assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]
     assert batch["labels"][0, 9:].tolist() == [-100] * 3 and batch["labels"][0, [0, 5]].tolist() == [-100, -100]
+    assert batch[REAL_TOKENS_KEY][0].tolist() == [1] * 9 + [0] * 3
+    # a row length (the token budget): every rank's rows equally long, whatever they hold, as the adapter's
+    # all-gather needs; a row longer than it is refused
+    budget = DataCollatorForPacking(pad_token_id=0)
+    budget.sequence_parallel(2, row_length=15)
+    short, full = budget(features[1:]), budget(features)
+    assert short["input_ids"].shape == full["input_ids"].shape == (1, 16)
+    assert short[REAL_TOKENS_KEY].sum() == 4 and full[REAL_TOKENS_KEY].sum() == 9
+    with pytest.raises(InvalidBatch, match="longer than the sequence-parallel row length"):
+        budget([{"input_ids": list(range(3, 20)), "labels": list(range(3, 20))}])
     padded = DataCollatorForPacking(pad_token_id=0, fallback_to_padding=True)
     with pytest.raises(ConfigurationError, match="packed rows"):
         padded.sequence_parallel(2)
 
 
-def _trainer_with_sp(model_type: str, collator, patch: bool = True):
+def _trainer_with_sp(model_type: str, collator, patch: bool = True, budget: int | None = 64):
     """The Trainer's state its sequence-parallel step reads: accelerate's parallelism config (an SP config needs
     as many processes as its size, so the one-process test builds the object without them)."""
     from accelerate.utils import DeepSpeedSequenceParallelConfig
@@ -94,7 +105,7 @@ def _trainer_with_sp(model_type: str, collator, patch: bool = True):
     trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=config,
                                                           state=SimpleNamespace(deepspeed_plugin=plugin)),
                               model=model, data_collator=collator, _own_collator=True,
-                              accel=AccelArguments(patch=patch),
+                              accel=AccelArguments(patch=patch, max_tokens_per_batch=budget),
                               args=SimpleNamespace(world_size=2, gradient_accumulation_steps=3))
     return trainer, handler, AccelMixin._accel_sequence_parallel
 
@@ -105,6 +116,7 @@ def test_trainer_hands_deepspeed_hf_accels_attention_and_refuses_what_cannot_sha
     trainer, handler, setup = _trainer_with_sp("llama", DataCollatorForPacking(pad_token_id=0))
     setup(trainer)
     assert handler.sp_attn_implementation == "hf_accel" and trainer.data_collator.sp_size == 2
+    assert trainer.data_collator.sp_row_length == 64  # the token budget: equal rows on every rank
     # one packed row per micro-batch: the size DeepSpeed's Ulysses wrapper checks activations against
     ds = trainer.accelerator.state.deepspeed_plugin.deepspeed_config
     assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]) == (1, 6)
@@ -115,6 +127,8 @@ def test_trainer_hands_deepspeed_hf_accels_attention_and_refuses_what_cannot_sha
         setup(_trainer_with_sp("falcon", DataCollatorForPacking(pad_token_id=0))[0])
     with pytest.raises(ConfigurationError, match="packed batches"):
         setup(_trainer_with_sp("llama", DataCollatorForPadding(pad_token_id=0))[0])
+    with pytest.raises(ConfigurationError, match="token budget"):  # the stock sampler would repeat each batch
+        setup(_trainer_with_sp("llama", DataCollatorForPacking(pad_token_id=0), budget=None)[0])
 
 
 def test_sft_script_refuses_sequence_parallelism_outside_a_deepspeed_launch(tmp_path, monkeypatch, capsys):
@@ -130,6 +144,10 @@ def test_sft_script_refuses_sequence_parallelism_outside_a_deepspeed_launch(tmp_
     with pytest.raises(SystemExit):
         sft.parse_args(["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")])
     assert "must divide the 3 launched processes" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        sft.parse_args(["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")])
+    assert "--max-tokens-per-batch" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -145,3 +163,34 @@ def test_sft_script_trains_with_sequence_parallelism(tmp_path):
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0], (losses, log[-3000:])
     assert (out / "rank0" / "metrics.json").exists()
+
+
+@pytest.mark.slow
+def test_sequence_parallel_bench_measures_one_and_two_processes_in_one_run(tmp_path):
+    """scripts/bench_sequence_parallel.py on CPU processes under ZeRO-3 (the embedded task's tiny Llama, LoRA): per
+    document length, one process and two sequence-parallel ones in the same run and record. The two split each
+    document: they train the tokens one process trains, with its losses (two data-parallel ranks would train twice
+    the tokens), and a length the model cannot take ends with sft.py's own error, its longer lengths still tried."""
+    pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
+    import subprocess
+
+    out = tmp_path / "records"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_sequence_parallel.py"), "--lengths", "40,128", "--gpus", "1,2",
+           "--sft-args", "--lora-r 4", "--config", str(ROOT / "examples" / "accelerate" / "deepspeed_zero3_cpu.yaml"),
+           "--deepspeed-config-file", str(ROOT / "examples" / "accelerate" / "ds_zero3_cpu.json"),
+           "--config-timeout", str(RUN_TIMEOUT_S), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=4 * RUN_TIMEOUT_S,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record_path,) = out.glob("sequence-parallel_*.json")
+    record = json.loads(record_path.read_text())
+    rows = {(r["gpus"], r["doc_length"]): r for r in record["results"]}
+    one, two = rows[(1, 40)], rows[(2, 40)]
+    assert one["status"] == two["status"] == "ok", (one, two)
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert one["tokens"] == two["tokens"] == 40 * 2  # 2 steps of one 40-token document, on either count
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=RTOL, atol=0)
+    for gpus in (1, 2):  # the tiny model has 64 positions
+        assert "max_position_embeddings" in rows[(gpus, 128)]["status"], rows[(gpus, 128)]
+    table = record_path.with_suffix(".md").read_text()
+    assert "| longest that trained | 40 | 40 |" in table and "bench_sequence_parallel.py --lengths 40,128" in table

@@ -209,8 +209,8 @@ def test_long_shapes_are_the_long_context_workloads_with_more_positions(sft_modu
 
 
 def test_doc_length_makes_every_random_document_that_long(sft_module, tmp_path, capsys):
-    """--doc-length N: --model-shape's random documents are all N tokens and --max-length follows N (so nothing is
-    truncated to the 2048 default); refused without --model-shape."""
+    """--doc-length N: the random documents are all N tokens (--model-shape's, and the tiny default model's on CPU)
+    and --max-length follows N (so nothing is truncated to the 2048 default); refused with --dataset."""
     from hf_accel.data.default_task import build_tokenizer, tiny_llama
 
     args = sft_module.parse_args(["--model-shape", "llama-small", "--doc-length", "50", "--output-dir",
@@ -223,8 +223,12 @@ def test_doc_length_makes_every_random_document_that_long(sft_module, tmp_path, 
                                       str(tmp_path / "out2")])
     with pytest.raises(Exception, match="max_position_embeddings"):
         sft_module.resolve_max_length(too_long, model)
+    tiny = sft_module.parse_args(["--doc-length", "40", "--output-dir", str(tmp_path / "out3")])
+    data, _, _ = sft_module.load_data(tiny, build_tokenizer(), model, sft_module.resolve_max_length(tiny, model))
+    assert len(data) == 16 and {len(r) for r in data["input_ids"]} == {40}
+    assert max(max(r) for r in data["input_ids"]) < model.config.vocab_size
     with pytest.raises(SystemExit):
-        sft_module.parse_args(["--doc-length", "50", "--output-dir", str(tmp_path / "out3")])
+        sft_module.parse_args(["--doc-length", "50", "--dataset", "x.jsonl", "--output-dir", str(tmp_path / "out4")])
     assert "--doc-length 50" in capsys.readouterr().err
 
 

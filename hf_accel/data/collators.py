@@ -26,6 +26,9 @@ from .sampling import best_fit_decreasing
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+# Sequence-parallel rows only: 1 on document tokens, 0 on the padding tail, a (rows, length) tensor so that DeepSpeed's
+# Ulysses loader shards it with the rest; the Trainer's throughput meter reads it and drops it before the model call.
+REAL_TOKENS_KEY = "hf_accel_real_tokens"
 
 Feature = Mapping[str, Any]
 
@@ -247,23 +250,28 @@ class DataCollatorForPacking(_BaseCollator):
             raise ConfigurationError(f"overflow={overflow!r}; allowed: 'error', 'truncate', 'split'.")
         self.max_tokens = max_tokens
         self.overflow = overflow
-        self.sp_size = 1  # sequence_parallel()
+        self.sp_size, self.sp_row_length = 1, None  # sequence_parallel()
         self.fallback_to_padding = False
         if fallback_to_padding:
             self.use_padding("fallback_to_padding=True was passed")
 
-    def sequence_parallel(self, size: int) -> None:
+    def sequence_parallel(self, size: int, row_length: int | None = None) -> None:
         """Emit what Ulysses sequence parallelism (DeepSpeed's ``UlyssesSPDataLoaderAdapter``) can shard: rows whose
         length divides by ``size`` (the padding tail stays its own dummy document) and only (rows, length) tensors,
-        so no ``cu_seq_lens_*`` / ``max_length_*`` (the attention wrapper gathers ``position_ids`` instead)."""
+        so no ``cu_seq_lens_*`` / ``max_length_*`` (the attention wrapper gathers ``position_ids`` instead), plus
+        ``REAL_TOKENS_KEY``. ``row_length`` (the token budget): every row padded to it, rounded up to a multiple of
+        ``size``, because the adapter all-gathers the rows of every rank in the group, which needs equal shapes
+        (gloo refuses unequal ones)."""
         if size < 1:
             raise ConfigurationError(f"sequence parallel size {size}; use a positive int.")
+        if row_length is not None and row_length < 1:
+            raise ConfigurationError(f"row_length={row_length}; use a positive int or None.")
         if self.fallback_to_padding:
             raise ConfigurationError("sequence parallelism needs packed rows; this collator emits padded ones "
                                      "(an attention mask the Ulysses wrapper cannot shard)")
         base = self.pad_to_multiple_of or 1
         self.pad_to_multiple_of = base * size // math.gcd(base, size)
-        self.sp_size = size
+        self.sp_size, self.sp_row_length = size, row_length
 
     def use_padding(self, reason: str) -> None:
         """Switch to padded output (for backends without varlen support); logs ``reason`` once."""
@@ -305,7 +313,13 @@ class DataCollatorForPacking(_BaseCollator):
         rows = best_fit_decreasing([len(ids) for ids, _ in docs], cap)
         rows.sort(key=min)  # keep rows in roughly the incoming order, for readability of batches
         seq_len = self._round_up(max(sum(len(docs[d][0]) for d in row) for row in rows))
-        input_ids, labels, position_ids, doc_lens = [], [], [], []
+        if self.sp_size > 1 and self.sp_row_length is not None:
+            target = self._round_up(self.sp_row_length)
+            if seq_len > target:
+                raise InvalidBatch(f"a packed row of {seq_len} tokens is longer than the sequence-parallel row length "
+                                   f"{target}; batch at most {self.sp_row_length} tokens (the token budget) per row.")
+            seq_len = target
+        input_ids, labels, position_ids, doc_lens, real = [], [], [], [], []
         for row in rows:
             row_ids, row_labels, row_pos = [], [], []
             for d in sorted(row):
@@ -315,6 +329,7 @@ class DataCollatorForPacking(_BaseCollator):
                 row_pos += range(len(ids))
                 doc_lens.append(len(ids))
             tail = seq_len - len(row_ids)
+            real.append([1] * len(row_ids) + [0] * tail)
             if tail:  # the padding tail is a dummy document, so no attention mask is needed
                 row_ids += [self.pad_token_id] * tail
                 row_labels += [IGNORE_INDEX] * tail
@@ -336,7 +351,7 @@ class DataCollatorForPacking(_BaseCollator):
             "position_ids": torch.tensor(position_ids, dtype=torch.long),
         }
         if self.sp_size > 1:
-            return rows_out
+            return {**rows_out, REAL_TOKENS_KEY: torch.tensor(real, dtype=torch.int8)}
         return {
             **rows_out,
             "cu_seq_lens_q": cu_seq_lens,

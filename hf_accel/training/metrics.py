@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from ..bench.flops import FlopModel, peak_flops
+from ..data.collators import REAL_TOKENS_KEY
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -36,6 +37,10 @@ def batch_counts(batch: Mapping[str, Any]) -> tuple[Any, int, Any]:
     """
     input_ids = batch["input_ids"]
     slots = input_ids.numel()
+    real = batch.get(REAL_TOKENS_KEY)
+    if real is not None:  # sequence-parallel rows (or a shard of them): their padding tail is marked, not counted
+        real = real.to(torch.float64)
+        return real.sum(), slots, ((2 * batch["position_ids"].to(torch.float64) + 1) * real).sum()
     mask = batch.get("attention_mask")
     if mask is not None:
         lengths = mask.sum(dim=1, dtype=torch.float64)

@@ -15,12 +15,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import transformers
 from torch.utils.data import DataLoader
 
 from . import checkpoint_io
 from .snapshot import SnapshotBuffers
-from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
+from ..data.collators import REAL_TOKENS_KEY, DataCollatorForPacking, DataCollatorForPadding
 from ..errors import ConfigurationError
 from ..patching import Speedup, patch
 from ..data.sampling import TokenBudgetBatchSampler
@@ -91,6 +92,14 @@ def explain_stand_down(report, reason: str | None) -> None:
                            for line in report.speedups]
 
 
+def _sequence_parallel_size(trainer: Any) -> int:
+    """The Ulysses sequence-parallel size of ``trainer``'s accelerate config (DeepSpeed's ``sp_size``), 1 when off."""
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    if config is None or getattr(config, "sp_backend", None) != "deepspeed" or not getattr(config, "sp_enabled", False):
+        return 1
+    return int(config.sp_size)
+
+
 class AccelMixin(CheckpointFilesMixin):
     """The behaviour shared by ``Trainer`` and ``SFTTrainer``; expects to sit before a transformers Trainer in MRO."""
 
@@ -136,8 +145,7 @@ class AccelMixin(CheckpointFilesMixin):
         go through transformers' AttentionInterface, so the wrapper would never run: refused instead of each rank
         attending within its own shard."""
         config = getattr(self.accelerator, "parallelism_config", None)
-        if config is None or getattr(config, "sp_backend", None) != "deepspeed" or not getattr(config, "sp_enabled",
-                                                                                                False):
+        if _sequence_parallel_size(self) == 1:
             return
         model_type = getattr(getattr(self.model, "config", None), "model_type", None)
         if model_type == "falcon":
@@ -150,7 +158,14 @@ class AccelMixin(CheckpointFilesMixin):
                 raise ConfigurationError(
                     "sequence parallelism needs packed batches (AccelArguments(packing=True)): padded rows carry an "
                     "attention mask that DeepSpeed's Ulysses wrapper does not shard.")
-            self.data_collator.sequence_parallel(config.sp_size)
+            if not self.accel.max_tokens_per_batch:
+                raise ConfigurationError(
+                    "sequence parallelism needs a token budget (AccelArguments(max_tokens_per_batch=...), sft.py "
+                    "--max-tokens-per-batch): DeepSpeed's Ulysses loader gathers every rank's batch and trains each "
+                    "in turn, so every rank must read its own batches, which hf_accel's token-budget sampler deals "
+                    "out; the stock sampler gives the ranks of one sequence-parallel group the same batches, and each "
+                    "would be trained once per rank.")
+            self.data_collator.sequence_parallel(config.sp_size, row_length=self.accel.max_tokens_per_batch)
             # one packed row per micro-batch whatever per_device_train_batch_size says (it counts examples): the
             # Ulysses wrapper checks every activation against DeepSpeed's micro-batch size, so that is 1 row
             plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
@@ -274,6 +289,7 @@ class AccelMixin(CheckpointFilesMixin):
     def training_step(self, model, inputs, *args, **kwargs):
         if self._meter is not None:
             self._meter.add_batch(inputs)
+        inputs.pop(REAL_TOKENS_KEY, None)  # the meter's, not the model's
         return super().training_step(model, inputs, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
@@ -351,10 +367,14 @@ class Trainer(AccelMixin, transformers.Trainer):
         if not (self.accel.packing and self.accel.max_tokens_per_batch and self._own_collator):
             return super().get_train_dataloader()
         dataset = self.train_dataset
+        replicas, rank = self.args.world_size, self.args.process_index
+        if _sequence_parallel_size(self) > 1:
+            # accelerate counts a sequence-parallel group as one data process, but DeepSpeed's Ulysses loader gathers
+            # the batch of every rank in the group and trains each in turn: every process needs its own batches
+            replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         sampler = TokenBudgetBatchSampler(
             _example_lengths(dataset), self.accel.max_tokens_per_batch, shuffle=True, seed=self.args.data_seed
-            if self.args.data_seed is not None else self.args.seed, num_replicas=self.args.world_size,
-            rank=self.args.process_index,
+            if self.args.data_seed is not None else self.args.seed, num_replicas=replicas, rank=rank,
         )
         dataset = self._remove_unused_columns(dataset, description="training") if hasattr(dataset, "column_names") \
             else dataset

@@ -1,9 +1,10 @@
 """Ulysses sequence parallelism on 2 GPUs (issue 19f): ``scripts/sft.py --sequence-parallel 2`` under DeepSpeed
 ZeRO-3 trains one 16k-token document per step like 1 GPU under the same config, with half the activations per GPU.
 
-The document is the same in every row, so both runs see the same rows at every step whatever their sampler's order
-(the CPU test `tests/test_sequence_parallel.py` checks the same to ~1e-7 in fp32). Needs deepspeed on the GPU
-machine (the `ds` pack, docs/MULTI_GPU.md). Not run on GPUs yet.
+Sixteen different documents, one per step, as one process would train them (run 16 used one repeated document). The
+losses of two random documents on a random model differ by less than bf16 error, so the test that tells a repeated
+or reordered row apart is the CPU one, `tests/test_sequence_parallel.py` (fp32, equal to ~1e-7; it caught every row
+trained twice, fixed since). Needs deepspeed on the GPU machine (the `ds` pack, docs/MULTI_GPU.md).
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ STEPS = 6
 def test_two_gpus_of_sequence_parallelism_train_like_one(tmp_path):
     pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
     g = torch.Generator().manual_seed(0)
-    doc = torch.randint(3, 32000, (DOC,), generator=g).tolist()
-    data = tmp_path / "doc.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": doc, "labels": doc}) + "\n" for _ in range(16)))
+    docs = [torch.randint(3, 32000, (DOC,), generator=g).tolist() for _ in range(16)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": doc, "labels": doc}) + "\n" for doc in docs))
     runs = {}
     for processes, extra in ((1, []), (2, ["--sequence-parallel", "2"])):
         out = tmp_path / f"{processes}gpu"
