@@ -61,6 +61,9 @@ def main() -> None:
         json.dump({"losses": losses, "attn": attn,
                    "attn_function": getattr(function, "__qualname__", type(function).__name__),
                    "offloaded": offloader.stats.unpacked if offloader is not None else None}, f)
+    if torch.distributed.is_initialized():  # every rank done before any tears its communicator down
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
