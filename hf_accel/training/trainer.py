@@ -172,6 +172,12 @@ class AccelMixin(CheckpointFilesMixin):
             if plugin is not None:
                 plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
                 plugin.deepspeed_config["train_batch_size"] = self.args.world_size * self.args.gradient_accumulation_steps
+        else:
+            raise ConfigurationError(
+                "sequence parallelism needs hf_accel.Trainer's own packing collator and a token budget "
+                "(AccelArguments(max_tokens_per_batch=...)); with another data collator (TRL's SFTTrainer brings its "
+                "own) the stock sampler gives every rank of a sequence-parallel group the same batches, and "
+                "DeepSpeed's Ulysses loader, which gathers every rank's batch, would train each once per rank.")
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if self.accel.patch and attn is not None:
             if config.sp_handler.sp_attn_implementation not in (None, attn):
