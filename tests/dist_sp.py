@@ -8,6 +8,7 @@ the Llama-3-8B long-document setting (LoRA, layer inputs in host memory) in mini
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -64,6 +65,13 @@ def main() -> None:
     if torch.distributed.is_initialized():  # every rank done before any tears its communicator down
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    # Leave without the interpreter's teardown: under the CI's two busy pytest workers one rank of this driver
+    # aborted there twice after its results were written ("terminate called without an active exception", a C++
+    # thread destroyed while joinable; never seen in 14 runs alone, nor with scripts/sft.py). What this driver
+    # tests is written above; sft.py's own exit under sequence parallelism is tested by its launch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
