@@ -195,8 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.packing:
             p.error("--sequence-parallel needs packed batches; drop --no-packing")
         if not args.max_tokens_per_batch:
-            p.error("--sequence-parallel needs --max-tokens-per-batch (every rank reads its own packed rows from the "
-                    "token-budget sampler; e.g. the document length)")
+            p.error("--sequence-parallel needs --max-tokens-per-batch, e.g. the document length (every packed row "
+                    "is padded to it: DeepSpeed's loader gathers the rows of all ranks, which must be equally long)")
     return args
 
 

@@ -161,10 +161,8 @@ class AccelMixin(CheckpointFilesMixin):
             if not self.accel.max_tokens_per_batch:
                 raise ConfigurationError(
                     "sequence parallelism needs a token budget (AccelArguments(max_tokens_per_batch=...), sft.py "
-                    "--max-tokens-per-batch): DeepSpeed's Ulysses loader gathers every rank's batch and trains each "
-                    "in turn, so every rank must read its own batches, which hf_accel's token-budget sampler deals "
-                    "out; the stock sampler gives the ranks of one sequence-parallel group the same batches, and each "
-                    "would be trained once per rank.")
+                    "--max-tokens-per-batch): DeepSpeed's Ulysses loader all-gathers the packed row of every rank in "
+                    "the group, which needs rows of one length, and hf_accel pads every row to the budget.")
             self.data_collator.sequence_parallel(config.sp_size, row_length=self.accel.max_tokens_per_batch)
             # one packed row per micro-batch whatever per_device_train_batch_size says (it counts examples): the
             # Ulysses wrapper checks every activation against DeepSpeed's micro-batch size, so that is 1 row
@@ -172,12 +170,6 @@ class AccelMixin(CheckpointFilesMixin):
             if plugin is not None:
                 plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
                 plugin.deepspeed_config["train_batch_size"] = self.args.world_size * self.args.gradient_accumulation_steps
-        else:
-            raise ConfigurationError(
-                "sequence parallelism needs hf_accel.Trainer's own packing collator and a token budget "
-                "(AccelArguments(max_tokens_per_batch=...)); with another data collator (TRL's SFTTrainer brings its "
-                "own) the stock sampler gives every rank of a sequence-parallel group the same batches, and "
-                "DeepSpeed's Ulysses loader, which gathers every rank's batch, would train each once per rank.")
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if self.accel.patch and attn is not None:
             if config.sp_handler.sp_attn_implementation not in (None, attn):
@@ -375,8 +367,9 @@ class Trainer(AccelMixin, transformers.Trainer):
         dataset = self.train_dataset
         replicas, rank = self.args.world_size, self.args.process_index
         if _sequence_parallel_size(self) > 1:
-            # accelerate counts a sequence-parallel group as one data process, but DeepSpeed's Ulysses loader gathers
-            # the batch of every rank in the group and trains each in turn: every process needs its own batches
+            # DeepSpeed's Ulysses loader gathers the row of every rank in the group and trains each in turn, so every
+            # process reads its own rows. torch.distributed says which: accelerate's state, which the arguments
+            # read, reports one process on every rank of a CPU DeepSpeed launch (no backend of its own there)
             replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         sampler = TokenBudgetBatchSampler(
             _example_lengths(dataset), self.accel.max_tokens_per_batch, shuffle=True, seed=self.args.data_seed

@@ -3,8 +3,8 @@ ZeRO-3 trains one 16k-token document per step like 1 GPU under the same config, 
 
 Sixteen different documents, one per step, as one process would train them (run 16 used one repeated document). The
 losses of two random documents on a random model differ by less than bf16 error, so the test that tells a repeated
-or reordered row apart is the CPU one, `tests/test_sequence_parallel.py` (fp32, equal to ~1e-7; it caught every row
-trained twice, fixed since). Needs deepspeed on the GPU machine (the `ds` pack, docs/MULTI_GPU.md).
+or reordered row apart is the CPU one, `tests/test_sequence_parallel.py` (fp32, equal to ~1e-7; it caught rows
+trained once per rank on CPU, docs/MULTI_GPU.md found item 9). Needs deepspeed on the GPU machine (the `ds` pack).
 """
 from __future__ import annotations
 
