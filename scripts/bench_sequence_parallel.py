@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="accelerate config (DeepSpeed: sequence parallelism runs on it)")
     p.add_argument("--deepspeed-config-file", type=Path, default=None,
                    help="passed to accelerate launch (the CPU config names ds_zero3_cpu.json this way)")
-    p.add_argument("--config-timeout", type=float, default=600, help="seconds per run (default 600)")
+    p.add_argument("--config-timeout", type=float, default=1800,
+                   help="seconds per run (default 1800: a 512k-token step of Llama-3-8B takes ~5 minutes on 2 H200s, "
+                        "longer than one device call, so run this in the background across calls)")
     p.add_argument("--time-budget", type=float, default=0,
                    help="stop starting runs after this many seconds (0: no limit)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
