@@ -34,7 +34,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -59,7 +58,7 @@ from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa
 from hf_accel.bench.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
-                                   scaling_table, versions, write_outputs)
+                                   repeat_command, scaling_table, versions, write_outputs)
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
 
@@ -253,15 +252,7 @@ def child_main(args: argparse.Namespace) -> None:
 
 def command(argv: list[str]) -> str:
     """How this run was asked for, as a command line to repeat it (the machine-specific --out dropped)."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--out":
-            skip = True
-        elif not arg.startswith("--out="):
-            kept.append(arg)
-    return shlex.join(["python", "scripts/bench.py", *kept])
+    return repeat_command("scripts/bench.py", argv)
 
 
 def child_argv(args: argparse.Namespace, name: str, out: Path, nproc: int | None = None) -> list[str]:

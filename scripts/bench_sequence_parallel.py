@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hf_accel.bench.distributed import launch_argv, run_group  # noqa: E402
-from hf_accel.bench.report import versions, write_outputs  # noqa: E402
+from hf_accel.bench.report import repeat_command, versions, write_outputs  # noqa: E402
 
 DEFAULT_SFT_ARGS = "--model-shape llama-8b-long --lora-r 16 --checkpointing full"
 
@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                         stopped[gpus] = row["status"]
                 rows.append(row)
     when = datetime.now(timezone.utc)
-    kept = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
-    command = shlex.join(["python", "scripts/bench_sequence_parallel.py", *kept])
+    command = repeat_command("scripts/bench_sequence_parallel.py", argv)
     found = versions()
     md = (f"{when:%Y-%m-%d %H:%M} UTC, {found.get('gpu') or 'CPU'}, hf_accel commit {found.get('hf_accel_commit')}\n\n"
           f"`{command}` (sft.py arguments: `{args.sft_args}`, {args.steps} steps per run; steady = after the first "

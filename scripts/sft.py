@@ -14,8 +14,8 @@
 trained on random tokens of its vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b,
 falcon-1b, the long-context shapes llama-1b-long and llama-8b-long (Llama-3 rope scaling, 1M positions), and the small
 test shapes llama-small, neox-small, falcon-small (the same families and features, 4 layers of width 1024, vocabulary
-32000). --sequence-parallel N splits each packed row's tokens over N processes of a DeepSpeed launch (not yet run on
-GPUs: docs/MULTI_GPU.md).
+32000). --sequence-parallel N splits each packed row's tokens over N processes of a DeepSpeed launch (measured on
+2×H200: docs/MULTI_GPU.md section 9).
 
 Datasets: local json/jsonl/parquet files, a folder written by scripts/pretokenize.py, or a hub id, with chat
 ``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``). Every row is checked once

@@ -61,8 +61,9 @@ CASES = {
 }
 
 # Issue 19b: the same checks under DeepSpeed ZeRO-3 (bf16, fp32 optimizer partitions). The LoRA cases use whole-layer
-# policies, which also run reentrant (deepspeed before its fix for frozen parameters in a recompute needed that). hf_accel.Trainer leaves compiled layers off under
-# DeepSpeed (not measured there); the fused loss and fused ops stay on.
+# policies, the ones that also work reentrant (which ZeRO-3 + PEFT needed before deepspeed's fix for frozen parameters
+# in a recompute). hf_accel.Trainer leaves compiled layers off under DeepSpeed (not measured there); the fused loss
+# and fused ops stay on.
 ZERO3_CASES = {
     "llama-full": Case("llama-small", "deepspeed_zero3.yaml"),
     "llama-lora": Case("llama-small", "deepspeed_zero3.yaml", ("--lora-r", "16", "--checkpointing", "full")),

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multi_gpu_runs import launch_or_fail, zero3_cpu_launch  # noqa: E402
 

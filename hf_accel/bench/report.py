@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -33,6 +34,19 @@ def versions() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         found["hf_accel_commit"] = None
     return found
+
+
+def repeat_command(script: str, argv: list[str]) -> str:
+    """How a bench run was asked for, as a command line to repeat it (the machine-specific --out dropped)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return shlex.join(["python", script, *kept])
 
 
 def _fmt(value: Any, spec: str) -> str:

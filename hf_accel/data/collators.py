@@ -319,7 +319,7 @@ class DataCollatorForPacking(_BaseCollator):
                 raise InvalidBatch(f"a packed row of {seq_len} tokens is longer than the sequence-parallel row length "
                                    f"{target}; batch at most {self.sp_row_length} tokens (the token budget) per row.")
             seq_len = target
-        input_ids, labels, position_ids, doc_lens, real = [], [], [], [], []
+        input_ids, labels, position_ids, doc_lens, real_lens = [], [], [], [], []
         for row in rows:
             row_ids, row_labels, row_pos = [], [], []
             for d in sorted(row):
@@ -329,7 +329,7 @@ class DataCollatorForPacking(_BaseCollator):
                 row_pos += range(len(ids))
                 doc_lens.append(len(ids))
             tail = seq_len - len(row_ids)
-            real.append([1] * len(row_ids) + [0] * tail)
+            real_lens.append(len(row_ids))
             if tail:  # the padding tail is a dummy document, so no attention mask is needed
                 row_ids += [self.pad_token_id] * tail
                 row_labels += [IGNORE_INDEX] * tail
@@ -351,7 +351,8 @@ class DataCollatorForPacking(_BaseCollator):
             "position_ids": torch.tensor(position_ids, dtype=torch.long),
         }
         if self.sp_size > 1:
-            return {**rows_out, REAL_TOKENS_KEY: torch.tensor(real, dtype=torch.int8)}
+            real = torch.arange(seq_len)[None, :] < torch.tensor(real_lens)[:, None]  # the tail is not real
+            return {**rows_out, REAL_TOKENS_KEY: real.to(torch.int8)}
         return {
             **rows_out,
             "cu_seq_lens_q": cu_seq_lens,
