@@ -127,6 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerate-config", default="examples/accelerate/fsdp2.yaml",
                    help="accelerate config for --nproc (relative paths: to the repository root); "
                         "examples/accelerate/ddp_cpu.yaml runs CPU processes over gloo (tests)")
+    p.add_argument("--best-accelerate-config", default=None,
+                   help="hf_accel-best under --nproc: its own accelerate config (default: --accelerate-config), e.g. "
+                        "fsdp2.yaml with --best-checkpointing budget:... where the others run FSDP's activation "
+                        "checkpointing (fsdp2_checkpointing.yaml, which refuses an hf_accel policy): the same sharding, "
+                        "hf_accel's checkpointing plan instead of FSDP's every layer")
     p.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     preset_name = p.parse_known_args(argv)[0].preset
     if preset_name:
@@ -171,9 +176,16 @@ def parse_known(argv: list[str] | None, flag: str) -> str | None:
     return None
 
 
-def accelerate_config(args: argparse.Namespace) -> Path:
-    path = Path(args.accelerate_config)
+def accelerate_config(args: argparse.Namespace, name: str | None = None) -> Path:
+    """The accelerate config that configuration `name` launches under (--best-accelerate-config for hf_accel-best)."""
+    path = Path(config_yaml(args, name))
     return path if path.is_absolute() else REPO / path
+
+
+def config_yaml(args: argparse.Namespace, name: str | None = None) -> str:
+    if name == "hf_accel-best" and getattr(args, "best_accelerate_config", None):
+        return args.best_accelerate_config
+    return args.accelerate_config
 
 
 def data_spec(args: argparse.Namespace) -> DataSpec:
@@ -274,8 +286,8 @@ def child_argv(args: argparse.Namespace, name: str, out: Path, nproc: int | None
     argv += ["--tiny"] if args.tiny else []
     if nproc is None:
         return [sys.executable, *argv]
-    argv += ["--nproc", str(nproc), "--accelerate-config", args.accelerate_config]
-    return launch_argv(accelerate_config(args), nproc, argv)
+    argv += ["--nproc", str(nproc), "--accelerate-config", config_yaml(args, name)]
+    return launch_argv(accelerate_config(args, name), nproc, argv)
 
 
 def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | None = None,
@@ -408,6 +420,8 @@ def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Option
     }
     if args.nproc:
         record.update(nproc=args.nproc, accelerate_config=args.accelerate_config)
+        if args.best_accelerate_config and "hf_accel-best" in args.configs:
+            record["best_accelerate_config"] = args.best_accelerate_config
     nprocs = f"-nproc{'-'.join(map(str, args.nproc))}" if args.nproc else ""
     stem = f"{args.workload}{'-tiny' if args.tiny else ''}{nprocs}_{now:%Y-%m-%dT%H%M%S}"
     return finish(args, stem, record, table)
@@ -421,8 +435,8 @@ def launch_unmet(args: argparse.Namespace, name: str, nproc: int | None) -> str 
         return "no multi-process path (--nproc): runs in one plain process only"
     if args.device.startswith("cuda") and torch.cuda.device_count() < nproc:
         return f"needs {nproc} GPUs, {torch.cuda.device_count()} visible"
-    if not accelerate_config(args).exists():
-        return f"accelerate config {args.accelerate_config} not found"
+    if not accelerate_config(args, name).exists():
+        return f"accelerate config {config_yaml(args, name)} not found"
     return None
 
 

@@ -342,7 +342,15 @@ def test_multi_gpu_preset_and_nproc_flags():
     assert args.configs == ["trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-best"]
     assert (args.steps, args.warmup, args.config_timeout, args.time_budget) == (20, 6, 130, 540)
     assert bench.accelerate_config(args) == REPO / "examples" / "accelerate" / "fsdp2.yaml"
-    assert bench.accelerate_config(bench.parse_args(["--preset", "multi-gpu-8b"])).name == "fsdp2_checkpointing.yaml"
+    full_8b = bench.parse_args(["--preset", "multi-gpu-8b"])
+    assert bench.accelerate_config(full_8b).name == "fsdp2_checkpointing.yaml"
+    # hf_accel-best launches under its own config there (FSDP's checkpointing refuses hf_accel's plan), the rest not
+    best = bench.child_argv(full_8b, "hf_accel-best", Path("r.json"), nproc=2)
+    assert best[best.index("--config_file") + 1] == str(REPO / "examples/accelerate/fsdp2.yaml")
+    assert best[best.index("--accelerate-config") + 1] == "examples/accelerate/fsdp2.yaml"
+    assert best[best.index("--best-checkpointing") + 1] == "budget:0.8"
+    trl = bench.child_argv(full_8b, "trl-fa4-packed-liger", Path("r.json"), nproc=2)
+    assert trl[trl.index("--config_file") + 1] == str(REPO / "examples/accelerate/fsdp2_checkpointing.yaml")
     assert bench.parse_args(["--preset", "multi-gpu", "--nproc", "2"]).nproc == [2]
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):

@@ -81,6 +81,21 @@ def test_index_current_run_and_fields(tree):
         ("trl-fa4-packed", "stock"), ("hf_accel-best", "best")]
 
 
+def test_a_run_with_both_headline_rows_stays_current_over_a_later_one_with_one(tmp_path):
+    """A later same-run comparison of the stock anchor and hf_accel's defaults alone (a side measurement) does not
+    displace the last run that measured the defaults and the best settings: the tables show both rows."""
+    results = tmp_path / "results"
+    _write(results, "w1_full.json", _record("w1", "2026-01-02T10:00:00+00:00", [
+        _result("trl-fa4-packed", 100.0, ratio=1.0), _result("hf_accel-defaults", 130.0, ratio=1.3),
+        _result("hf_accel-best", 150.0, ratio=1.5)]))
+    _write(results, "w1_defaults.json", _record("w1", "2026-01-03T10:00:00+00:00", [
+        _result("trl-fa4-packed", 100.0, ratio=1.0), _result("hf_accel-defaults", 131.0, ratio=1.31)]))
+    assert [r["file"] for r in build_index(results)["runs"] if r["current"]] == ["w1_full.json"]
+    # without a run of both, the newest run with either headline row is current
+    (results / "w1_full.json").unlink()
+    assert [r["file"] for r in build_index(results)["runs"] if r["current"]] == ["w1_defaults.json"]
+
+
 def test_reconstructed_command_keeps_what_changes_the_run_and_drops_paths():
     args = {"workload": "llama-1b", "configs": "['a', 'b']", "steps": "30", "warmup": "6", "out": "/x/out",
             "fused_ce": "auto", "best_checkpointing": "budget:0.8", "best_compile": "on", "seed": "0"}
