@@ -58,7 +58,7 @@ from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa
 from hf_accel.bench.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
-                                   repeat_command, scaling_table, versions, write_outputs)
+                                   repeat_command, repo_relative, scaling_table, versions, write_outputs)
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
 
@@ -254,7 +254,7 @@ def child_main(args: argparse.Namespace) -> None:
         result["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if isinstance(exc, torch.OutOfMemoryError):
             result["status"] = "OOM"
-        result["traceback"] = traceback.format_exc()[-4000:]
+        result["traceback"] = repo_relative(traceback.format_exc()[-4000:])
         result["notes"] = timing.notes
     if launched:
         result["nproc"] = rank.world_size
@@ -324,7 +324,7 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
             result["doc_length"] = args.doc_length
         result["wall_seconds"] = time.perf_counter() - start
         if result.get("status") != "ok":
-            result["log_tail"] = proc.stderr[-3000:]
+            result["log_tail"] = repo_relative(proc.stderr[-3000:])
         return result
 
 

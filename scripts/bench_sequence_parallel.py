@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hf_accel.bench.distributed import launch_argv, run_group  # noqa: E402
-from hf_accel.bench.report import repeat_command, versions, write_outputs  # noqa: E402
+from hf_accel.bench.report import repeat_command, repo_relative, versions, write_outputs  # noqa: E402
 
 DEFAULT_SFT_ARGS = "--model-shape llama-8b-long --lora-r 16 --checkpointing full"
 
@@ -113,7 +113,7 @@ def run_one(args: argparse.Namespace, gpus: int, length: int, work: Path) -> dic
     metrics = out / "metrics.json"
     if proc.returncode != 0 or not metrics.exists():
         row["status"] = stopped_by(text)
-        row["log_tail"] = text[-3000:]
+        row["log_tail"] = repo_relative(text[-3000:])
         return row
     record = json.loads(metrics.read_text())
     throughput = record.get("throughput") or {}

@@ -511,3 +511,14 @@ def test_versions_name_the_commit_and_a_dirty_tree():
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                            cwd=REPO).stdout.strip()
     assert versions()["hf_accel_commit"] == head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def test_records_name_files_relative_to_the_repository():
+    """A traceback or log tail kept in a result record names the checkout's files relative to it, not where the machine
+    that ran it kept the checkout (records are committed)."""
+    from hf_accel.bench.report import REPO, repo_relative
+
+    text = f'File "{REPO}/scripts/sft.py", line 3\n  cwd {REPO}\n  File "/usr/lib/python3/x.py"'
+    assert repo_relative(text) == 'File "scripts/sft.py", line 3\n  cwd .\n  File "/usr/lib/python3/x.py"'
+    assert (REPO / "scripts" / "bench.py").exists()
+

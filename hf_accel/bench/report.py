@@ -49,6 +49,15 @@ def repeat_command(script: str, argv: list[str]) -> str:
     return shlex.join(["python", script, *kept])
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def repo_relative(text: str) -> str:
+    """`text` (a traceback, a log's tail) with the checkout's own location cut from its paths: records name files
+    relative to the repository, never where the machine that ran them kept it."""
+    return text.replace(f"{REPO}/", "").replace(str(REPO), ".")
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
