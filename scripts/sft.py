@@ -425,6 +425,9 @@ def training_arguments(args: argparse.Namespace, tiny_default: bool):
         # use_cpu keeps accelerate from starting torch.distributed early, which DeepSpeed's sequence-parallel set-up
         # needs before the engine exists (on CPU its launch runs on DeepSpeed's CPU accelerator instead)
         use_cpu=not torch.cuda.is_available() and args.sequence_parallel == 1,
+        # ... and with no backend named there, accelerate's state counts one process on every rank (so every rank
+        # saved checkpoints as process 0): name gloo, as its own CPU launches do
+        ddp_backend="gloo" if not torch.cuda.is_available() and args.sequence_parallel > 1 else None,
         report_to="none", dataloader_num_workers=0, disable_tqdm=True,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; finding unused ones costs a pass
         logging_nan_inf_filter=False,  # its check reads every step's loss back (a host sync); NaN shows in the log

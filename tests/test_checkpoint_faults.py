@@ -158,3 +158,24 @@ def test_verify_flags_a_truncated_zip_and_a_bad_safetensors_header(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     truncate(tmp_path / "optimizer.pt")
     assert "optimizer.pt" in (verify_checkpoint(str(tmp_path)) or "")
+
+
+class _EngineConfig:  # stands for the objects DeepSpeed pickles beside its tensors (its config, enums)
+    stage = 3
+
+
+def test_deepspeed_engine_files_get_structure_checks_only(tmp_path):
+    """DeepSpeed writes its engine state (``global_stepN/*_optim_states.pt``) as full pickles and reads them back with
+    its own loader. verify_checkpoint parsed them with weights_only=True, which refused every ZeRO checkpoint (resume
+    failed with "no complete checkpoint"); now they get the size and zip checks, and a truncated one is still caught.
+    The same pickle at the checkpoint's top level, where transformers' weights-only loaders read, is still refused."""
+    engine = tmp_path / "global_step3"
+    engine.mkdir()
+    torch.save({"optimizer_state_dict": {"x": torch.ones(1000)}, "ds_config": _EngineConfig()},
+               engine / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert verify_checkpoint(str(tmp_path)) is None
+    truncate(engine / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert "optim_states.pt" in (verify_checkpoint(str(tmp_path)) or "")
+    shutil.rmtree(engine)
+    torch.save({"ds_config": _EngineConfig()}, tmp_path / "optimizer.pt")
+    assert "unreadable" in (verify_checkpoint(str(tmp_path)) or "")

@@ -7,7 +7,8 @@ by ``verify_checkpoint`` before anything of it is loaded. ``AsyncWriter`` runs t
 background thread after the state was copied to CPU, so training does not wait on the disk.
 
 Loading stays safe: weights are read through safetensors only, every other file with ``torch.load(weights_only=True)``
-(transformers' loaders do the same; ``verify_checkpoint`` parses them that way too, memory-mapped).
+(transformers' loaders do the same; ``verify_checkpoint`` parses them that way too, memory-mapped). DeepSpeed's engine
+files (``global_stepN/``) are the exception: DeepSpeed loads them itself, so they get the size and structure checks only.
 """
 from __future__ import annotations
 
@@ -217,6 +218,8 @@ def _check_structure(path: str) -> str | None:
                 return "not a torch checkpoint (no zip directory; truncated or overwritten)"
             if name == "training_args.bin":  # a full pickle that resume never loads: structure only
                 return None
+            if _is_engine_state(path):  # DeepSpeed's own pickles, which only DeepSpeed's loader reads: structure only
+                return None
             import torch
 
             with _numpy_allowlist():  # the allowlist transformers' own RNG loader uses
@@ -224,6 +227,13 @@ def _check_structure(path: str) -> str | None:
     except Exception as exc:  # any parse failure means: do not load this checkpoint
         return f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
     return None
+
+
+def _is_engine_state(path: str) -> bool:
+    """A file of DeepSpeed's engine state (``global_stepN/*_model_states.pt``, ``*_optim_states.pt``): full pickles
+    (its config and enums beside the tensors) that resume hands to DeepSpeed's ``load_checkpoint``, which reads them
+    with ``weights_only=False`` itself. Parsing them with ``weights_only=True`` here refused every ZeRO checkpoint."""
+    return os.path.basename(os.path.dirname(path)).startswith("global_step")
 
 
 def _numpy_allowlist():

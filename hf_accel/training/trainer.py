@@ -92,6 +92,30 @@ def explain_stand_down(report, reason: str | None) -> None:
                            for line in report.speedups]
 
 
+def _skip_first_batches_with_ulysses(stock):
+    """accelerate's ``skip_first_batches``, which also skips in DeepSpeed's ``UlyssesSPDataLoaderAdapter``: that yields
+    each inner batch ``sp_world_size`` times (every rank's row of the group in turn, sharded), so skipping ``n`` of
+    its micro-batches skips ``n // sp`` inner batches in the wrapped loader (the sampler skips, nothing is loaded),
+    then draws the remaining ``n % sp`` from a new adapter (a resume between two rows of one gathered group)."""
+
+    def skip(dataloader, num_batches=0):
+        try:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+        except ImportError:
+            return stock(dataloader, num_batches)
+        if not isinstance(dataloader, UlyssesSPDataLoaderAdapter):
+            return stock(dataloader, num_batches)
+        whole, rest = divmod(num_batches, dataloader.sp_world_size)
+        adapter = UlyssesSPDataLoaderAdapter(stock(dataloader.dl, whole), sp_rank=dataloader.sp_rank,
+                                             sp_group=dataloader.sp_group, sp_world_size=dataloader.sp_world_size,
+                                             device=dataloader.device)
+        for _ in range(rest):
+            next(adapter)
+        return adapter
+
+    return skip
+
+
 def _sequence_parallel_size(trainer: Any) -> int:
     """The Ulysses sequence-parallel size of ``trainer``'s accelerate config (DeepSpeed's ``sp_size``), 1 when off."""
     config = getattr(trainer.accelerator, "parallelism_config", None)
@@ -258,6 +282,19 @@ class AccelMixin(CheckpointFilesMixin):
             reapply_checkpointing(self.model)
         self._meter = ThroughputMeter(self.model, self.args.device)
         return super()._inner_training_loop(*args, **kwargs)
+
+    def _run_epoch(self, *args, **kwargs):
+        # Resuming under Ulysses sequence parallelism: transformers skips the trained micro-batches with accelerate's
+        # skip_first_batches, which knows no DeepSpeed loader adapter (it has no `.dataset`: every such resume
+        # failed). For that call only, transformers' module gets a skip that rebuilds the adapter.
+        import transformers.trainer as hf_trainer
+
+        stock = hf_trainer.skip_first_batches
+        hf_trainer.skip_first_batches = _skip_first_batches_with_ulysses(stock)
+        try:
+            return super()._run_epoch(*args, **kwargs)
+        finally:
+            hf_trainer.skip_first_batches = stock
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         resume_from_checkpoint = self._prepare_run(resume_from_checkpoint)
