@@ -116,6 +116,49 @@ def launch_or_fail(cmd: list[str], cwd: Path, timeout: float, log: Path | None =
     return out
 
 
+def launch_killed_in_save(cmd: list[str], cwd: Path, step: int, timeout: float, log: Path,
+                          env: dict[str, str] | None = None) -> None:
+    """Launch ``cmd`` (a run that saves at ``step``) and SIGKILL its whole process group inside that save: its files
+    written, not yet renamed into place (hf_accel's PAUSE_ENV hook), so ``checkpoint-<step>`` never appears. Output
+    goes to ``log`` (a file, not a pipe: nobody reads a pipe while the ranks train, and a full one blocks them)."""
+    import time
+
+    from hf_accel.training.checkpoint_io import PAUSE_ENV
+
+    marker = log.with_suffix(".paused")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", PAUSE_ENV: f"{step}:{marker}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {})}
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        try:
+            while not marker.exists():
+                assert proc.poll() is None, f"the run ended before the save of step {step}: {log.read_text()[-3000:]}"
+                assert time.time() < deadline, f"the run never reached the save of step {step}: " \
+                                               f"{log.read_text()[-3000:]}"
+                time.sleep(0.2)
+        finally:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def assert_resumed_like_uninterrupted(resumed: Path, whole: Path, steps: int, rtol: float,
+                                      atol: float = 1e-6) -> None:
+    """A resumed run's output folder against the uninterrupted run's: every step's loss (metrics.json) and the final
+    saved weights."""
+    from safetensors.torch import load_file
+
+    def losses(out: Path) -> list[float]:
+        return json.loads((out / "metrics.json").read_text())["losses"]
+
+    assert len(losses(resumed)) == len(losses(whole)) == steps
+    torch.testing.assert_close(torch.tensor(losses(resumed)), torch.tensor(losses(whole)), rtol=rtol, atol=0)
+    weights, after = load_file(whole / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert weights.keys() == after.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(after[name].float(), value.float(), rtol=rtol, atol=atol, msg=name)
+
+
 def read_run(out: Path, processes: int) -> dict:
     """Rank 0's metrics.json, after checking that every rank logged the same (global) per-step losses."""
     names = ["metrics.json"] + [f"metrics.rank{r}.json" for r in range(1, processes)]

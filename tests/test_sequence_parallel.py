@@ -16,7 +16,8 @@ from hf_accel.data.collators import REAL_TOKENS_KEY, DataCollatorForPacking
 from hf_accel.errors import ConfigurationError, InvalidBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_gpu_runs import launch_or_fail, zero3_cpu_launch  # noqa: E402
+from multi_gpu_runs import (assert_resumed_like_uninterrupted, launch_killed_in_save, launch_or_fail,  # noqa: E402
+                            zero3_cpu_launch)
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 150  # ~15 s on 2 cores; longer means a rank waits in a collective
@@ -205,14 +206,6 @@ def test_sequence_parallel_run_killed_in_a_save_resumes_like_an_uninterrupted_on
     checkpoint (DeepSpeed's engine files are full pickles), then accelerate's skip found no `.dataset` on the adapter;
     and on a CPU launch every rank saved as process 0."""
     pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from safetensors.torch import load_file
-
-    from hf_accel.training.checkpoint_io import PAUSE_ENV
 
     def command(out: Path, *extra: str) -> list[str]:
         return zero3_cpu_launch(ROOT / "scripts" / "sft.py") + [
@@ -220,31 +213,9 @@ def test_sequence_parallel_run_killed_in_a_save_resumes_like_an_uninterrupted_on
             "--eval-examples", "0", "--max-tokens-per-batch", "160", "--output-dir", str(out), *extra]
 
     env = {"OMP_NUM_THREADS": "1"}
-    whole, cut, marker = tmp_path / "whole", tmp_path / "cut", tmp_path / "paused"
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
     launch_or_fail(command(whole), tmp_path, RUN_TIMEOUT_S, env=env)
-    log = tmp_path / "cut.log"
-    with open(log, "w") as sink:  # a file, not a pipe: nobody reads a pipe while the ranks train, and it fills
-        proc = subprocess.Popen(command(cut), cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **env, "HF_HUB_OFFLINE": "1",
-                                                             PAUSE_ENV: f"6:{marker}", "PYTHONPATH": str(ROOT)})
-        deadline = time.time() + RUN_TIMEOUT_S
-        try:
-            while not marker.exists():
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.time() < deadline, "the run never reached the save of step 6: " + log.read_text()[-3000:]
-                time.sleep(0.2)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    launch_killed_in_save(command(cut), tmp_path, 6, RUN_TIMEOUT_S, tmp_path / "cut.log", env=env)
     assert (cut / "checkpoint-3").is_dir() and not (cut / "checkpoint-6").exists()
     launch_or_fail(command(cut, "--resume"), tmp_path, RUN_TIMEOUT_S, env=env)
-
-    def losses(out: Path) -> list[float]:
-        return json.loads((out / "metrics.json").read_text())["losses"]
-
-    assert len(losses(cut)) == 6
-    torch.testing.assert_close(torch.tensor(losses(cut)), torch.tensor(losses(whole)), rtol=RTOL, atol=0)
-    weights, resumed = load_file(whole / "model.safetensors"), load_file(cut / "model.safetensors")
-    assert weights.keys() == resumed.keys()
-    for name, value in weights.items():
-        torch.testing.assert_close(resumed[name], value, rtol=RTOL, atol=1e-6, msg=name)
+    assert_resumed_like_uninterrupted(cut, whole, steps=6, rtol=RTOL)

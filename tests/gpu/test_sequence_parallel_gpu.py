@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from multi_gpu_runs import LAUNCH_TIMEOUT_S, LOSS_RTOL, ROOT, STEP1_RTOL, launch_command, launch_or_fail
+from multi_gpu_runs import (CONFIGS, LAUNCH_TIMEOUT_S, LOSS_RTOL, ROOT, STEP1_RTOL, assert_resumed_like_uninterrupted,
+                            launch_command, launch_killed_in_save, launch_or_fail)
+
+from hf_accel.bench.distributed import launch_argv
 
 DOC = 16384
 STEPS = 6
@@ -44,3 +47,26 @@ def test_two_gpus_of_sequence_parallelism_train_like_one(tmp_path):
     torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=LOSS_RTOL, atol=0)
     # each GPU holds half the sequence's activations (the weights are ZeRO-3 partitions in both runs)
     assert float(two["throughput"]["peak_mem_gib"]) < float(one["throughput"]["peak_mem_gib"]), (one, two)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs (found {torch.cuda.device_count()})")
+def test_sequence_parallel_run_killed_in_a_save_resumes_on_two_gpus(tmp_path):
+    """The CPU resume test on the GPUs (bf16, NCCL): `sft.py --sequence-parallel 2` under ZeRO-3 saving every 3 steps,
+    SIGKILLed inside the save of step 6 and resumed, logs the uninterrupted run's losses and ends at its weights."""
+    pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
+
+    def command(out: Path, *extra: str) -> list[str]:
+        return launch_argv(CONFIGS / "deepspeed_zero3.yaml", 2, [str(ROOT / "scripts" / "sft.py"),
+                           "--model-shape", "llama-small", "--bf16", "--seed", "0", "--sequence-parallel", "2",
+                           "--max-steps", "6", "--save-steps", "3", "--max-tokens-per-batch", "4096",
+                           "--logging-steps", "1", "--eval-examples", "0", "--lr", "1e-4", "--output-dir", str(out),
+                           *extra])
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    launch_or_fail(command(whole), ROOT, LAUNCH_TIMEOUT_S, tmp_path / "whole.log")
+    launch_killed_in_save(command(cut), ROOT, 6, LAUNCH_TIMEOUT_S, tmp_path / "cut.log")
+    assert (cut / "checkpoint-3").is_dir() and not (cut / "checkpoint-6").exists()
+    launch_or_fail(command(cut, "--resume"), ROOT, LAUNCH_TIMEOUT_S, tmp_path / "resumed.log")
+    assert_resumed_like_uninterrupted(cut, whole, steps=6, rtol=LOSS_RTOL, atol=1e-2)
+
