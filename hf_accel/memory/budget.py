@@ -53,6 +53,9 @@ class MemoryBudget(CheckpointingPolicy):
     # Llama-1B full fine-tune peaks by ~2.5 GiB, its gradients' size. None/False: counted on top (right for gradient
     # accumulation and for any loop); hf_accel's Trainers set it when gradient_accumulation_steps is 1.
     grads_freed: bool | None = None
+    # the training state is sharded (FSDP2, DeepSpeed ZeRO-3; estimate.Sharding): the plan counts this process's
+    # share and what it gathers while computing, not the whole model's state. hf_accel's Trainers set it.
+    sharding: object = None
     plan: object = field(default=None, init=False, repr=False)
     budget_bytes_resolved: int | None = field(default=None, init=False, repr=False)  # the budget apply() planned for
 
@@ -90,9 +93,10 @@ class MemoryBudget(CheckpointingPolicy):
         finally:
             model.train(was_training)
         self.budget_bytes_resolved = budget
-        grads = gradient_bytes(model, decoder_layers(model)) if self.grads_freed else None
+        grads = gradient_bytes(model, decoder_layers(model), self.sharding) if self.grads_freed else None
         self.plan = plan_checkpointing(
-            probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer, grads=grads is None),
+            probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer, grads=grads is None,
+                                                           sharding=self.sharding),
             budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes, modes=modes,
             costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST, grads=grads,
         )
@@ -108,8 +112,10 @@ class MemoryBudget(CheckpointingPolicy):
                 f"'budget:{_ceil_bytes(smallest)}'; or train on fewer tokens per micro-batch."
             )
         _check_host_memory(self.plan, self.budget)
+        sharded = "" if self.sharding is None else (
+            f", the training state as one of {self.sharding.world_size} {self.sharding.engine} processes holds it")
         text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
-                f"head peak {format_bytes(probe.tail_peak_bytes)}):\n{self.plan.table()}")
+                f"head peak {format_bytes(probe.tail_peak_bytes)}{sharded}):\n{self.plan.table()}")
         logger.info("%s", text)
         if self.verbose and _first_process():
             print(text, flush=True)

@@ -28,10 +28,30 @@ def _optimizer_state_bytes(numel: int, elem_bytes: int, optimizer: str) -> int:
     return numel * per_param[optimizer]
 
 
-def training_state_bytes(model: nn.Module, optimizer: str = "adamw", grads: bool = True) -> int:
+@dataclass(frozen=True)
+class Sharding:
+    """The training state split over ``world_size`` processes, as each process holds it.
+
+    ``engine`` "fsdp2": every parameter, gradient and optimizer state is a 1/world_size shard; under mixed precision
+    accelerate upcasts the trainable parameters to fp32 master weights first (``master_bytes=4``: their gradients and
+    AdamW states are fp32 too); each decoder layer's parameters are gathered whole, in the compute dtype, while it
+    runs (two at a time: the next one is prefetched), and the root's own (embeddings, head, final norm) for the step.
+    ``engine`` "zero3" (DeepSpeed): the same shards, plus its fp32 master partition of the trainable parameters
+    besides their compute-dtype partition.
+    """
+
+    engine: str  # "fsdp2" | "zero3"
+    world_size: int
+    master_bytes: int | None = None  # bytes per trainable element of master weights / grads / states; None: as held
+
+
+def training_state_bytes(model: nn.Module, optimizer: str = "adamw", grads: bool = True,
+                         sharding: Sharding | None = None) -> int:
     """Weights (all) + gradients (unless ``grads=False``) and optimizer states (trainable parameters only) of a real
-    model."""
+    model, on one process: all of it, or its share under ``sharding`` plus what that gathers while computing."""
     unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
+    if sharding is not None:
+        return sum(sharded_state_bytes(model, optimizer, grads, sharding))
     total = sum(p.numel() * p.element_size() for p in unique)
     for p in unique:
         if p.requires_grad:
@@ -40,8 +60,34 @@ def training_state_bytes(model: nn.Module, optimizer: str = "adamw", grads: bool
     return total
 
 
-def gradient_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> GradientBytes:
-    """The trainable parameters' gradient bytes in each of ``layers`` (the probed decoder layers) and elsewhere."""
+def sharded_state_bytes(model: nn.Module, optimizer: str, grads: bool, sharding: Sharding) -> tuple[int, int]:
+    """(this process's shard of weights, gradients and optimizer states; the compute-dtype copies it gathers) for
+    ``model`` as it is before the sharding wrapper takes it (as hf_accel's Trainers plan: before accelerate's
+    prepare)."""
+    from .targets import decoder_layers
+
+    unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
+    shard = 0
+    for p in unique:
+        held = p.numel() * p.element_size()
+        if p.requires_grad:
+            master = p.numel() * (sharding.master_bytes or p.element_size())
+            weights = master + held if sharding.engine == "zero3" and sharding.master_bytes else master
+            shard += weights + master * grads + _optimizer_state_bytes(p.numel(), sharding.master_bytes
+                                                                       or p.element_size(), optimizer)
+        else:
+            shard += held
+    layers = decoder_layers(model)
+    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() * p.element_size() for p in unique if id(p) not in in_layers)
+    gathered = 2 * max(layer_bytes, default=0) + root  # compute-dtype copies: the running and the prefetched layer
+    return -(-shard // sharding.world_size), gathered
+
+
+def gradient_bytes(model: nn.Module, layers: Sequence[nn.Module], sharding: Sharding | None = None) -> GradientBytes:
+    """The trainable parameters' gradient bytes in each of ``layers`` (the probed decoder layers) and elsewhere (this
+    process's shards of them under ``sharding``)."""
     seen: set[int] = set()
 
     def trainable_bytes(params) -> int:
@@ -50,7 +96,10 @@ def gradient_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> GradientByt
             key = p.untyped_storage().data_ptr()
             if p.requires_grad and key not in seen:
                 seen.add(key)
-                total += p.numel() * p.element_size()
+                if sharding is None:
+                    total += p.numel() * p.element_size()
+                else:
+                    total += -(-p.numel() * (sharding.master_bytes or p.element_size()) // sharding.world_size)
         return total
 
     per_layer = tuple(trainable_bytes(layer.parameters()) for layer in layers)

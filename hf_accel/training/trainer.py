@@ -249,12 +249,29 @@ class AccelMixin(CheckpointFilesMixin):
             tokens = self._micro_batch_tokens()
             if tokens:
                 policy.batch_tokens = tokens
+        if isinstance(policy, MemoryBudget) and policy.sharding is None:
+            policy.sharding = self._accel_sharding()
         if isinstance(policy, MemoryBudget) and policy.grads_freed is None:
             # transformers' loop frees the gradients after each optimizer step (model.zero_grad(), set_to_none);
             # with one micro-batch per step none exist during a forward. DeepSpeed keeps its own gradient buffers.
             policy.grads_freed = (self.args.gradient_accumulation_steps == 1
                                   and not getattr(self, "is_deepspeed_enabled", False))
         return policy
+
+    def _accel_sharding(self) -> Any:
+        """How this process will hold the training state (``memory.estimate.Sharding``): under FSDP2 and DeepSpeed
+        ZeRO-3 a 1/world_size share, trainable parameters as fp32 master weights under mixed precision (accelerate
+        upcasts them for FSDP2; DeepSpeed's bf16/fp16 optimizers keep an fp32 partition). None: unsharded."""
+        from ..memory.estimate import Sharding
+
+        mixed = self.args.bf16 or self.args.fp16
+        if getattr(self, "is_fsdp_enabled", False) and getattr(self.accelerator, "is_fsdp2", False):
+            return Sharding("fsdp2", self.args.world_size, 4 if mixed else None)
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None) \
+            if getattr(self, "is_deepspeed_enabled", False) else None
+        if plugin is not None and plugin.zero_stage == 3:
+            return Sharding("zero3", self.args.world_size, 4 if mixed else None)
+        return None
 
     def _micro_batch_tokens(self) -> int | None:
         """The most tokens one micro-batch of this run can hold (None when unknown)."""
