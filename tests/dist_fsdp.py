@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
+from multi_gpu_runs import leave_process_group  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.data.collators import DataCollatorForPacking  # noqa: E402
@@ -200,8 +201,7 @@ def main() -> None:
     reports = {case: run_case(case, out, rank, world) for case in args.cases.split(",")}
     if rank == 0:
         (out / "report.json").write_text(json.dumps(reports, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
+from multi_gpu_runs import leave_process_group  # noqa: E402
 
 from hf_accel.training.adapters import plain_name  # noqa: E402
 
@@ -114,8 +115,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for layout in args.layouts.split(","):
         run_layout(layout, Path(args.out))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

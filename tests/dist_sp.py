@@ -12,6 +12,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multi_gpu_runs import leave_process_group  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -62,16 +65,7 @@ def main() -> None:
         json.dump({"losses": losses, "attn": attn,
                    "attn_function": getattr(function, "__qualname__", type(function).__name__),
                    "offloaded": offloader.stats.unpacked if offloader is not None else None}, f)
-    if torch.distributed.is_initialized():  # every rank done before any tears its communicator down
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    # Leave without the interpreter's teardown: under the CI's two busy pytest workers one rank of this driver
-    # aborted there twice after its results were written ("terminate called without an active exception", a C++
-    # thread destroyed while joinable; never seen in 14 runs alone, nor with scripts/sft.py). What this driver
-    # tests is written above; sft.py's own exit under sequence parallelism is tested by its launch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()  # sft.py's own exit under sequence parallelism is tested by its launch
 
 
 if __name__ == "__main__":

@@ -11,8 +11,14 @@ import json
 import os
 import types
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multi_gpu_runs import leave_process_group  # noqa: E402
 
 
 def main() -> None:
@@ -58,8 +64,7 @@ def main() -> None:
     with open(os.path.join(args.out, f"state.rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"held": held, "estimated_shard": shard, "estimated_gathered": gathered,
                    "unsharded_estimate": unsharded}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
