@@ -306,7 +306,9 @@ class AccelMixin(CheckpointFilesMixin):
         # failed). For that call only, transformers' module gets a skip that rebuilds the adapter.
         import transformers.trainer as hf_trainer
 
-        stock = hf_trainer.skip_first_batches
+        stock = getattr(hf_trainer, "skip_first_batches", None)
+        if stock is None or _sequence_parallel_size(self) == 1:
+            return super()._run_epoch(*args, **kwargs)
         hf_trainer.skip_first_batches = _skip_first_batches_with_ulysses(stock)
         try:
             return super()._run_epoch(*args, **kwargs)
