@@ -9,9 +9,8 @@ rank sums the bytes of its local shards of parameters, gradients and optimizer s
 import argparse
 import json
 import os
-import types
-
 import sys
+import types
 from pathlib import Path
 
 import torch

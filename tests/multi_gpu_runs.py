@@ -91,13 +91,18 @@ def case_args(case: Case, data: Path, out: Path, grad_accum: int) -> list[str]:
             "--output-dir", str(out), *case.extra]
 
 
+def launch_env(extra: dict[str, str]) -> dict[str, str]:
+    """A launched run's environment: this one, offline, the repository first on the path, plus ``extra``."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra}
+
+
 def launch_or_fail(cmd: list[str], cwd: Path, timeout: float, log: Path | None = None,
                    env: dict[str, str] | None = None) -> str:
     """Run a launcher in its own process group under ``timeout``; on a timeout kill the whole group (no orphaned
     ranks) and fail, saying it hung. The output goes to ``log`` too when given. ``env``: more variables. Returns the
     output."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_ACCEL_HANG_DUMP_S": HANG_DUMP_S,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {})}
+    env = launch_env({"HF_ACCEL_HANG_DUMP_S": HANG_DUMP_S, **(env or {})})
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -136,16 +141,16 @@ def leave_process_group() -> None:
 
 def launch_killed_in_save(cmd: list[str], cwd: Path, step: int, timeout: float, log: Path,
                           env: dict[str, str] | None = None) -> None:
-    """Launch ``cmd`` (a run that saves at ``step``) and SIGKILL its whole process group inside that save: its files
-    written, not yet renamed into place (hf_accel's PAUSE_ENV hook), so ``checkpoint-<step>`` never appears. Output
-    goes to ``log`` (a file, not a pipe: nobody reads a pipe while the ranks train, and a full one blocks them)."""
+    """Start ``cmd`` (a run, launched or not, that saves at ``step``) and SIGKILL its whole process group inside that
+    save: its files written, not yet renamed into place (hf_accel's PAUSE_ENV hook), so ``checkpoint-<step>`` never
+    appears. Output goes to ``log`` (a file, not a pipe: nobody reads a pipe while the run trains, and a full one
+    blocks it)."""
     import time
 
     from hf_accel.training.checkpoint_io import PAUSE_ENV
 
     marker = log.with_suffix(".paused")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", PAUSE_ENV: f"{step}:{marker}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {})}
+    env = launch_env({PAUSE_ENV: f"{step}:{marker}", **(env or {})})
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout

@@ -12,11 +12,8 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import textwrap
-import time
 import zipfile
 from pathlib import Path
 
@@ -24,8 +21,9 @@ import pytest
 import torch
 
 from hf_accel.errors import CheckpointError
-from hf_accel.training.checkpoint_io import PAUSE_ENV, STAGING_DIR, verify_checkpoint
+from hf_accel.training.checkpoint_io import STAGING_DIR, verify_checkpoint
 from tests.checkpoint_runs import LOSS_RTOL, accel, losses, trainer
+from tests.multi_gpu_runs import launch_killed_in_save
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,17 +126,9 @@ KILLED_RUN = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sigkill_during_a_background_write_leaves_the_last_checkpoint_resumable(tmp_path, finished):
-    out, marker = tmp_path / "run", tmp_path / "paused"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", PAUSE_ENV: f"4:{marker}"}
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN.format(root=str(ROOT), out=str(out))], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.time() < deadline, "the run never reached the save of step 4"
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    out = tmp_path / "run"
+    launch_killed_in_save([sys.executable, "-c", KILLED_RUN.format(root=str(ROOT), out=str(out))], ROOT, 4, 240,
+                          tmp_path / "run.log")
     assert sorted(os.listdir(out)) == [STAGING_DIR, "checkpoint-2"]  # the write of checkpoint-4 was cut
     from transformers import AutoModelForCausalLM
 

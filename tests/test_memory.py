@@ -438,16 +438,14 @@ def test_sharded_state_estimate_is_what_each_fsdp2_rank_holds(tmp_path, lora):
     parameters upcast to fp32 master weights) and one AdamW step, each rank's local shards of parameters, gradients
     and optimizer states add up to exactly the estimate made on the model before sharding. The unsharded estimate
     (what the plan used before) is off by the frozen weights' other half for LoRA."""
-    from hf_accel.bench.distributed import free_port
-
-    root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(root / "tests" / "dist_state_bytes.py"), "--out", str(tmp_path), *(["--lora"] if lora else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=root,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
+    from hf_accel.bench.distributed import free_port
+    from tests.multi_gpu_runs import ROOT, launch_or_fail
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "tests" / "dist_state_bytes.py"), "--out", str(tmp_path), *(["--lora"] if lora else [])]
+    launch_or_fail(cmd, ROOT, 150, env={"OMP_NUM_THREADS": "1"})
     for rank in (0, 1):
         report = json.loads((tmp_path / f"state.rank{rank}.json").read_text())
         assert sum(report["held"].values()) == report["estimated_shard"], report

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from hf_accel.training.checkpoint_io import PAUSE_ENV, STAGING_DIR
+from hf_accel.training.checkpoint_io import STAGING_DIR
+from tests.multi_gpu_runs import launch_killed_in_save
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY, KILL_AT = 12, 4, 8
@@ -25,10 +24,14 @@ COMMON = ["--max-steps", str(STEPS), "--logging-steps", "1", "--max-tokens-per-b
           "--lr", "3e-3"]
 
 
-def sft(out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "sft.py"), "--output-dir", str(out), *COMMON,
-                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def command(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / "sft.py"), "--output-dir", str(out), *COMMON, *extra]
+
+
+def sft(out: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.Popen(command(out, *extra), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def finished_losses(proc: subprocess.Popen, out: Path) -> list[float]:
@@ -46,16 +49,9 @@ def uninterrupted(tmp_path_factory) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_during_save_then_resume_matches_uninterrupted(tmp_path, uninterrupted, mode):
-    out, marker = tmp_path / "run", tmp_path / "paused"
+    out = tmp_path / "run"
     extra = ["--save-steps", str(SAVE_EVERY)] + (["--async-save"] if mode == "async" else [])
-    proc = sft(out, *extra, env={PAUSE_ENV: f"{KILL_AT}:{marker}"})
-    deadline = time.time() + 240
-    while not marker.exists():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.time() < deadline, "the run never reached the save of step %d" % KILL_AT
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    launch_killed_in_save(command(out, *extra), ROOT, KILL_AT, 240, tmp_path / "run.log")
 
     # the interrupted save left no checkpoint-8; checkpoint-4 is complete and loadable
     from transformers import AutoModelForCausalLM

@@ -49,9 +49,9 @@ def training_state_bytes(model: nn.Module, optimizer: str = "adamw", grads: bool
                          sharding: Sharding | None = None) -> int:
     """Weights (all) + gradients (unless ``grads=False``) and optimizer states (trainable parameters only) of a real
     model, on one process: all of it, or its share under ``sharding`` plus what that gathers while computing."""
-    unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
     if sharding is not None:
         return sum(sharded_state_bytes(model, optimizer, grads, sharding))
+    unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
     total = sum(p.numel() * p.element_size() for p in unique)
     for p in unique:
         if p.requires_grad:
