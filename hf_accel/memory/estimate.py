@@ -36,13 +36,27 @@ class Sharding:
     accelerate upcasts the trainable parameters to fp32 master weights first (``master_bytes=4``: their gradients and
     AdamW states are fp32 too); each decoder layer's parameters are gathered whole, in the compute dtype, while it
     runs (two at a time: the next one is prefetched), and the root's own (embeddings, head, final norm) for the step.
-    ``engine`` "zero3" (DeepSpeed): the same shards, plus its fp32 master partition of the trainable parameters
-    besides their compute-dtype partition.
+    ``engine`` "zero3" (DeepSpeed): the same shards, but under mixed precision DeepSpeed first casts every parameter
+    to the compute dtype (``compute_bytes``), keeps an fp32 master partition of the trainable ones besides, and its
+    gradient partitions stay in the compute dtype (the fp32 copy exists only inside the optimizer step, when the
+    activations are gone).
     """
 
     engine: str  # "fsdp2" | "zero3"
     world_size: int
     master_bytes: int | None = None  # bytes per trainable element of master weights / grads / states; None: as held
+    compute_bytes: int | None = None  # bytes per element of the mixed-precision compute dtype (gathered copies;
+    # under ZeRO-3 the partitions too); None: as held
+
+    def held_element_bytes(self, p: torch.Tensor) -> int:
+        """Bytes per element of ``p``'s own shard (DeepSpeed's is cast to the compute dtype)."""
+        return (self.compute_bytes or p.element_size()) if self.engine == "zero3" else p.element_size()
+
+    def gradient_element_bytes(self, p: torch.Tensor) -> int:
+        """Bytes per element of ``p``'s gradient shard: the master dtype's, except DeepSpeed's compute-dtype ones."""
+        if self.engine == "zero3" or self.master_bytes is None:
+            return self.held_element_bytes(p)
+        return self.master_bytes
 
 
 def training_state_bytes(model: nn.Module, optimizer: str = "adamw", grads: bool = True,
@@ -69,18 +83,21 @@ def sharded_state_bytes(model: nn.Module, optimizer: str, grads: bool, sharding:
     unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
     shard = 0
     for p in unique:
-        held = p.numel() * p.element_size()
+        held = p.numel() * sharding.held_element_bytes(p)
         if p.requires_grad:
-            master = p.numel() * (sharding.master_bytes or p.element_size())
-            weights = master + held if sharding.engine == "zero3" and sharding.master_bytes else master
-            shard += weights + master * grads + _optimizer_state_bytes(p.numel(), sharding.master_bytes
-                                                                       or p.element_size(), optimizer)
+            master_bytes = sharding.master_bytes or p.element_size()
+            weights = p.numel() * master_bytes + (held if sharding.engine == "zero3" and sharding.master_bytes else 0)
+            shard += (weights + p.numel() * sharding.gradient_element_bytes(p) * grads
+                      + _optimizer_state_bytes(p.numel(), master_bytes, optimizer))
         else:
             shard += held
     layers = decoder_layers(model)
-    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    def gathered_bytes(params) -> int:
+        return sum(p.numel() * (sharding.compute_bytes or p.element_size()) for p in params)
+
+    layer_bytes = [gathered_bytes(layer.parameters()) for layer in layers]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    root = sum(p.numel() * p.element_size() for p in unique if id(p) not in in_layers)
+    root = gathered_bytes(p for p in unique if id(p) not in in_layers)
     gathered = 2 * max(layer_bytes, default=0) + root  # compute-dtype copies: the running and the prefetched layer
     return -(-shard // sharding.world_size), gathered
 
@@ -99,7 +116,7 @@ def gradient_bytes(model: nn.Module, layers: Sequence[nn.Module], sharding: Shar
                 if sharding is None:
                     total += p.numel() * p.element_size()
                 else:
-                    total += -(-p.numel() * (sharding.master_bytes or p.element_size()) // sharding.world_size)
+                    total += -(-p.numel() * sharding.gradient_element_bytes(p) // sharding.world_size)
         return total
 
     per_layer = tuple(trainable_bytes(layer.parameters()) for layer in layers)

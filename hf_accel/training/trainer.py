@@ -261,16 +261,17 @@ class AccelMixin(CheckpointFilesMixin):
     def _accel_sharding(self) -> Any:
         """How this process will hold the training state (``memory.estimate.Sharding``): under FSDP2 and DeepSpeed
         ZeRO-3 a 1/world_size share, trainable parameters as fp32 master weights under mixed precision (accelerate
-        upcasts them for FSDP2; DeepSpeed's bf16/fp16 optimizers keep an fp32 partition). None: unsharded."""
+        upcasts them for FSDP2; DeepSpeed casts every parameter to bf16/fp16 and keeps an fp32 partition of the
+        trainable ones). None: unsharded."""
         from ..memory.estimate import Sharding
 
         mixed = self.args.bf16 or self.args.fp16
         if getattr(self, "is_fsdp_enabled", False) and getattr(self.accelerator, "is_fsdp2", False):
-            return Sharding("fsdp2", self.args.world_size, 4 if mixed else None)
+            return Sharding("fsdp2", self.args.world_size, 4 if mixed else None, 2 if mixed else None)
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None) \
             if getattr(self, "is_deepspeed_enabled", False) else None
         if plugin is not None and plugin.zero_stage == 3:
-            return Sharding("zero3", self.args.world_size, 4 if mixed else None)
+            return Sharding("zero3", self.args.world_size, 4 if mixed else None, 2 if mixed else None)
         return None
 
     def _micro_batch_tokens(self) -> int | None:
