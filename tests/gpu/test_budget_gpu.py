@@ -92,3 +92,33 @@ def test_budget_holds_for_llama_8b_lora(budget_gib, capsys):
     model = add_lora(model.train(), workload)
     report = assert_budget_holds(model, "llama-8b-lora", budget_gib, 3, capsys, autocast=True)
     assert report.fused_ce, str(report)
+
+
+@pytest.mark.parametrize("config,nproc", [("fsdp2.yaml", 1), ("fsdp2.yaml", 2), ("deepspeed_zero3.yaml", 1),
+                                          ("deepspeed_zero3.yaml", 2)])
+def test_budget_holds_under_a_sharding_launcher(config, nproc, tmp_path):
+    """Under FSDP2 and ZeRO-3 the Trainer plans with each process's share of the state plus its gathered copies
+    (memory.estimate.Sharding): `scripts/sft.py --model-shape llama-8b --lora-r 16 --checkpointing budget:40GiB`
+    through `accelerate launch` trains 4 packed 16k-token steps with the fast defaults, prints its plan, and no rank
+    peaks over the budget (the meter's peak is the largest rank's)."""
+    import json
+    import sys
+
+    from hf_accel.bench.distributed import launch_argv
+    from multi_gpu_runs import CONFIGS, ROOT, launch_or_fail
+
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs (found {torch.cuda.device_count()})")
+    if config.startswith("deepspeed"):
+        pytest.importorskip("deepspeed", reason="ZeRO-3 needs deepspeed installed")
+    budget_gib = 40
+    out = tmp_path / "run"
+    cmd = launch_argv(CONFIGS / config, nproc, [
+        str(ROOT / "scripts" / "sft.py"), "--model-shape", "llama-8b", "--lora-r", "16", "--bf16", "--max-steps", "4",
+        "--max-tokens-per-batch", str(TOKENS), "--logging-steps", "1", "--eval-examples", "0",
+        "--checkpointing", f"budget:{budget_gib}GiB", "--output-dir", str(out)])
+    log = launch_or_fail(cmd, ROOT, 540, log=tmp_path / "launch.log")
+    assert "| predicted peak |" in log, log[-4000:]
+    peak = json.loads((out / "metrics.json").read_text())["throughput"]["peak_mem_gib"]
+    print(f"{config} x{nproc}, budget {budget_gib} GiB: measured peak (largest rank) {peak:.2f} GiB", file=sys.stderr)
+    assert peak <= budget_gib, f"peak {peak:.2f} GiB over the {budget_gib} GiB budget:\n{log[-4000:]}"
