@@ -66,6 +66,7 @@ def fsdp2_step(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     PartialState(cpu=True)  # accelerate's logging (its upcast notice) needs its state
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
+    plugin.set_mixed_precision("bf16")  # as Accelerator does: bf16 compute copies of the fp32 masters
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
                                         is_main_process=dist.get_rank() == 0, torch_device_mesh=None)
     model = fsdp2_prepare_model(accelerator, model)
