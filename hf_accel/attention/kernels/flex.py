@@ -40,6 +40,14 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention, dynamic=False)
 
 
+@functools.lru_cache(maxsize=1)
+def _compiled_block_mask() -> Callable:
+    """create_block_mask compiled (what its deprecated ``_compile=True`` did inside torch, minus the warning)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def flex_mods(doc_q, doc_k, pos_q, pos_k, opts: AttnOptions, slopes: torch.Tensor | None):
     """(mask_mod, score_mod or None) over packed tokens.
 
@@ -143,8 +151,8 @@ def _mask_and_mods(cu_q, cu_k, total_q, total_k, pad, opts: AttnOptions, on_cuda
     else:
         layout = packed_layout(cu_q, cu_k, total_q, total_k, pad)
         mask_mod, _ = flex_mods(*layout, opts, None)
-        block_mask = create_block_mask(mask_mod, None, None, total_q + pad, total_k + pad, device=cu_q.device,
-                                       _compile=on_cuda)
+        build = _compiled_block_mask() if on_cuda else create_block_mask
+        block_mask = build(mask_mod, None, None, total_q + pad, total_k + pad, device=cu_q.device)
         _LAST_MASK[:] = [(key, cu_q, cu_k, (block_mask, layout))]
     if slopes is not None:
         slopes = slopes.to(device=cu_q.device, dtype=torch.float32)
