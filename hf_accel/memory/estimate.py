@@ -84,17 +84,20 @@ def sharded_state_bytes(model: nn.Module, optimizer: str, grads: bool, sharding:
     shard = 0
     for p in unique:
         held = p.numel() * sharding.held_element_bytes(p)
-        if p.requires_grad:
-            master_bytes = sharding.master_bytes or p.element_size()
-            weights = p.numel() * master_bytes + (held if sharding.engine == "zero3" and sharding.master_bytes else 0)
-            shard += (weights + p.numel() * sharding.gradient_element_bytes(p) * grads
-                      + _optimizer_state_bytes(p.numel(), master_bytes, optimizer))
-        else:
+        if not p.requires_grad:
             shard += held
-    layers = decoder_layers(model)
+            continue
+        master_bytes = sharding.master_bytes or p.element_size()
+        weights = p.numel() * master_bytes
+        if sharding.engine == "zero3" and sharding.master_bytes:
+            weights += held  # DeepSpeed keeps the compute-dtype partition besides the master one
+        shard += (weights + p.numel() * sharding.gradient_element_bytes(p) * grads
+                  + _optimizer_state_bytes(p.numel(), master_bytes, optimizer))
+
     def gathered_bytes(params) -> int:
         return sum(p.numel() * (sharding.compute_bytes or p.element_size()) for p in params)
 
+    layers = decoder_layers(model)
     layer_bytes = [gathered_bytes(layer.parameters()) for layer in layers]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = gathered_bytes(p for p in unique if id(p) not in in_layers)
