@@ -62,7 +62,7 @@ CASES = {
 
 # Issue 19b: the same checks under DeepSpeed ZeRO-3 (bf16, fp32 optimizer partitions). The LoRA cases use whole-layer
 # policies, the ones that also work reentrant (which ZeRO-3 + PEFT needed before deepspeed's fix for frozen parameters
-# in a recompute). hf_accel.Trainer leaves compiled layers off under DeepSpeed (not measured there); the fused loss
+# in a recompute). hf_accel.Trainer leaves compiled layers off under DeepSpeed (slower there); the fused loss
 # and fused ops stay on.
 ZERO3_CASES = {
     "llama-full": Case("llama-small", "deepspeed_zero3.yaml"),

@@ -218,9 +218,9 @@ class AccelMixin(CheckpointFilesMixin):
         return self.accel.fused_ce
 
     def _accel_compile(self) -> Any:
-        """AccelArguments.compile for patch(); "auto" is off where something else compiles the model, and under the
-        sharding wrappers it was not measured with: FSDP1 and DeepSpeed. FSDP2 keeps it (2×H200, Llama-1B: steady
-        tokens/s 126k compiled vs 119k eager, docs/MULTI_GPU.md)."""
+        """AccelArguments.compile for patch(); "auto" is off where something else compiles the model, under FSDP1
+        (not measured there) and under DeepSpeed (one H200, Llama-1B ZeRO-3: steady tokens/s 28.1k compiled vs 39.1k
+        eager, docs/MULTI_GPU.md section 11). FSDP2 keeps it (2×H200, Llama-1B: 126k compiled vs 119k eager)."""
         if self.accel.compile != "auto":
             return self.accel.compile
         return False if self._accel_compile_stands_down() else "auto"
@@ -234,7 +234,7 @@ class AccelMixin(CheckpointFilesMixin):
         if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
             return "stands down under FSDP1 (not measured there; FSDP2 keeps it)"
         if getattr(self, "is_deepspeed_enabled", False):
-            return "stands down under DeepSpeed (not measured there; FSDP2 keeps it)"
+            return "stands down under DeepSpeed (measured slower there than eager; FSDP2 keeps it)"
         return None
 
     def _accel_policy(self) -> Any:
