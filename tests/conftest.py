@@ -24,3 +24,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu():
+    """deepspeed (skips without it), with the one op its CPU backend JIT-compiles on every engine start (its
+    shared-memory all-reduce) built here, before any timed launch. The first build of a fresh install took 3 minutes
+    on a loaded 2-core machine (2026-12-01): inside a 2-rank ZeRO-3 launch it ran past that test's 150 s hang timeout;
+    once built, a start loads it in about a second. Both xdist workers may call this; torch's build lock serialises
+    them."""
+    deepspeed = pytest.importorskip("deepspeed", reason="needs deepspeed (DS_BUILD_OPS=0 pip install deepspeed)")
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+    return deepspeed

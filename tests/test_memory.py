@@ -460,13 +460,12 @@ def test_sharded_state_estimate_is_what_each_fsdp2_rank_holds(tmp_path, lora):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sharded_state_estimate_is_what_each_zero3_rank_holds(tmp_path, lora):
+def test_sharded_state_estimate_is_what_each_zero3_rank_holds(deepspeed_cpu, tmp_path, lora):
     """The same under DeepSpeed ZeRO-3 (deepspeed.initialize with the shipped ds_zero3.json, bf16): every tensor
     storage a rank holds after one AdamW step, less DeepSpeed's gradient bucket and the whole copies of parameters
     under its persistence threshold, is the estimated share within 1% (measured 0.2%).
     Its bf16 engine keeps a bf16 and an fp32 partition of each trainable parameter, bf16 gradient partitions (the
     estimate counted fp32 ones before: 12% over for full FT) and casts fp32 LoRA adapters to bf16."""
-    pytest.importorskip("deepspeed", reason="ZeRO-3 needs deepspeed (DS_BUILD_OPS=0 pip install deepspeed)")
     for report in _state_bytes_reports(tmp_path, "zero3", lora):
         held = report["held"]["all"] - report["bucket_bytes"] - report["persistent_bytes"]
         assert held == pytest.approx(report["estimated_shard"], rel=0.01), report

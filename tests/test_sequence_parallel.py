@@ -41,11 +41,10 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_sequence_parallel_ranks_train_like_one_process(tmp_path, case):
+def test_two_sequence_parallel_ranks_train_like_one_process(deepspeed_cpu, tmp_path, case):
     """Each 60-token row is cut into two 30-token shards through the middle of a document, so a rank attending only
     within its shard, metadata built from a shard's positions, or labels shifted twice (the fused loss before it took
     ``shift_labels``) each change the losses."""
-    pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
     flags = CASES[case]
     one = tmp_path / "one"
     launch_or_fail([sys.executable, str(ROOT / "tests" / "dist_sp.py"), "--out", str(one), *flags], tmp_path,
@@ -152,10 +151,9 @@ def test_sft_script_refuses_sequence_parallelism_outside_a_deepspeed_launch(tmp_
 
 
 @pytest.mark.slow
-def test_sft_script_trains_with_sequence_parallelism(tmp_path):
+def test_sft_script_trains_with_sequence_parallelism(deepspeed_cpu, tmp_path):
     """scripts/sft.py --sequence-parallel 2 on 2 CPU processes under ZeRO-3 (the embedded task): exits 0 with its
     metrics and a falling loss, the same command a 2-GPU run takes (docs/MULTI_GPU.md)."""
-    pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
     out = tmp_path / "run"
     log = launch_or_fail(zero3_cpu_launch(ROOT / "tests" / "dist_sft.py") + ["--sequence-parallel", "2", "--max-steps", "6", "--logging-steps", "1",
                                 "--eval-examples", "0", "--max-tokens-per-batch", "160", "--output-dir", str(out)],
@@ -167,12 +165,11 @@ def test_sft_script_trains_with_sequence_parallelism(tmp_path):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_bench_measures_one_and_two_processes_in_one_run(tmp_path):
+def test_sequence_parallel_bench_measures_one_and_two_processes_in_one_run(deepspeed_cpu, tmp_path):
     """scripts/bench_sequence_parallel.py on CPU processes under ZeRO-3 (the embedded task's tiny Llama, LoRA): per
     document length, one process and two sequence-parallel ones in the same run and record. The two split each
     document: they train the tokens one process trains, with its losses (two data-parallel ranks would train twice
     the tokens), and a length the model cannot take ends with sft.py's own error, its longer lengths still tried."""
-    pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
     import subprocess
 
     out = tmp_path / "records"
@@ -198,14 +195,13 @@ def test_sequence_parallel_bench_measures_one_and_two_processes_in_one_run(tmp_p
 
 
 @pytest.mark.slow
-def test_sequence_parallel_run_killed_in_a_save_resumes_like_an_uninterrupted_one(tmp_path):
+def test_sequence_parallel_run_killed_in_a_save_resumes_like_an_uninterrupted_one(deepspeed_cpu, tmp_path):
     """`sft.py --sequence-parallel 2` on 2 CPU processes under ZeRO-3, saving every 3 steps, SIGKILLed inside the save
     of step 6, resumes from checkpoint-3 with --resume and logs the uninterrupted run's losses, ending at its weights.
     Step 3 falls between the two rows of one gathered group (DeepSpeed's loader adapter yields each rank's row in
     turn), so the resume must skip a row and a half of this rank's rows. Failed before: the resume refused every ZeRO
     checkpoint (DeepSpeed's engine files are full pickles), then accelerate's skip found no `.dataset` on the adapter;
     and on a CPU launch every rank saved as process 0."""
-    pytest.importorskip("deepspeed", reason="Ulysses sequence parallelism needs deepspeed")
 
     def command(out: Path, *extra: str) -> list[str]:
         return zero3_cpu_launch(ROOT / "scripts" / "sft.py") + [

@@ -24,16 +24,15 @@ DIST_SFT = ROOT / "tests" / "dist_sft.py"
 # accumulation of 2 micro-batches on 1 process differs. Measured: identical losses, weights within 1.2e-7.
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
-RUN_TIMEOUT_S = 150  # the 2-process run takes ~10 s on 2 cores (first run: +~20 s building DeepSpeed's shm op)
+RUN_TIMEOUT_S = 150  # the 2-process run takes ~10 s on 2 cores (its JIT op is built before: conftest.deepspeed_cpu)
 SFT_ARGS = ["--dataset", "data.jsonl", "--lr", "3e-3", "--max-steps", "4", "--logging-steps", "1",
             "--eval-examples", "0", "--max-tokens-per-batch", "160", "--fused-ce"]
 
 
 @pytest.fixture(scope="module")
-def zero3_inputs(tmp_path_factory) -> Path:
+def zero3_inputs(deepspeed_cpu, tmp_path_factory) -> Path:
     """data.jsonl and two saved tiny Llamas: "tied" (the head shares the embedding) and "untied" (the head is its
     own ZeRO-3 partition)."""
-    pytest.importorskip("deepspeed", reason="ZeRO-3 needs deepspeed (DS_BUILD_OPS=0 pip install deepspeed)")
     from hf_accel.data.default_task import build_tokenizer, make_examples, tiny_llama
 
     root = tmp_path_factory.mktemp("zero3")
