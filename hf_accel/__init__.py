@@ -1,13 +1,14 @@
 """hf_accel: fast, numerically equivalent fine-tuning for Hugging Face Llama, Falcon and GPT-NeoX models.
 
 Public API: ``patch`` / ``unpatch`` (the attention seam), ``list_backends``, the collators and samplers, checkpoint
-policies, the Trainer classes (``SFTTrainer`` needs TRL and is imported on first use) and ``FlashMHA``.
+policies, the Trainer classes and ``FlashMHA``. Names are imported on first use (PEP 562), so ``import hf_accel``
+and the ``hf-accel`` command check their arguments before torch and transformers load; the supported transformers
+range is checked at import all the same.
 """
+from importlib import import_module as _import_module
+
 from ._compat import check_transformers_version as _check_transformers_version
-
-_check_transformers_version()
-
-from .errors import (  # noqa: E402
+from .errors import (
     BackendUnavailable,
     CheckpointError,
     ConfigurationError,
@@ -16,27 +17,34 @@ from .errors import (  # noqa: E402
     UnsupportedModel,
     UnsupportedVersion,
 )
-from .attention.kernels import format_backends, list_backends  # noqa: E402
-from .patching import PatchReport, patch, patch_report, unpatch  # noqa: E402
-from .data.collators import DataCollatorForPacking, DataCollatorForPadding  # noqa: E402
-from .data.sampling import LengthGroupedBatchSampler, TokenBudgetBatchSampler  # noqa: E402
-from .memory.checkpointing import policy_from_spec  # noqa: E402
-from .attention.flash_mha import FlashMHA  # noqa: E402
-from .training.trainer import AccelArguments, Trainer  # noqa: E402
 
-
-def __getattr__(name: str):
-    if name == "SFTTrainer":  # TRL is optional: imported only when asked for
-        from .training.trainer import SFTTrainer
-
-        return SFTTrainer
-    raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")
+_check_transformers_version()
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AccelArguments", "BackendUnavailable", "CheckpointError", "ConfigurationError", "DataCollatorForPacking", "DataCollatorForPadding",
-    "FlashMHA", "HFAccelError", "InvalidBatch", "LengthGroupedBatchSampler", "PatchReport", "SFTTrainer",
-    "TokenBudgetBatchSampler", "Trainer", "UnsupportedModel", "UnsupportedVersion", "format_backends",
-    "list_backends", "patch", "patch_report", "policy_from_spec", "unpatch",
-]
+_LAZY = {  # public name -> module that defines it
+    "format_backends": ".attention.kernels", "list_backends": ".attention.kernels",
+    "PatchReport": ".patching", "patch": ".patching", "patch_report": ".patching", "unpatch": ".patching",
+    "DataCollatorForPacking": ".data.collators", "DataCollatorForPadding": ".data.collators",
+    "LengthGroupedBatchSampler": ".data.sampling", "TokenBudgetBatchSampler": ".data.sampling",
+    "policy_from_spec": ".memory.checkpointing",
+    "FlashMHA": ".attention.flash_mha",
+    "AccelArguments": ".training.trainer", "Trainer": ".training.trainer",
+    "SFTTrainer": ".training.trl_trainer",  # TRL is optional: imported only when asked for
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(_import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = sorted(["BackendUnavailable", "CheckpointError", "ConfigurationError", "HFAccelError", "InvalidBatch",
+                  "UnsupportedModel", "UnsupportedVersion", *_LAZY])

@@ -1,7 +1,12 @@
-"""Version gate: hf_accel supports transformers 5.17 through the latest 5.x."""
+"""Version gate: hf_accel supports transformers 5.17 through the latest 5.x.
+
+Read from the installed package's metadata, so the check costs no import of transformers (``import hf_accel`` and
+the ``hf-accel`` command stay light until something heavy is used).
+"""
 from __future__ import annotations
 
-import transformers
+from importlib import metadata
+
 from packaging.version import Version
 
 from .errors import UnsupportedVersion
@@ -10,9 +15,19 @@ TRANSFORMERS_MIN = Version("5.17.0")
 TRANSFORMERS_MAX_EXCLUSIVE = Version("6.0.0")
 
 
+def installed_transformers() -> str:
+    """The installed transformers version (package metadata; the module's ``__version__`` without metadata)."""
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        import transformers
+
+        return transformers.__version__
+
+
 def check_transformers_version(version: str | None = None) -> None:
     """Raise UnsupportedVersion when transformers is outside [5.17, 6)."""
-    found = Version(version or transformers.__version__)
+    found = Version(version or installed_transformers())
     if not TRANSFORMERS_MIN <= Version(found.base_version) < TRANSFORMERS_MAX_EXCLUSIVE:
         raise UnsupportedVersion(
             f"hf_accel supports transformers >=5.17,<6 but found {found}. "

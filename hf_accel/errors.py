@@ -34,18 +34,26 @@ class ConfigurationError(HFAccelError, ValueError):
     """Options that contradict each other or the model (e.g. checkpointing on under FSDP's own)."""
 
 
+class UsageError(ConfigurationError):
+    """A command-line argument or config-file entry of the ``hf-accel`` command that cannot work; printed as one
+    line naming the argument, what was wrong and what is allowed."""
+
+
 class CheckpointError(HFAccelError, RuntimeError):
     """A checkpoint cannot be written or read back: a damaged or partial file (named), a full disk, or a checkpoint
     of another run or another base model."""
 
 
 def run_cli(main, argv: list[str] | None, prog: str) -> int:
-    """Run a script's ``main(argv)``; hf_accel's own errors print as one line (no traceback) and give exit status 1."""
+    """Run a command's ``main(argv)``; hf_accel's own errors print as one line (no traceback): exit status 2 for an
+    argument that cannot work (a ``UsageError``, as argparse's own), 1 for anything found later."""
     import sys
 
     try:
         main(argv)
     except HFAccelError as e:
-        print(f"{prog}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+        usage = isinstance(e, UsageError)
+        print(f"{prog}: error: {e}" if usage else f"{prog}: error: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        return 2 if usage else 1
     return 0

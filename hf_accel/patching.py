@@ -185,6 +185,11 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def family_of(model: torch.nn.Module):
+    """The family (``hf_accel.patches.<family>``) of a transformers or PEFT model; ``UnsupportedModel`` otherwise."""
+    return _family(base_model(model).config.model_type)
+
+
 def attention_dtype(param_dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
     """The dtype training calls' attention receives: the autocast dtype when autocast is on now; on CUDA, bf16 for
     fp32 weights (fp32 master weights train under autocast or FSDP2 mixed precision: kbit preparation, FSDP2);

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 import hf_accel  # noqa: E402
 from hf_accel.errors import ConfigurationError  # noqa: E402
 from hf_accel.memory.checkpointing import policy_from_spec, remove_checkpointing  # noqa: E402
-from hf_accel.memory.plan import parse_bytes  # noqa: E402
+from hf_accel.memory.spec import parse_bytes  # noqa: E402
 from hf_accel.memory.estimate import estimate_training_memory, load_config  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

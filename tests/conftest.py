@@ -17,6 +17,13 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before this file
 
 
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path, monkeypatch):
+    """Every test runs in its own empty folder: nothing depends on where pytest was started or on files an earlier
+    run left there (e.g. the README's first command's runs/), and nothing a test writes lands in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,4 +1,4 @@
-"""``scripts/sft.py`` for one process of a (multi-process) launch, writing to ``<--output-dir>/rank<RANK>``.
+"""``hf-accel sft`` (hf_accel.cli.sft) for one process of a (multi-process) launch, writing to ``<--output-dir>/rank<RANK>``.
 
 A folder per rank keeps each process's files apart (rank 0 writes metrics.json and the saved model, rank R
 metrics.rank<R>.json). Each folder also gets ``logs.jsonl``: every log the Trainer made on that rank (the loss
@@ -12,13 +12,9 @@ import faulthandler
 import json
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import sft  # noqa: E402
-
-from hf_accel.training.trainer import AccelMixin  # noqa: E402
+from hf_accel.cli import sft
+from hf_accel.training.trainer import AccelMixin
 
 
 def _distributed_state(model) -> dict:

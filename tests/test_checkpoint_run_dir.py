@@ -21,7 +21,7 @@ def test_new_run_refuses_a_folder_with_an_earlier_runs_files(tmp_path):
     trainer(out, stop_at=4).train()
     before = names(out)
     t = trainer(out)
-    with pytest.raises(ConfigurationError, match="already holds files of an earlier run.*--overwrite"):
+    with pytest.raises(ConfigurationError, match="already holds files of an earlier run.*Resume that run.*overwrite_output_dir=True"):
         t.train()
     assert t.state.global_step == 0 and names(out) == before  # refused before training, nothing written
 

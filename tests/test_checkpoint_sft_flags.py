@@ -1,24 +1,22 @@
-"""scripts/sft.py's checkpoint flags (issue 17.3): a rerun into a used --output-dir is refused before anything is
+"""hf-accel sft's checkpoint flags (issue 17.3): a rerun into a used --output-dir is refused before anything is
 loaded, --overwrite starts clean, --save-total-limit bounds the checkpoints, --save trainable writes selective ones."""
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from hf_accel.errors import UsageError
+
 TINY = ["--max-steps", "2", "--save-steps", "1", "--eval-examples", "0", "--logging-steps", "1",
         "--max-tokens-per-batch", "64"]
 
 
 @pytest.fixture(scope="module")
 def sft():
-    spec = importlib.util.spec_from_file_location("sft_script", ROOT / "scripts" / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from hf_accel.cli import sft
+
+    return sft
 
 
 def test_rerun_refused_overwrite_clears_limit_and_trainable(tmp_path, sft, capsys, monkeypatch):
@@ -28,9 +26,8 @@ def test_rerun_refused_overwrite_clears_limit_and_trainable(tmp_path, sft, capsy
     out = str(tmp_path / "out")
     sft.main([*TINY, "--output-dir", out, "--save-total-limit", "1"])
     assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint-2"]
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UsageError, match="already holds files of an earlier run.*Continue that run \\(--resume\\)"):
         sft.main([*TINY, "--output-dir", out])
-    assert exc.value.code == 2 and "already holds files of an earlier run" in capsys.readouterr().err
     sft.main([*TINY, "--output-dir", out, "--overwrite", "--save", "trainable"])
     ckpts = sorted(d for d in os.listdir(out) if d.startswith("checkpoint"))
     assert ckpts == ["checkpoint-1", "checkpoint-2"]

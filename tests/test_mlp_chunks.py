@@ -259,17 +259,9 @@ def test_bench_best_flag_reaches_the_child_and_patch(monkeypatch):
 
 
 def test_sft_flag_and_accel_arguments():
-    import sys
-    from pathlib import Path
-
+    from hf_accel.cli import sft
     from hf_accel.training.trainer import AccelArguments
 
     assert AccelArguments().mlp_chunks == "auto"
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    sys.path.insert(0, scripts)
-    try:
-        import sft
-    finally:
-        sys.path.remove(scripts)
     assert [sft.parse_args(a).mlp_chunks for a in ([], ["--mlp-chunks", "8192"], ["--mlp-chunks", "off"])] == \
         ["auto", 8192, 0]

@@ -131,23 +131,21 @@ def test_trainer_hands_deepspeed_hf_accels_attention_and_refuses_what_cannot_sha
         setup(_trainer_with_sp("llama", DataCollatorForPacking(pad_token_id=0), budget=None)[0])
 
 
-def test_sft_script_refuses_sequence_parallelism_outside_a_deepspeed_launch(tmp_path, monkeypatch, capsys):
-    from script_modules import script_module
+def test_sft_script_refuses_sequence_parallelism_outside_a_deepspeed_launch(tmp_path, monkeypatch):
+    from hf_accel.cli import sft
+    from hf_accel.errors import UsageError
 
-    sft = script_module("sft")
+    argv = ["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")]
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
-    with pytest.raises(SystemExit):
-        sft.parse_args(["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")])
-    assert "deepspeed_zero3.yaml" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="deepspeed_zero3.yaml"):
+        sft.parse_args(argv)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(SystemExit):
-        sft.parse_args(["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")])
-    assert "must divide the 3 launched processes" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="must divide the 3 launched processes"):
+        sft.parse_args(argv)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit):
-        sft.parse_args(["--sequence-parallel", "2", "--output-dir", str(tmp_path / "out")])
-    assert "--max-tokens-per-batch" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--max-tokens-per-batch"):
+        sft.parse_args(argv)
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@
 Every row is looked at once and sorted into a kind (first match wins):
 
 - ``malformed``: a JSON Lines line that does not parse to an object, an example without ``messages``,
-  ``prompt`` + ``completion`` or ``text``, or token fields that are not aligned lists of ints;
-- ``empty``: no token at all;
+  ``prompt`` + ``completion`` or ``text``, one of those of another type (named, with the type found), or token
+  fields that are not aligned lists of ints;
+- ``empty``: no token at all, or an empty ``text``, ``prompt``, ``completion`` or message content;
 - ``out_of_vocab``: a token id (or a label other than -100) outside ``[0, vocab_size)``, which the embedding would
   reject mid-training with a bare IndexError;
 - ``over_long``: more than ``max_length`` tokens; truncated to ``max_length`` (and counted) unless ``truncate=False``,
@@ -110,22 +111,41 @@ def scan_jsonl(path: str) -> JsonlScan:
     return JsonlScan(good, bad)
 
 
-def example_problem(example: dict[str, Any]) -> str | None:
-    """Why a raw example cannot be tokenized by ``tokenize_example`` (None when it can)."""
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def example_problem(example: dict[str, Any]) -> tuple[str, str] | None:
+    """(kind, detail) of why a raw example cannot be tokenized and trained on by ``tokenize_example``: a field of the
+    wrong type (``malformed``, naming the field and the type found) or with nothing in it (``empty``); None when it
+    can."""
     if example.get("messages") is not None:
         messages = example["messages"]
-        if not isinstance(messages, (list, tuple)) or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages):
-            return "'messages' must be a list of {'role', 'content'} objects"
+        if not isinstance(messages, (list, tuple)):
+            return "malformed", f"'messages' is {_type_name(messages)}, expected a list of {{'role', 'content'}} objects"
+        if not messages:
+            return "empty", "'messages' is an empty list"
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not m.get("role"):
+                return "malformed", f"messages[{i}] is not a {{'role', 'content'}} object"
+            if not isinstance(m.get("content"), str):
+                return "malformed", f"messages[{i}].content is {_type_name(m.get('content'))}, expected a string"
+            if not m["content"].strip():
+                return "empty", f"messages[{i}].content ({m['role']}) is empty"
         return None
     prompt, completion, text = example.get("prompt"), example.get("completion"), example.get("text")
-    if prompt is not None and completion is not None:
-        return None if isinstance(prompt, str) and isinstance(completion, str) else \
-            "'prompt' and 'completion' must be strings"
-    if text is not None:
-        return None if isinstance(text, str) else "'text' must be a string"
-    present = sorted(k for k, v in example.items() if v is not None)
-    return f"has fields {present}; expected 'messages', 'prompt' and 'completion', or 'text'"
+    fields = {"prompt": prompt, "completion": completion} if prompt is not None or completion is not None else \
+        {"text": text} if text is not None else None
+    if fields is None:
+        present = sorted(k for k, v in example.items() if v is not None)
+        return "malformed", f"has fields {present}; expected 'messages', 'prompt' and 'completion', or 'text'"
+    for name, value in fields.items():
+        if not isinstance(value, str):
+            return "malformed", f"'{name}' is {_type_name(value)}, expected a string"
+    for name, value in fields.items():
+        if not value.strip():
+            return "empty", f"'{name}' is empty"
+    return None
 
 
 def token_problem(input_ids: list[int], labels: list[int], vocab_size: int | None) -> tuple[str, str] | None:
@@ -239,7 +259,7 @@ def check_dataset(
             if problem is None:
                 tokenizable.append(i)
             else:
-                report.add("malformed", where(i, problem))
+                report.add(problem[0], where(i, problem[1]))
         if len(tokenizable) < len(dataset):  # set aside now (tokenizing would raise); fail or drop is decided below
             dataset = _select(dataset, tokenizable)
             names = [names[i] if names is not None else f"row {i}" for i in tokenizable]

@@ -60,7 +60,7 @@ class MemoryBudget(CheckpointingPolicy):
     budget_bytes_resolved: int | None = field(default=None, init=False, repr=False)  # the budget apply() planned for
 
     def budget_bytes(self, device: torch.device) -> int:
-        from .plan import parse_bytes
+        from .spec import parse_bytes
 
         budget = parse_bytes(self.budget) if isinstance(self.budget, str) else self.budget
         if isinstance(budget, float) and 0 < budget <= 1:

@@ -26,6 +26,7 @@ from .offload import ActivationOffloader, offloaded_checkpoint
 from .targets import (OP_LEVEL_ATTR, _as_packet, _hf_enable_function, _op_level_context_fn, base_model,
                                  decoder_layers, default_save_ops, fsdp_activation_checkpointing_active)
 from ..errors import ConfigurationError
+from .spec import ALLOWED, parse_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -328,35 +329,18 @@ def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True
         return FullCheckpointing(**common) if spec else NoCheckpointing(**common)
     if callable(spec):
         return SelectiveModules(check_fn=spec, **common)
-    text = spec.strip().lower() if isinstance(spec, str) else None
+    if not isinstance(spec, str):
+        raise ConfigurationError(f"unknown checkpointing spec {spec!r}. Allowed: {ALLOWED}, True/False, a "
+                                 "CheckpointingPolicy, or a callable check_fn(module) -> bool.")
+    parsed = parse_checkpointing(spec)
     simple = {"none": NoCheckpointing, "full": FullCheckpointing, "op": OpLevel, "offload": OffloadedCheckpointing}
-    if text in simple:
-        return simple[text](**common)
-    if text and text.startswith("every_") and text[6:].isdigit() and int(text[6:]) >= 1:
-        return EveryN(n=int(text[6:]), **common)
-    if text and text.startswith("budget:"):
-        value, offload = text[7:], None
-        for suffix, flag in (("+no-offload", False), ("+offload", True)):
-            if value.endswith(suffix):
-                value, offload = value[: -len(suffix)], flag
-                break
-        try:
-            budget = float(value) if value.replace(".", "", 1).isdigit() and "." in value else value
-            from .plan import parse_bytes
+    if parsed.kind in simple:
+        return simple[parsed.kind](**common)
+    if parsed.kind == "every":
+        return EveryN(n=parsed.every, **common)
+    from .budget import MemoryBudget
 
-            parse_bytes(budget) if isinstance(budget, str) else None
-        except ValueError:
-            budget = None
-        if budget is not None:
-            from .budget import MemoryBudget
-
-            return MemoryBudget(budget=budget, offload=offload, **common)
-    raise ConfigurationError(
-        f"unknown checkpointing spec {spec!r}. Allowed: 'none', 'full', 'offload', 'every_N' (e.g. 'every_2'), 'op', "
-        "'budget:20GiB', 'budget:0.6' (fraction of device memory), 'budget:20GiB+offload', "
-        "'budget:20GiB+no-offload', True/False, a "
-        "CheckpointingPolicy, or a callable check_fn(module) -> bool."
-    )
+    return MemoryBudget(budget=parsed.budget, offload=parsed.offload, **common)
 
 
 def __getattr__(name: str):

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef  # loaded by `import torch` already
 
+from .spec import parse_bytes  # noqa: F401 (plan.parse_bytes, as before)
+
 _GIB = 1024**3
 
 # Recompute cost of one decoder layer, in units of that layer's forward. Op-level recomputes only element-wise ops
@@ -29,17 +31,6 @@ DEVICE_MODES = ("none", "op", "full")
 # GiB budget"): 3 full + 13 op-level layers cost 17.9% of the step against no checkpointing; with a layer forward
 # ~1.9% of that step, the 13 op-level layers cost ~0.5 layer forwards each, not 0.1.
 RECOMPUTE_COST_COMPILED = {**RECOMPUTE_COST, "op": 0.5}
-
-
-def parse_bytes(text: str) -> int:
-    """'20GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
-    units = {"kib": 1024, "mib": 1024**2, "gib": _GIB, "tib": 1024**4, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-             "b": 1}
-    lowered = text.strip().lower()
-    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * scale)
-    return int(float(lowered))
 
 
 def format_bytes(n: float) -> str:

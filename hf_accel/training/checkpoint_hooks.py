@@ -24,6 +24,10 @@ from ..errors import CheckpointError, ConfigurationError
 
 logger = logging.getLogger("hf_accel")
 
+# The losses a run summed since its last log, and the step it logged last, as of a checkpoint: a resumed run's next
+# log then averages the same steps the uninterrupted run's did (transformers restarts the window at the resume step).
+LOSS_WINDOW = "hf_accel_loss_window.json"
+
 
 def _to_cpu(obj: Any) -> Any:
     """A CPU copy of nested tensors (a snapshot that training may keep mutating the original of)."""
@@ -73,6 +77,26 @@ class ReserveSnapshotAhead(transformers.TrainerCallback):
                 trainer._fingerprint(trainer._unwrapped())
 
 
+class RestoreLossWindow(transformers.TrainerCallback):
+    """On a resume, put the checkpoint's pending loss window back into the Trainer once transformers has reset it
+    (its ``_inner_training_loop`` does so just before ``on_train_begin``)."""
+
+    def __init__(self, trainer: "CheckpointFilesMixin") -> None:
+        import weakref
+
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self._trainer()
+        window = getattr(trainer, "_resumed_loss_window", None) if trainer is not None else None
+        if not window or not hasattr(trainer, "_tr_loss"):
+            return
+        trainer._resumed_loss_window = None
+        trainer._tr_loss += window["loss_sum"]
+        trainer._globalstep_last_logged = window["last_logged"]
+        trainer._total_loss_scalar -= window["loss_sum"]  # train_loss counts this call's steps only
+
+
 class CheckpointFilesMixin:
     """Save / resume hooks of transformers' Trainer, for checkpoint files a run can trust; sits before it in MRO."""
 
@@ -90,9 +114,19 @@ class CheckpointFilesMixin:
 
     # ---- atomic (and optionally background) checkpoints ----------------------------------------------------------
 
+    def _loss_window(self) -> dict[str, Any] | None:
+        """The pending loss window (every process takes part: its loss is averaged over them, as a log does)."""
+        if not hasattr(self, "_tr_loss"):
+            return None
+        from transformers.trainer_pt_utils import nested_gather
+
+        total = nested_gather(self._tr_loss.detach(), self.args.parallel_mode).mean().item()  # one read per save
+        return {"loss_sum": total, "last_logged": int(self._globalstep_last_logged)}
+
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._pending_window = self._loss_window()
         if self.accel.async_save:
             self._writer.wait()  # the previous write is done with the buffers (raises if it failed)
             state = self._live_state()
@@ -131,6 +165,7 @@ class CheckpointFilesMixin:
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
             self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
         run_dir_module.write_run_record(staged, self._current_run_record())
+        _write_loss_window(staged, self._pending_window)
         checkpoint_io.publish(staged, os.path.join(run_dir, name), self.state.global_step)
         rotate_checkpoints(
             output_dir=run_dir, save_total_limit=self.args.save_total_limit,
@@ -180,6 +215,7 @@ class CheckpointFilesMixin:
             "args": copy.deepcopy(self.args),
         }
         step, processing_class, record = self.state.global_step, self.processing_class, self._current_run_record()
+        window = self._pending_window
         fingerprint = self._fingerprint(unwrapped) if trainable_only else None
         staged = os.path.join(run_dir, checkpoint_io.STAGING_DIR, name)
 
@@ -210,6 +246,7 @@ class CheckpointFilesMixin:
             with open(os.path.join(staged, transformers.trainer.TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
                 f.write(snapshot["state"])
             run_dir_module.write_run_record(staged, record)
+            _write_loss_window(staged, window)
             checkpoint_io.publish(staged, os.path.join(run_dir, name), step)
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
@@ -284,6 +321,7 @@ class CheckpointFilesMixin:
             run_dir_module.set_aside_later(output_dir, step)
         self.accelerator.wait_for_everyone()
         self._run_record = {"run_id": record["run_id"] if record else run_dir_module.new_run_id(), "config": config}
+        self._resumed_loss_window = _read_loss_window(path)
         logger.info("hf_accel: resuming run %s from %s", self._run_record["run_id"], path)
         return path
 
@@ -322,6 +360,23 @@ class CheckpointFilesMixin:
         if not selective.is_selective(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         selective.load_trainable(model if model is not None else self.model, resume_from_checkpoint)
+
+
+def _write_loss_window(folder: str, window: dict[str, Any] | None) -> None:
+    if window is not None:
+        with open(os.path.join(folder, LOSS_WINDOW), "w", encoding="utf-8") as f:
+            json.dump(window, f)
+
+
+def _read_loss_window(folder: str) -> dict[str, Any] | None:
+    """A checkpoint's loss window; None for checkpoints written before it existed (the resumed log then averages
+    only the steps after the resume, as transformers' does)."""
+    path = os.path.join(folder, LOSS_WINDOW)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        window = json.load(f)
+    return {"loss_sum": float(window["loss_sum"]), "last_logged": int(window["last_logged"])}
 
 
 def share_tied_copies(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

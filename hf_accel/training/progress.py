@@ -135,3 +135,12 @@ def plot_training(log_history: Sequence[Mapping[str, Any]], path: str) -> str | 
     ax_speed.set_ylim(bottom=0)
     fig.savefig(path, dpi=100)
     return path
+
+
+class LogEnds(TrainerCallback):
+    """Log the last optimizer step too (``logging_first_step`` logs the first), so a run shorter than one logging
+    interval still shows where its loss started and ended, and its plot has both ends."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.max_steps and state.global_step >= state.max_steps:
+            control.should_log = True

@@ -11,18 +11,17 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 from typing import Any
 
 from ..errors import CheckpointError, ConfigurationError
 from .checkpoint_io import verify_checkpoint
+from .run_folders import CHECKPOINT_RE, check_output_dir, checkpoints  # noqa: F401 (this module's API)
 
 logger = logging.getLogger("hf_accel")
 
 RUN_RECORD = "hf_accel_run.json"
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Settings that change what a run computes (max_steps / epochs may grow on resume; logging and saving may change).
 TRAINING_FIELDS = (
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim",
@@ -33,22 +32,7 @@ _VOLATILE_MODEL_KEYS = {"transformers_version", "architectures", "use_cache", "n
 _DATA_SAMPLE = 32  # examples hashed to tell one dataset from another
 
 
-# ---- a new run: the folder must be empty -----------------------------------------------------------------------
-
-def check_output_dir(output_dir: str, *, resume: bool, overwrite: bool) -> None:
-    """Raise ``ConfigurationError`` when a new run (neither resume nor overwrite) would write into a folder that
-    already holds files. Cheap: call it before loading anything."""
-    if resume or overwrite or not os.path.isdir(output_dir):
-        return
-    entries = sorted(os.listdir(output_dir))
-    if entries:
-        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
-        raise ConfigurationError(
-            f"output folder {output_dir} already holds files of an earlier run ({shown}); a new run there would mix "
-            "with them. Resume that run (resume_from_checkpoint=True, --resume), clear the folder "
-            "(AccelArguments(overwrite_output_dir=True), --overwrite), or choose another folder."
-        )
-
+# ---- a new run: the folder must be empty (run_folders.check_output_dir) -------------------------------------
 
 def clear_output_dir(output_dir: str) -> None:
     """Remove everything inside ``output_dir`` (the folder itself stays). Refuses folders that are clearly not a
@@ -142,15 +126,6 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 # ---- resume: which checkpoint ---------------------------------------------------------------------------------------
-
-def checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of the folder's ``checkpoint-N`` folders, newest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), os.path.join(output_dir, d)) for d in os.listdir(output_dir)
-             if (m := CHECKPOINT_RE.match(d)) and os.path.isdir(os.path.join(output_dir, d))]
-    return sorted(found, reverse=True)
-
 
 def set_aside(path: str, why: str) -> str:
     """Rename ``checkpoint-N`` to ``<why>-checkpoint-N`` (out of reach of resume and of checkpoint rotation)."""

@@ -25,7 +25,7 @@ from ..data.collators import REAL_TOKENS_KEY, DataCollatorForPacking, DataCollat
 from ..errors import ConfigurationError
 from ..patching import Speedup, patch
 from ..data.sampling import TokenBudgetBatchSampler
-from .checkpoint_hooks import CheckpointFilesMixin, ReserveSnapshotAhead
+from .checkpoint_hooks import CheckpointFilesMixin, ReserveSnapshotAhead, RestoreLossWindow
 from .metrics import ThroughputMeter, format_summary
 
 logger = logging.getLogger("hf_accel")
@@ -155,6 +155,8 @@ class AccelMixin(CheckpointFilesMixin):
         self._writer = checkpoint_io.AsyncWriter()
         self._buffers = SnapshotBuffers()
         self.add_callback(ReserveSnapshotAhead(self))
+        self.add_callback(RestoreLossWindow(self))
+        self._resumed_loss_window = None
         self._run_record: dict[str, Any] | None = None
         self._frozen_fingerprint: dict[str, Any] | None = None
         self._saving_checkpoint = False

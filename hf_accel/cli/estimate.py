@@ -1,0 +1,66 @@
+"""``hf-accel estimate-memory MODEL``: training memory predicted offline from a config (no weights, no hub).
+
+    hf-accel estimate-memory llama-3-8b --lora-rank 16 --checkpointing op --batch-tokens 16384
+
+MODEL is a known shape (llama-3.2-1b, llama-3-8b, pythia-1.4b, falcon-1b) or a local folder with config.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import ConfigurationError, UsageError
+from ..memory.spec import parse_checkpointing
+
+DTYPES = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "adam", "adamw_8bit", "sgd")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise UsageError(message.removeprefix("argument "))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(prog="hf-accel estimate-memory", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a known shape (llama-3.2-1b, llama-3-8b, pythia-1.4b, falcon-1b) or a local "
+                        "config folder")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    parser.add_argument("--lora-rank", type=int, default=None)
+    parser.add_argument("--lora-targets", default=None, help="comma-separated module names (default: the family's)")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per micro-batch")
+    parser.add_argument("--checkpointing", default="none",
+                        help="none | full | every_N | op | budget:20GiB | budget:0.6 (with --device-gib)")
+    parser.add_argument("--device-gib", type=float, default=None, help="device memory for fractional budgets")
+    args = parser.parse_args(argv)
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise UsageError(f"--lora-rank {args.lora_rank}: a LoRA rank is at least 1 (leave it out for full "
+                         "fine-tuning)")
+    if args.batch_tokens < 1:
+        raise UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 1")
+    if args.device_gib is not None and not args.device_gib > 0:
+        raise UsageError(f"--device-gib {args.device_gib}: must be positive")
+    try:
+        spec = parse_checkpointing(args.checkpointing)
+    except ConfigurationError as e:  # the allowed forms
+        raise UsageError(f"--checkpointing {args.checkpointing}: {e}") from None
+    if spec.kind == "budget" and isinstance(spec.budget, float) and args.device_gib is None:
+        raise UsageError(f"--checkpointing {args.checkpointing} is a fraction of device memory: add --device-gib "
+                         "(e.g. 80), or give the budget in bytes (budget:20GiB)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ..memory.estimate import estimate_training_memory
+
+    estimate = estimate_training_memory(
+        args.model, dtype=args.dtype, optimizer=args.optimizer, lora_rank=args.lora_rank,
+        lora_targets=args.lora_targets.split(",") if args.lora_targets else None, batch_tokens=args.batch_tokens,
+        checkpointing=args.checkpointing,
+        device_bytes=int(args.device_gib * 1024**3) if args.device_gib else None,
+    )
+    print(estimate.table())

@@ -1,0 +1,56 @@
+"""Checkpointing specs and byte sizes as the user writes them ("every_2", "budget:20GiB", "512MiB"), parsed without
+torch, so the ``hf-accel`` command refuses a wrong one before it loads anything. ``policy_from_spec`` builds the
+policy from what ``parse_checkpointing`` returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigurationError
+
+ALLOWED = ("'none', 'full', 'offload', 'every_N' (e.g. 'every_2'), 'op', 'budget:20GiB', 'budget:0.6' (fraction of "
+           "device memory), 'budget:20GiB+offload', 'budget:20GiB+no-offload'")
+_GIB = 1024**3
+_UNITS = {"kib": 1024, "mib": 1024**2, "gib": _GIB, "tib": 1024**4, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "b": 1}
+
+
+def parse_bytes(text: str) -> int:
+    """'20GiB', '512MiB', '1.5GB', '1000000' -> bytes (ValueError otherwise)."""
+    lowered = text.strip().lower()
+    for unit, scale in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * scale)
+    return int(float(lowered))
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """A parsed checkpointing spec: ``kind`` is none | full | offload | op | every | budget."""
+
+    kind: str
+    every: int | None = None  # kind "every": checkpoint every N-th decoder layer
+    budget: float | str | None = None  # kind "budget": a fraction of device memory (float) or a size ("20GiB")
+    offload: bool | None = None  # kind "budget": "+offload" / "+no-offload"; None: where the model is on CUDA
+
+
+def parse_checkpointing(spec: str) -> CheckpointSpec:
+    """The spec string's meaning; ``ConfigurationError`` naming the allowed forms for anything else."""
+    text = spec.strip().lower()
+    if text in ("none", "full", "op", "offload"):
+        return CheckpointSpec(text)
+    if text.startswith("every_") and text[6:].isdigit() and int(text[6:]) >= 1:
+        return CheckpointSpec("every", every=int(text[6:]))
+    if text.startswith("budget:"):
+        value, offload = text[7:], None
+        for suffix, flag in (("+no-offload", False), ("+offload", True)):
+            if value.endswith(suffix):
+                value, offload = value[: -len(suffix)], flag
+                break
+        if value.replace(".", "", 1).isdigit() and "." in value:
+            return CheckpointSpec("budget", budget=float(value), offload=offload)
+        try:
+            parse_bytes(value)
+        except ValueError:
+            pass
+        else:
+            return CheckpointSpec("budget", budget=value, offload=offload)
+    raise ConfigurationError(f"unknown checkpointing spec {spec!r}. Allowed: {ALLOWED}.")
