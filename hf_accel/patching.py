@@ -160,8 +160,8 @@ def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="au
         why = (f"on CUDA only; this model is on {device.type}" if not on_cuda
                else "torch.compile is not supported in this Python / torch" if not torch._dynamo.is_dynamo_supported()
                else f"{quantized}: torch.compile does not trace them cleanly" if quantized else None)
-        # Llama-1B shapes on the H200: ~20 s of compiling once; element-wise time per 16k-token step 46 -> 22.5 ms
-        # and no GC stalls after (BENCHMARKS.md), i.e. paid back within the first thousand steps of a fine-tune.
+        # Compiling costs tens of seconds once and halves the element-wise time of every later step
+        # (docs/guide/speedups-and-backends.md), so it pays back early in a fine-tune.
         out["compile"] = Speedup("compile", why is None, "auto: decoder layers' training forwards through inductor "
                                  "(~20 s once for 1B shapes)" if why is None else f"auto: {why}")
     return out

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark results as data: rebuild benchmarks/index.json from benchmarks/results/*.json, then the generated tables
-in BENCHMARKS.md and README.md (the regions between `<!-- bench:KIND ... -->` and `<!-- /bench:KIND -->`).
+in BENCHMARKS.md, README.md and benchmarks/HISTORY.md (the regions between `<!-- bench:KIND ... -->` and
+`<!-- /bench:KIND -->`).
 
     python scripts/bench_tables.py            # after adding result files: index + tables
     python scripts/bench_tables.py --check    # exit 1 if the index or a generated table is stale (CI)
@@ -20,9 +21,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from hf_accel.bench.index import build_index, dumps  # noqa: E402
 from hf_accel.bench.tables import StaleOrBroken, regenerate, write_chart  # noqa: E402
 
-DOCUMENTS = ("BENCHMARKS.md", "README.md")
+DOCUMENTS = ("BENCHMARKS.md", "README.md", "benchmarks/HISTORY.md")
 INDEX = Path("benchmarks/index.json")
 CHART = Path("benchmarks/chart.png")
+
+
+def relative_links(text: str, document: str) -> str:
+    """Generated regions link result files from the repository root (`](benchmarks/results/...)`); a document in a
+    subfolder gets them relative to itself, so the links resolve where it lies."""
+    depth = len(Path(document).parent.parts)
+    if not depth:
+        return text
+    root = "../" * depth
+    folder = Path(document).parent.as_posix() + "/"
+    return text.replace("](benchmarks/", "](" + root + "benchmarks/").replace("](" + root + folder, "](")
 
 
 def expected(root: Path) -> dict[Path, str]:
@@ -32,7 +44,7 @@ def expected(root: Path) -> dict[Path, str]:
     for name in DOCUMENTS:
         path = root / name
         if path.exists():
-            out[Path(name)] = regenerate(path.read_text(), index, name)
+            out[Path(name)] = relative_links(regenerate(path.read_text(), index, name), name)
     return out
 
 

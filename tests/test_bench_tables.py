@@ -266,3 +266,17 @@ def test_a_timeout_the_time_budget_shortened_reads_as_skipped_not_failed(tmp_pat
     assert ("| `unsloth` | 90 tokens/s, - MFU, 20.0 GiB | 30 tokens/s, - MFU, 40.0 GiB (2026-01-05 10:00 UTC run) | "
             "skipped: time budget exhausted | 128 |") in region
     assert "| `trl` | 95 tokens/s, - MFU, 20.0 GiB | error: timeout after 400s | not run | 64 |" in region
+
+
+def test_a_document_in_benchmarks_links_result_files_relative_to_itself(tree):
+    """benchmarks/HISTORY.md's generated runs log links `results/NAME.json`, which resolves from benchmarks/ (the
+    repository-root form `benchmarks/results/NAME.json` would not)."""
+    history = tree / "benchmarks" / "HISTORY.md"
+    history.write_text("# history\n<!-- bench:runs -->\n<!-- /bench:runs -->\n[index](index.json)\n")
+    main = script_module("bench_tables").main
+    assert main(["--root", str(tree)]) == 0
+    text = history.read_text()
+    assert "](results/w1_new.json)" in text and "](benchmarks/" not in text and "[index](index.json)" in text
+    assert (history.parent / "results" / "w1_new.json").exists()
+    assert "](benchmarks/results/w1_new.json)" in (tree / "BENCHMARKS.md").read_text()  # root documents keep theirs
+    assert main(["--check", "--root", str(tree)]) == 0  # stable: regenerating writes the same text

@@ -63,7 +63,7 @@ class ChildGroups:
 
     Each child runs in its own session (so that a timeout can kill a launcher with all its ranks), which also puts it
     out of reach of a signal sent to bench.py's own process group: `timeout 500 python scripts/bench.py ...` would end
-    bench.py and leave its child training on the GPU (2026-11-30 16:30: a device call's outer `timeout` ended bench.py
+    bench.py and leave its child training on the GPU (it happened: a device call's outer `timeout` ended bench.py
     mid-configuration and no record was written). `stop` kills every running group and marks the run stopped; bench.py
     calls it from its SIGTERM / SIGINT handler, records what it has and exits."""
 

@@ -75,8 +75,8 @@ _TIMEOUT = re.compile(r"error: timeout after (\d+)s$")
 def _status(status: str, config_timeout: float | None) -> str:
     """A result's status; a timeout shorter than the run's --config-timeout reads as the time budget's cut.
 
-    bench.py gives a configuration the smaller of --config-timeout and what is left of --time-budget; until
-    2026-11-30 16:35 it recorded a cut by the budget as "error: timeout after Ns", as if that length had failed
+    bench.py gives a configuration the smaller of --config-timeout and what is left of --time-budget; its first
+    versions recorded a cut by the budget as "error: timeout after Ns", as if that length had failed
     (bench.py now records it as skipped). Records keep what was written; the index reads such a status for what it
     was."""
     cut = _TIMEOUT.match(status)

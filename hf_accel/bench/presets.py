@@ -1,13 +1,13 @@
 """Named runs of scripts/bench.py: one preset = one workload, its configurations and its step/time settings.
 
 `python scripts/bench.py --preset NAME` runs a preset; flags given on the command line override its settings.
-`scripts/gpu_check.sh bench [PRESET ...]` runs presets on the H200 within one device call each.
+`scripts/gpu_check.sh bench [PRESET ...]` runs presets on the GPU machine within one device call each.
 
 The four workload presets are issue 18's comparison: the stock anchors measured in the same run (the strongest stock
 stack that computes the same thing, and HF's padded path where that is the only correct one), "hf_accel defaults"
 (`hf_accel.patch(model)`, no flags) and "hf_accel best" (`patch(model, fused_ce=True, fused_ops=True,
-compile=True)`). Timings were sized from the 2026-11-29 runs (each configuration 35-60 s in its own process on one
-H200): every preset fits one 10-minute device call, `llama-1b` (the standard bench) in about 3 minutes (about 5 with
+compile=True)`). Timings were sized from the first runs (each configuration 35-60 s in its own process on one
+GPU): every preset fits one 10-minute device call, `llama-1b` (the standard bench) in about 3 minutes (about 5 with
 the Unsloth row, whose import, model files and load take ~1 minute; issue 20's rows run only where their packs are
 installed: bench.py reports "not installed" otherwise).
 
@@ -17,8 +17,8 @@ TRL + flash-attn-4 + Liger through SFTTrainer and hf_accel defaults through hf_a
 16k tokens per GPU, so N GPUs train N times the tokens per step), and the table ends with the scaling (steady tokens/s
 on 2 GPUs / on 1) and hf_accel / TRL at each count. Each launch costs ~40-90 s of start-up and compile: `multi-gpu`
 (6 launches of Llama-1B) fits one 10-minute device call (about 7 minutes); `multi-gpu-8b-lora` (4 launches of 8B)
-took 5.3 minutes and `multi-gpu-8b` 2.8 (2026-11-30, 2×H200); `multi-gpu-8b` (8B full FT) runs on 2 GPUs only: its
-fp32 master weights and AdamW states (~128 GB) leave one H200 no room.
+took 5.3 minutes and `multi-gpu-8b` 2.8 (BENCHMARKS.md, "Multi-GPU"); `multi-gpu-8b` (8B full FT) runs on 2 GPUs
+only: its fp32 master weights and AdamW states (~128 GB) leave one 141 GB GPU no room.
 
 A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
 "not implemented yet: issue N" and what it will run.
@@ -95,7 +95,7 @@ PRESETS: dict[str, Preset] = {
             "documents for Falcon) vs hf_accel on SDPA with a dense ALiBi bias (the path before flex) vs hf_accel "
             "defaults (compiled flex, ALiBi as a score_mod)",
             "falcon-rw-1b", ("hf-sdpa-padded", "hf_accel-sdpa", "hf_accel-defaults"),
-            # hf_accel defaults compile flex per new padded row length (~11 s each on the H200): 120 s timed out
+            # hf_accel defaults compile flex per new padded row length (~11 s each on the GPU): 120 s timed out
             dict(steps=15, warmup=6, time_budget=540, config_timeout=300),
         ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first
@@ -125,7 +125,7 @@ PRESETS: dict[str, Preset] = {
             "multi-gpu-8b-lora", "as multi-gpu, Llama-3-8B shapes, LoRA r=16 + checkpointing; hf_accel best with "
             "the checkpointing memory budget 0.8 (as the llama-8b-lora preset) besides the defaults",
             "llama-8b-lora", (*_MULTI_CONFIGS, "hf_accel-best"),
-            # ~2.5 min a (config, count) on the H200: past one 10-minute device call, run it in the background
+            # ~2.5 min a (config, count) on the GPU: past one 10-minute device call, run it in the background
             dict(nproc="1,2", steps=6, warmup=3, best_compile="on", best_checkpointing="budget:0.8", time_budget=960,
                  config_timeout=200),
         ),

@@ -60,7 +60,7 @@ class StaleOrBroken(ValueError):
 
 def _date(run: dict[str, Any]) -> str:
     date = str(run.get("date") or "?")
-    return f"{date[:10]} {date[11:16]} UTC" if len(date) >= 16 else date  # the H200 machine's clock is UTC
+    return f"{date[:10]} {date[11:16]} UTC" if len(date) >= 16 else date  # the benchmark machine's clock is UTC
 
 
 def _k(value: float | None) -> str:

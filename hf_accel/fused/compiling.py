@@ -11,13 +11,13 @@ checkpointing on that layer, whose selective-checkpoint policy must see each op)
 layer's own eager forward, exactly what the unpatched model computes. The layers compile with ``dynamic=True`` (a
 symbolic token dimension from the first step, in the pieces after the attention break too), so steps of different
 token counts share the compiled graphs: on CPU no step after the first compiles anything. (Compiled static first,
-those pieces compiled again at the first new length.) On the H200 (torch 2.11) inductor also guards the first graphs
-on a token range from its fusion heuristics (``2560 <= tokens <= 4095`` after a 3,072-token first step), so the
-first length outside it compiles them once more, and no later length does. A user's options dict may set
+those pieces compiled again at the first new length.) On CUDA inductor may also guard the first graphs on a token
+range from its fusion heuristics (``2560 <= tokens <= 4095`` after a 3,072-token first step), so the first length
+outside it compiles them once more, and no later length does (tests/gpu/RESULTS.md). A user's options dict may set
 ``dynamic`` itself. All layers share one set of graphs.
 
 Compilation leaves many long-lived Python objects (graphs, guards, generated code) that every later full garbage
-collection scans: on the H200 such collections grew to 200-400 ms stalls mid-training. After a training
+collection scans, so they grow into stalls of a step or more (docs/guide/speedups-and-backends.md). After a training
 call that compiled new graphs, garbage is collected once and, while compiled layers are bound, the collector makes no
 automatic full (oldest-generation) collections; young generations are still collected, and an explicit
 ``gc.collect()`` still frees everything. (An earlier ``gc.freeze`` kept every object alive at that moment forever,
@@ -140,7 +140,7 @@ def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list
         )
     # dynamic=True: every graph piece is compiled with a symbolic token dimension from the first step. With the
     # default (static first, dynamic after a change) the pieces after the attention break, whose token count is a
-    # Python int in the resumed frame, compiled again at the first new length (and on the H200 at the second).
+    # Python int in the resumed frame, compiled again at the first new length (and on CUDA at the second, see above).
     options = {"fullgraph": False, "dynamic": True, **(options or {})}
     names = {id(m): n for n, m in model.named_modules()}
     bound, undo = [], []

@@ -132,7 +132,7 @@ def quiet_liger_import():
 # Liger bound by someone else (transformers' / TRL's use_liger_kernel: instance forwards of norms and MLPs, and
 # modeling_llama.apply_rotary_pos_emb swapped globally) sits inside hf_accel's compiled decoder layers, and dynamo
 # then traces liger's Triton kernels: torch's triton_kernel_wrap fails to analyse them and logs a CompilationError
-# traceback per kernel (dozens per run on the H200). Where dynamo meets one of liger's functions it traces the stock
+# traceback per kernel (dozens per GPU run). Where dynamo meets one of liger's functions it traces the stock
 # computation instead (torch.compiler.substitute_in_graph; inductor fuses it as it fuses the layers' own ops); eager
 # calls keep running liger's kernels.
 _substituted: set[int] = set()

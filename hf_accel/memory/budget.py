@@ -37,7 +37,7 @@ class MemoryBudget(CheckpointingPolicy):
     optimizer: str = "adamw"
     device_bytes: int | None = None  # total device memory for fractional budgets; default: the CUDA device's
     # Share of the budget kept free for what the probe cannot see (allocator fragmentation, transient buffers): on the
-    # H200 measured peaks ran 1-2% over plans made to the full budget (BENCHMARKS.md, checkpointing frontier).
+    # GPU, measured peaks ran 1-2% over plans made to the full budget (benchmarks/other-measurements.md, frontier).
     headroom: float = 0.03
     verbose: bool = True  # print the plan (on the first process only)
     # plans may keep layers' saved inputs in pinned host memory ("offload", priced above full recompute, so chosen
@@ -49,8 +49,8 @@ class MemoryBudget(CheckpointingPolicy):
     compiled: bool = False
     # the training loop frees gradients before each forward: one micro-batch per optimizer step and
     # zero_grad(set_to_none=True), as torch's optimizers and transformers' Trainer do by default. Gradients then never
-    # meet the whole forward's activations (plan.plan_peak_bytes); on the H200 counting them on top over-predicted
-    # Llama-1B full fine-tune peaks by ~2.5 GiB, its gradients' size. None/False: counted on top (right for gradient
+    # meet the whole forward's activations (plan.plan_peak_bytes); counting them on top over-predicts a full
+    # fine-tune's peak by the gradients' size (docs/guide/memory.md). None/False: counted on top (right for gradient
     # accumulation and for any loop); hf_accel's Trainers set it when gradient_accumulation_steps is 1.
     grads_freed: bool | None = None
     # the training state is sharded (FSDP2, DeepSpeed ZeRO-3; estimate.Sharding): the plan counts this process's

@@ -27,9 +27,8 @@ RECOMPUTE_COST = {"none": 0.0, "op": 0.1, "full": 1.0, "offload": 1.1}
 # plan_checkpointing considers it only when asked (modes=...); MemoryBudget asks on CUDA (its `offload`).
 DEVICE_MODES = ("none", "op", "full")
 # With compiled layers (patch(compile=...)), an op-level layer also runs eagerly: its selective-checkpoint policy must
-# see each op, so it leaves the compiled path. Measured on the H200 (Llama-1B shapes, 16k tokens, BENCHMARKS.md "a 24
-# GiB budget"): 3 full + 13 op-level layers cost 17.9% of the step against no checkpointing; with a layer forward
-# ~1.9% of that step, the 13 op-level layers cost ~0.5 layer forwards each, not 0.1.
+# see each op, so it leaves the compiled path, and then costs about half a layer forward rather than a tenth
+# (the calibration run: benchmarks/other-measurements.md, "a 24 GiB budget").
 RECOMPUTE_COST_COMPILED = {**RECOMPUTE_COST, "op": 0.5}
 
 
@@ -206,7 +205,7 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
 
     compiled: the decoder layers are bound to compiled training calls (patch(compile=...)). A second forward then
     runs them as bound and counts what their compiled graphs save (inductor's partitioner keeps less than the eager
-    ops: on the H200 eager-probed plans for compiled layers over-predicted peaks by 4-7 GiB). That becomes each
+    ops: eager-probed plans for compiled layers over-predicted GPU peaks by several GiB). That becomes each
     layer's no-checkpointing (and recompute) bytes; op-level layers, which run eagerly, keep the eager figures."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -292,7 +291,7 @@ class _SavedBytes:
             self.saved[self.layer] += nbytes
         # Only the size is kept: no backward runs on a probe, so autograd need not hold the tensor, and the probe's
         # peak stays at about one layer's transient memory (a 16k-token Llama-8B forward keeping everything would
-        # not fit on an H200). Handing back `t` itself also tied saved outputs to their own grad_fn in a cycle
+        # not fit on one GPU). Handing back `t` itself also tied saved outputs to their own grad_fn in a cycle
         # Python's collector cannot break, so the whole probe graph stayed allocated for the rest of training.
         return None
 

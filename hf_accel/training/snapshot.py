@@ -82,8 +82,9 @@ class SnapshotBuffers:
 
     def reserve(self, state: Any, background: bool = True) -> bool:
         """Allocate now the buffers a later ``copy(state)`` needs (on a thread by default), so the first save does
-        not pay for page-locking them (~4.5 s for Llama-1B's 7.4 GiB on the H200, against 0.15 s for a later save's
-        copy). False, and nothing allocated, when the host lacks the memory (``shortfall``)."""
+        not pay for page-locking them (seconds for a 1B model's checkpoint, many times a later save's copy:
+        benchmarks/other-measurements.md). False, and nothing allocated, when the host lacks the memory
+        (``shortfall``)."""
         if self.shortfall(state) is not None:  # (it waited for any reservation under way)
             return False
         wanted = [(path, t.shape, t.dtype) for path, t in _once(_tensors(state)) if not self._held(path, t)]

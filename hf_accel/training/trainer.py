@@ -221,8 +221,8 @@ class AccelMixin(CheckpointFilesMixin):
 
     def _accel_compile(self) -> Any:
         """AccelArguments.compile for patch(); "auto" is off where something else compiles the model, under FSDP1
-        (not measured there) and under DeepSpeed (one H200, Llama-1B ZeRO-3: steady tokens/s 28.1k compiled vs 39.1k
-        eager, docs/MULTI_GPU.md section 11). FSDP2 keeps it (2×H200, Llama-1B: 126k compiled vs 119k eager)."""
+        (not measured there) and under DeepSpeed (measured slower than eager there, likely as its gather hooks around
+        every submodule break the compiled graphs; docs/MULTI_GPU.md). FSDP2 keeps it (measured faster there)."""
         if self.accel.compile != "auto":
             return self.accel.compile
         return False if self._accel_compile_stands_down() else "auto"

@@ -17,7 +17,7 @@ class DeviceInfo:
     """The device a call runs on; tests fake it to check selection without a GPU."""
 
     type: str  # "cpu" | "cuda" | ...
-    capability: tuple[int, int] | None = None  # CUDA compute capability, e.g. (9, 0) for H100/H200
+    capability: tuple[int, int] | None = None  # CUDA compute capability, e.g. (9, 0) for Hopper
 
     @staticmethod
     def of(device: torch.device) -> "DeviceInfo":

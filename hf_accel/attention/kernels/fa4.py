@@ -3,8 +3,8 @@
 flash-attn-4 launches its kernels outside PyTorch's dispatcher as a plain autograd.Function; as custom ops
 ``hf_accel::fa4_varlen_fwd`` / ``_bwd`` selective checkpoint policies can save its output and torch.compile sees one
 opaque node. ALiBi would go through flash-attn-4's ``score_mod``; its backward was reported wrong on sm90 (4.0.0b36),
-while a single-slope relative bias measured right on the H200 (2026-11-29, tests/gpu). Per-head slopes are not wired up
-yet, so ALiBi is not declared.
+while a single-slope relative bias measured right on sm90 (tests/gpu/test_kernels_gpu.py). Per-head slopes are not
+wired up yet, so ALiBi is not declared.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _window(left: int, right: int):
 
 
 # flash-attn-4 4.0.0b36's CuTe DSL warns once per new kernel variant that its `aux_data` argument "cannot be converted
-# to a JitArgument" (a 600-character UserWarning per compile, 4 per process on the H200, 2026-11-30): its own note on
+# to a JitArgument" (a 600-character UserWarning per compile, several per process): its own note on
 # how it passes an internal argument, nothing a user can act on. That message only is ignored, from the first call.
 AUX_DATA_NOTE = r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"
 _quieted = False

@@ -1,7 +1,7 @@
 """FlexAttention: a block-sparse document mask plus score_mods (ALiBi, softcap) in one kernel.
 
-On CUDA ``flex_attention`` is compiled once, at module level, with static shapes (``dynamic=False``): measured on the
-H200 (torch 2.11), a document ``mask_mod`` and an ALiBi ``score_mod`` reading per-head slopes and positions from
+On CUDA ``flex_attention`` is compiled once, at module level, with static shapes (``dynamic=False``): checked on a
+GPU (tests/gpu), a document ``mask_mod`` and an ALiBi ``score_mod`` reading per-head slopes and positions from
 captured tensors compile, and forward and backward match fp32 math (head_dim 64/128, GQA 8/2). (An earlier
 dynamic-shape compile failed with "all unwrapped values must be FakeTensor".) Static shapes would recompile for every
 new token count, so packed rows are padded up to a few lengths per octave (`bucket_length`); the padding is one more
@@ -104,7 +104,7 @@ class FlexBackend(Backend):
         window=False,
         softcap=False,
         # ALiBi (Falcon-RW, packed): doc mask_mod + ALiBi score_mod, compiled; fwd+bwd checked against fp32 math on
-        # the H200 (tests/gpu/test_long_context_gpu.py::test_flex_alibi_matches_fp32_math).
+        # CUDA (tests/gpu/test_long_context_gpu.py::test_flex_alibi_matches_fp32_math).
         alibi=True,
         alibi_backward=True,
         backward_devices=frozenset({"cuda"}),

@@ -25,7 +25,7 @@ BACKENDS: dict[str, Backend] = {
               SDPABackend(), ReferenceBackend())
 }
 
-# Fastest first, per device type (fwd+bwd on the H200: fa4 454 TF/s, PyTorch's FA2 262 TF/s; see KNOWLEDGE.md).
+# Fastest first, per device type (fa4 ahead of PyTorch's FA2 forward + backward: BENCHMARKS.md, FlashMHA).
 # Flex is fast only compiled on CUDA; on the CPU its eager path is a math reference, so SDPA comes first there.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("fa4", "fa3", "fa2", "torch-fa2", "flex", "sdpa", "reference"),
