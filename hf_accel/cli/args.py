@@ -178,7 +178,7 @@ def _config_path(argv: list[str]) -> str | None:
 def _value_problem(name: str, value: Any) -> str | None:
     """Why a config file's ``value`` cannot be the argument ``name`` (None when it can)."""
     hint = typing.get_type_hints(_FIELDS[name][0])[name]
-    options = typing.get_args(hint) or (hint,)
+    options = (hint,) if typing.get_origin(hint) is Literal else (typing.get_args(hint) or (hint,))
     if value is None:
         return None if type(None) in options else "expected a value, not null"
     for option in options:

@@ -51,8 +51,25 @@ def adapter_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
 
     names = _names_peft_sees(model)
     keyed = {names.get(key, key): value for key, value in state_dict.items()}
-    selected = get_peft_model_state_dict(model, state_dict=keyed, adapter_name=adapter_name)
+    selected = get_peft_model_state_dict(model, state_dict=keyed, adapter_name=adapter_name,
+                                         save_embedding_layers=_embedding_layers(model, adapter_name))
     return {plain_name(key): value for key, value in selected.items()}
+
+
+def _embedding_layers(model: torch.nn.Module, adapter_name: str) -> bool | str:
+    """PEFT's ``save_embedding_layers``: "auto", except where its check can only end in a warning and False: the base
+    model is a local folder without config.json (a GGUF checkpoint's), so it can compare no vocabulary size and
+    "assumes that the vocabulary was not modified". Embedding layers among the targets are saved either way."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    config = model.peft_config[adapter_name]
+    base = getattr(config, "base_model_name_or_path", None)
+    targets = getattr(config, "target_modules", None) or ()
+    if isinstance(targets, str) or any(name in targets for name in EMBEDDING_LAYER_NAMES):
+        return "auto"
+    if base and os.path.isdir(base) and not os.path.exists(os.path.join(base, "config.json")):
+        return False
+    return "auto"
 
 
 def save_adapter(model: torch.nn.Module, output_dir: str, state_dict: dict[str, torch.Tensor]) -> None:
@@ -72,7 +89,8 @@ def save_adapter(model: torch.nn.Module, output_dir: str, state_dict: dict[str, 
                 "model's, gathered on this process (under FSDP: accelerate's get_state_dict with FULL_STATE_DICT, "
                 "called on every rank). Nothing was written.")
     # peft writes the config (inference mode, base model, auto-mapping) and the model card; the weights follow
-    model.save_pretrained(output_dir, state_dict={}, safe_serialization=True)
+    embeddings = "auto" if any(_embedding_layers(model, name) == "auto" for name in model.peft_config) else False
+    model.save_pretrained(output_dir, state_dict={}, safe_serialization=True, save_embedding_layers=embeddings)
     for name, tensors in adapters.items():
         folder = output_dir if name == "default" else os.path.join(output_dir, name)
         tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items() if torch.is_tensor(v)}

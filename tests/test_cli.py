@@ -1,0 +1,191 @@
+"""The installed ``hf-accel`` command (hf_accel/cli): arguments checked before anything heavy is imported, one line per
+refusal, ``--config`` files with flags overriding them, numbered run folders, ``env`` and ``estimate-memory``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_accel.cli import args as cli_args
+from hf_accel.cli import main
+from hf_accel.errors import UsageError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# argv -> what the one-line refusal must say (each refused before torch is imported)
+REFUSED = {
+    ("--max-steps", "-3"): "--max-steps -3: must be a positive number of optimizer steps",
+    ("--max-steps", "0"): "--max-steps 0: must be a positive number",
+    ("--lora-r", "0"): "--lora-r 0: a LoRA rank is at least 1",
+    ("--lora-r", "-2"): "--lora-r -2: a LoRA rank is at least 1",
+    ("--lora-alpha", "16"): "--lora-alpha applies to LoRA: add --lora-r",
+    ("--checkpointing", "bogus"): "--checkpointing bogus: unknown checkpointing spec 'bogus'. Allowed: 'none'",
+    ("--checkpointing", "budget:lots"): "unknown checkpointing spec 'budget:lots'",
+    ("--mlp-chunks", "big"): "--mlp-chunks 'big': expected auto, a chunk size in tokens",
+    ("--backend", "fa9"): "--backend: invalid choice: 'fa9'",
+    ("--max-steps", "ten"): "--max-steps: invalid int value: 'ten'",
+    ("--bad-rows", "keep"): "--bad-rows: invalid choice: 'keep'",
+    ("--max-stepz", "3"): "unknown argument '--max-stepz'; did you mean --max-steps?",
+    ("--epochs", "0"): "--epochs 0.0: must be positive",
+    ("--grad-accum", "0"): "--grad-accum 0: must be at least 1",
+    ("--eval-examples", "-1"): "--eval-examples -1: must be 0",
+    ("--dataset", "missing.jsonl"): "--dataset missing.jsonl: no such file or folder",
+    ("--dataset", "notes.txt"): "--dataset notes.txt: unknown file type '.txt'",
+    ("--model", "./no-model"): "--model ./no-model: no such local folder",
+    ("--model", "x", "--smollm2"): "--model cannot be combined with --smollm2",
+    ("--no-patch", "--compile"): "--no-patch trains stock transformers, but --compile works through hf_accel's patch",
+    ("--resume", "--overwrite"): "--resume continues the run in --output-dir and --overwrite clears it",
+    ("--resume",): "--resume: no run of tiny-task under runs/ holds a checkpoint",
+    ("--config", "missing.yaml"): "--config missing.yaml: no such file",
+}
+
+
+def test_every_refusal_is_one_line_before_torch_is_imported(tmp_path):
+    """Each wrong argument exits 2 with one line naming it (no usage dump, no traceback), and torch, datasets and
+    peft are still unimported when it is refused."""
+    (tmp_path / "notes.txt").write_text("x")
+    script = (
+        "import json, sys, contextlib, io\n"
+        "from hf_accel.cli import main\n"
+        "out = []\n"
+        f"for argv in {[list(a) for a in REFUSED]!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        rc = main(['sft', *argv])\n"
+        "    out.append([rc, err.getvalue()])\n"
+        "heavy = [m for m in ('torch', 'datasets', 'peft') if m in sys.modules]\n"
+        "print(json.dumps({'results': out, 'heavy': heavy}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["heavy"] == []
+    for (rc, err), (argv, message) in zip(report["results"], REFUSED.items()):
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("hf-accel sft: error: "), (argv, err)
+        assert message in lines[0], (argv, lines[0])
+        assert "usage:" not in err and "Traceback" not in err
+
+
+def test_config_file_keys_are_the_flags_and_flags_override_it(tmp_path):
+    (tmp_path / "run.yaml").write_text("max_steps: 7\nlora_r: 4\nfused_ce: false\nmlp_chunks: 8192\nbad-rows: drop\n")
+    args = cli_args.parse_sft_args(["--config", "run.yaml"])
+    assert (args.max_steps, args.lora_r, args.fused_ce, args.mlp_chunks, args.bad_rows) == (7, 4, False, 8192, "drop")
+    args = cli_args.parse_sft_args(["--config", "run.yaml", "--max-steps", "3", "--fused-ce"])
+    assert (args.max_steps, args.fused_ce, args.lora_r) == (3, True, 4)  # flags win, the rest stays from the file
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 5, "packing": False}))
+    args = cli_args.parse_sft_args(["--config=run.json"])
+    assert (args.max_steps, args.packing) == (5, False)
+    # without a file: the flags' own defaults ("auto" speed-ups are None, i.e. not given)
+    args = cli_args.parse_sft_args([])
+    assert (args.max_steps, args.fused_ce, args.packing, args.mlp_chunks) == (None, None, True, "auto")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_step: 7\n", "unknown key 'max_step'; did you mean 'max_steps'?"),
+    ("max_steps: seven\n", "max_steps: expected int, got 'seven' (str)"),
+    ("max_steps: true\n", "max_steps: expected int, got True (bool)"),
+    ("bad_rows: keep\n", "bad_rows: expected one of 'fail', 'drop'"),
+    ("max_steps: -1\n", "--max-steps -1: must be a positive number"),  # values get the flags' checks too
+    ("- 1\n- 2\n", "expected a mapping of argument names to values, got a list"),
+    ("max_steps: [1\n", "not valid YAML"),
+])
+def test_config_file_mistakes_are_named(tmp_path, text, message):
+    (tmp_path / "run.yaml").write_text(text)
+    with pytest.raises(UsageError) as exc:
+        cli_args.parse_sft_args(["--config", "run.yaml"])
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_runs_get_numbered_folders_and_resume_finds_the_newest_with_a_checkpoint(tmp_path):
+    """Without --output-dir each run gets runs/<model>-<N> (command 1 twice, or then --smollm2, never collide);
+    --resume without one continues the newest folder of that model holding a checkpoint."""
+    first = cli_args.parse_sft_args([]).output_dir
+    assert first == os.path.join("runs", "tiny-task-1")
+    os.makedirs(first)
+    (Path(first) / "metrics.json").write_text("{}")
+    assert cli_args.parse_sft_args([]).output_dir == os.path.join("runs", "tiny-task-2")
+    assert cli_args.parse_sft_args(["--model-shape", "llama-small"]).output_dir == os.path.join("runs",
+                                                                                               "llama-small-1")
+    with pytest.raises(UsageError, match="no run of tiny-task under runs/ holds a checkpoint"):
+        cli_args.parse_sft_args(["--resume"])
+    os.makedirs(os.path.join(first, "checkpoint-5"))
+    os.makedirs(os.path.join("runs", "tiny-task-3"))  # newer, but nothing to resume there
+    assert cli_args.parse_sft_args(["--resume"]).output_dir == first
+
+
+def test_a_used_folder_suggests_resume_only_where_there_is_a_checkpoint(tmp_path):
+    os.makedirs("out")
+    (Path("out") / "metrics.json").write_text("{}")
+    with pytest.raises(UsageError) as exc:
+        cli_args.parse_sft_args(["--output-dir", "out"])
+    assert "--resume" not in str(exc.value) and "--overwrite" in str(exc.value) and "runs/" in str(exc.value)
+    with pytest.raises(UsageError, match="holds no checkpoint-N folder to continue"):
+        cli_args.parse_sft_args(["--output-dir", "out", "--resume"])
+    os.makedirs(os.path.join("out", "checkpoint-3"))
+    with pytest.raises(UsageError, match=r"Continue that run \(--resume\)"):
+        cli_args.parse_sft_args(["--output-dir", "out"])
+    assert cli_args.parse_sft_args(["--output-dir", "out", "--resume"]).output_dir == "out"
+
+
+def test_name_lists_for_the_early_checks_match_the_library():
+    from hf_accel.attention.kernels import BACKENDS
+    from hf_accel.cli.shapes import MODEL_SHAPES
+
+    assert set(cli_args.BACKEND_NAMES) == {"auto", *BACKENDS}
+    assert tuple(MODEL_SHAPES) == cli_args.MODEL_SHAPE_NAMES
+
+
+def test_estimate_memory_command_prints_the_estimate(capsys):
+    from hf_accel.memory.estimate import estimate_training_memory
+
+    assert main(["estimate-memory", "llama-3.2-1b", "--lora-rank", "8", "--checkpointing", "op"]) == 0
+    want = estimate_training_memory("llama-3.2-1b", lora_rank=8, checkpointing="op").table()
+    assert capsys.readouterr().out.strip() == want.strip()
+    assert main(["estimate-memory", "llama-3.2-1b", "--checkpointing", "budget:0.5"]) == 2
+    assert "add --device-gib" in capsys.readouterr().err
+
+
+def test_env_command_names_versions_and_backends(capsys):
+    from importlib import metadata
+
+    from hf_accel.attention.kernels import BACKENDS
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"transformers {metadata.version('transformers')}" in out and f"torch {metadata.version('torch')}" in out
+    assert all(name in out for name in BACKENDS)
+    assert main(["env", "--verbose"]) == 2 and main(["nope"]) == 2 and main([]) == 2
+
+
+def test_installed_command_and_module_entry_run(tmp_path):
+    """The console script pip installs, and `python -m hf_accel.cli` (what `accelerate launch -m` runs)."""
+    import shutil
+
+    exe = shutil.which("hf-accel")
+    assert exe, "pip install -e . installs the hf-accel command"
+    for command in ([exe, "--help"], [sys.executable, "-m", "hf_accel.cli", "sft", "--help"]):
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and ("sft" in proc.stdout), proc.stderr[-2000:]
+    assert "--config FILE" in proc.stdout and "--max-steps" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sft_under_accelerate_launch_two_processes(tmp_path):
+    """`accelerate launch --config_file examples/accelerate/ddp_cpu.yaml -m hf_accel.cli sft ...` (2 CPU processes,
+    gloo DDP): exits 0, rank 0 writes the model and metrics.json, rank 1 its metrics.rank1.json."""
+    from hf_accel.bench.distributed import launch_argv
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = launch_argv(ROOT / "examples" / "accelerate" / "ddp_cpu.yaml", 2, [
+        "-m", "hf_accel.cli", "sft", "--max-steps", "3", "--eval-examples", "0", "--output-dir", "out"])
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and (tmp_path / "out" / "model.safetensors").exists()
+    assert (tmp_path / "out" / "metrics.rank1.json").exists()
