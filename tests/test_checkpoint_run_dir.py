@@ -9,7 +9,7 @@ import pytest
 
 from hf_accel.errors import ConfigurationError
 from hf_accel.training.run_dir import RUN_RECORD
-from tests.checkpoint_runs import STEPS, accel, losses, trainer
+from tests.checkpoint_runs import LOSS_RTOL, STEPS, accel, losses, trainer
 
 
 def names(folder) -> list[str]:
@@ -72,3 +72,20 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
     t = trainer(out, stop_at=4)
     t.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert names(out) == ["checkpoint-2", "checkpoint-4", "superseded-checkpoint-4", "superseded-checkpoint-6"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_resumed_run_logs_what_the_uninterrupted_run_logs(tmp_path, async_save):
+    """Logging every 4 steps, resumed from the checkpoint of step 2: the log at step 4 averages steps 1-4, as the
+    uninterrupted run's does (transformers alone restarts the window at the resume: steps 3-4 only), and the resumed
+    call's train_loss is still the mean over the steps it trained (3-6)."""
+    whole = trainer(tmp_path / "whole", logging_steps=4)
+    whole.train()
+    per_step = trainer(tmp_path / "per-step", logging_steps=1)
+    per_step.train()
+    cut = tmp_path / "cut"
+    trainer(cut, logging_steps=4, stop_at=2, accel=accel(async_save=async_save)).train()
+    resumed = trainer(cut, logging_steps=4, accel=accel(async_save=async_save))
+    result = resumed.train(resume_from_checkpoint=True)
+    assert losses(whole) and losses(resumed) == pytest.approx(losses(whole), rel=LOSS_RTOL)
+    assert result.training_loss == pytest.approx(sum(losses(per_step)[2:]) / 4, rel=1e-5)

@@ -189,3 +189,19 @@ def test_sft_under_accelerate_launch_two_processes(tmp_path):
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["steps"] == 3 and (tmp_path / "out" / "model.safetensors").exists()
     assert (tmp_path / "out" / "metrics.rank1.json").exists()
+
+
+def test_a_short_run_logs_its_first_and_last_step_and_draws_its_plot(tmp_path, monkeypatch, capsys):
+    """5 steps, fewer than one default logging interval used to be: the first and the last step log, the summary
+    line says where the loss went, and training.png is drawn (matplotlib is a dependency)."""
+    import torch
+
+    from hf_accel.cli import sft
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave the test process's threads alone
+    metrics = sft.main(["--max-steps", "5", "--eval-examples", "0", "--logging-steps", "25", "--output-dir", "out"])
+    steps = [log["step"] for log in metrics["log_history"] if "loss" in log]
+    assert steps == [1, 5] and len(metrics["losses"]) == 2
+    out = capsys.readouterr().out
+    assert f"loss: {metrics['losses'][0]:.3f} (first step) -> {metrics['losses'][1]:.3f} (last step)" in out
+    assert (tmp_path / "out" / "training.png").stat().st_size > 1000

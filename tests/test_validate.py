@@ -63,15 +63,53 @@ def test_raw_examples_are_tokenized_and_unknown_shapes_are_malformed():
 
     tok = build_tokenizer()
     raw = Dataset.from_list([{"prompt": "copy:12=", "completion": "12"}, {"prompt": None, "completion": "3"},
-                             {"prompt": "rev:", "completion": ""}])
-    with pytest.raises(InvalidDataset, match=r"row 1: has fields \['completion'\]"):
+                             {"prompt": "rev:", "completion": "21"}, {"prompt": None, "completion": None}])
+    with pytest.raises(InvalidDataset, match=r"row 1: 'prompt' is null, expected a string.*row 3: has fields \[\]"):
         check_dataset(raw, tok, vocab_size=len(tok))
     data, report = check_dataset(raw, tok, vocab_size=len(tok), bad_rows="drop")
-    assert report.counts["malformed"] == 1 and len(data) == 2 and "input_ids" in data.column_names
+    assert report.counts["malformed"] == 2 and len(data) == 2 and "input_ids" in data.column_names
     assert data[0]["input_ids"] == tok("copy:12=")["input_ids"] + tok("12", add_special_tokens=False)["input_ids"] \
         + [tok.eos_token_id]
     with pytest.raises(ConfigurationError, match="tokenizer"):
         check_dataset(raw)
+
+
+@pytest.mark.parametrize("row, detail", [
+    ({"prompt": "copy:12=", "completion": ""}, "'completion' is empty"),
+    ({"prompt": "", "completion": "12"}, "'prompt' is empty"),
+    ({"text": "   "}, "'text' is empty"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+     "messages[1].content (assistant) is empty"),
+    ({"messages": []}, "'messages' is an empty list"),
+])
+def test_empty_text_fields_are_empty_rows(row, detail):
+    """An empty text, prompt, completion or message is a bad row of kind ``empty`` (it used to pass the check and be
+    trained on); the good rows around it train."""
+    from datasets import Dataset
+
+    tok = build_tokenizer()
+    good = {"messages": [{"role": "user", "content": "copy:12="}, {"role": "assistant", "content": "12"}]} \
+        if "messages" in row else {"text": "copy:12=12"} if "text" in row else {"prompt": "copy:12=", "completion": "12"}
+    raw = Dataset.from_list([good, row, good])
+    with pytest.raises(InvalidDataset, match=r"empty 1 \(row 1: " + detail.replace("[", r"\[").replace("]", r"\]")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        check_dataset(raw, tok, vocab_size=len(tok))
+    data, report = check_dataset(raw, tok, vocab_size=len(tok), bad_rows="drop")
+    assert report.counts["empty"] == 1 and report.bad == 1 and len(data) == 2
+
+
+def test_a_wrong_type_names_the_field_and_the_type_found(tmp_path):
+    """A parquet completion column of integers: the message names the column and its type."""
+    from datasets import Dataset, load_dataset
+
+    Dataset.from_dict({"prompt": ["copy:1=", "copy:2="], "completion": [1, 2]}).to_parquet(tmp_path / "d.parquet")
+    raw = load_dataset("parquet", data_files=str(tmp_path / "d.parquet"), split="train")
+    tok = build_tokenizer()
+    with pytest.raises(InvalidDataset, match=r"malformed 2 \(row 0: 'completion' is int, expected a string"):
+        check_dataset(raw, tok, vocab_size=len(tok))
+    bad_messages = [{"messages": [{"role": "user", "content": 5}]}]
+    with pytest.raises(InvalidDataset, match=r"messages\[0\].content is int, expected a string"):
+        check_dataset(bad_messages, tok, vocab_size=len(tok))
 
 
 def test_malformed_jsonl_lines_are_reported_with_their_line_number(tmp_path):

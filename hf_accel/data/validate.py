@@ -299,7 +299,7 @@ def check_dataset(
     if report.bad and bad_rows == "fail":
         raise InvalidDataset(
             f"{report.bad} of {report.rows} rows cannot be trained on: {report.describe_bad()}. Fix or remove them, "
-            f"or drop them and train on the rest (bad_rows='drop'; scripts/sft.py --bad-rows drop).", report)
+            f"or drop them and train on the rest (bad_rows='drop'; hf-accel sft --bad-rows drop).", report)
     if cut:
         dataset = _truncate(dataset, cut, max_length)  # type: ignore[arg-type]
     if len(keep) < len(dataset):
