@@ -49,6 +49,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_no_automatic_full_collections_while_compiled_layers_are_bound():
     """Full collections scanning compilation's objects were 200-400 ms stalls on the H200: while compiled layers are
     bound the collector makes none by itself; unpatch restores its threshold."""
@@ -83,6 +84,7 @@ def test_a_deleted_compiled_model_is_freed(unpatch_first):
     assert alive() is None
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_inductor_llama_matches_unpatched_and_reuses_graphs():
     ref = make("llama-gqa").train()  # unpatched transformers, SDPA, fp32
     ours = copy.deepcopy(ref)
@@ -117,6 +119,7 @@ def test_compiled_layers_under_checkpointing(spec):
     assert (len(calls) == 0) if spec == "op" else (len(calls) > 0)
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_lora_adapters_get_the_same_gradients():
     peft = pytest.importorskip("peft")
     base = make("llama-gqa").train()
@@ -135,6 +138,7 @@ def test_lora_adapters_get_the_same_gradients():
     assert_same_step(ours, ref, batch)
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_eval_and_generate_run_the_eager_layers():
     ref = make("llama-gqa")
     ours = copy.deepcopy(ref)
@@ -177,6 +181,7 @@ def test_refused_clearly_where_torch_compile_cannot_run(monkeypatch):
     assert model.config._attn_implementation == "sdpa"  # the attention seam was undone too
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 @pytest.mark.parametrize("family", ["llama", "neox", "falcon"])
 def test_layers_share_their_compiled_graphs(family):
     """Every decoder layer runs the same code: one set of graphs whatever the depth (a per-layer guard such as
@@ -198,6 +203,7 @@ def test_layers_share_their_compiled_graphs(family):
     assert graphs[0] == graphs[1], graphs
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_lora_cast_skip_traces_without_new_graph_breaks():
     """hf_accel.fused.lora_casts' check (autocast state, adapter types) runs inside compiled layers: under bf16 autocast
     on a bf16 model with fp32 adapters, the only graph breaks are the attention seam's."""

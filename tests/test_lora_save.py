@@ -55,6 +55,7 @@ def fsdp_lora_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 @pytest.mark.parametrize("layout", ["ac", "plain"])
 def test_fsdp2_lora_adapter_holds_the_trained_values(fsdp_lora_run, layout):
     """layout "ac" = fsdp2_checkpointing.yaml (the empty adapter seen on 2 GPUs), "plain" = fsdp2.yaml."""

@@ -292,6 +292,7 @@ def test_op_level_layers_rebuild_the_eager_set_when_figures_come_from_compiled_l
             assert plan.recompute_cost == pytest.approx(min(feasible)) and plan.predicted_peak_bytes <= budget
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_budget_probes_compiled_layers_through_their_graphs():
     """patch(compile=True) with a memory budget: the probe counts what the compiled graphs save (less than the eager
     ops: the H200 plans over-predicted by 4-7 GiB when compiled layers were probed eagerly), keeps the eager figures
@@ -379,6 +380,7 @@ def _step_peak_bytes(model, batch, optimizer, keep_grads: bool) -> int:
     return max(sum(s) for s in sizes)
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_gradients_a_plan_stops_counting_are_not_held_at_the_real_peak():
     """Live reference (torch.profiler's memory timeline of a real CPU training step): the bytes a plan with
     ``grads_freed`` stops counting are bytes the step really does not hold at its peak when the loop frees gradients

@@ -1,5 +1,6 @@
 """The end-of-run throughput summary: the whole run and its steady part (after the first logging interval), on a
 controlled clock. The multi-rank sums are checked by the 2-process runs in tests/test_distributed.py."""
+import pytest
 import torch
 
 import tiny_models
@@ -133,6 +134,7 @@ def _two_rank_summaries(rank: int, world: int, init_file: str, out: str) -> None
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 def test_peak_memory_is_the_largest_ranks(tmp_path):
     """A 2-GPU run's summary and logs report the largest rank's peak memory (rank 1's 3 GiB here, rank 0 saw 1),
     on every rank, and say over how many ranks; the tokens are the sum."""
