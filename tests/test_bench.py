@@ -66,7 +66,7 @@ def test_flop_formula_matches_hand_count():
     h, i, v, layers, kv_width = 64, 128, 128, 2, 2 * 16
     per_layer = h * h + 2 * h * kv_width + h * h + 3 * h * i  # q, k+v (GQA), o, gate/up/down
     fm = FlopModel.from_model(_tiny_llama())
-    assert fm == FlopModel(layers * per_layer + v * h, 0, layers, 64)
+    assert fm == FlopModel(layers * per_layer + v * h, 0, layers, 64, head_trainable_params=v * h)
     docs = [10, 3]
     want = 6 * (layers * per_layer + v * h) * 13 + 6 * layers * 64 * (10**2 + 3**2)
     assert fm.step_flops(docs) == want
@@ -74,7 +74,8 @@ def test_flop_formula_matches_hand_count():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     lora = layers * (4 * h + h * 4)
-    assert FlopModel.from_model(model) == FlopModel(lora, layers * per_layer + v * h, layers, 64)
+    assert FlopModel.from_model(model) == FlopModel(lora, layers * per_layer + v * h, layers, 64,
+                                                    head_frozen_params=v * h)
 
 
 def test_flop_formula_matches_torch_flop_counter():
