@@ -9,6 +9,7 @@ per-configuration timeout inside a total time budget. Results: JSON + markdown u
     python scripts/bench.py --workload neox-1.4b --configs hf-sdpa-padded,hf_accel
     python scripts/bench.py --device cpu --tiny                 # CI smoke: tiny model, CUDA-only configs skipped
     python scripts/bench.py --preset multi-gpu                  # FSDP2 on 1 and 2 GPUs: scaling, ~9 min on 2 H200
+    python scripts/bench.py --preset llama-1b-completion        # prompt-masked SFT data (40-60% of tokens masked)
 
 Multi-GPU (--nproc N, or a list such as 1,2: each config at each count, each in its own launch): the child runs under
 `accelerate launch --config_file <--accelerate-config, default examples/accelerate/fsdp2.yaml> --num_processes N`,
@@ -25,7 +26,10 @@ README's tables by scripts/bench_tables.py.
 Precision: bf16 weights (no fp32 master copy) and torch.optim.AdamW(fused=True) for every configuration (fp32 in
 --tiny CPU runs). Token budget: ~16k real tokens per optimizer step for every configuration (padded: micro-batches of
 8 padded to longest with gradient accumulation; packed: one row; TRL: 4 bfd rows of 4096). MFU: see
-hf_accel/bench/flops.py (6*trainable + 4*frozen matmul params per token + causal attention, real tokens only).
+hf_accel/bench/flops.py (6*trainable + 4*frozen matmul params per token + causal attention, real tokens only; the
+LM head on tokens with a target only). Prompt-masked workloads (`*-completion`): every configuration trains the same
+masks (TRL through completion_mask + completion_only_loss=True, the others through labels -100 on the prompt); each
+record counts the data set's targets as the config's own data path labels them, and the table says whether they agree.
 """
 from __future__ import annotations
 
@@ -58,7 +62,8 @@ from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa
 from hf_accel.bench.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
-                                   repeat_command, repo_relative, scaling_table, versions, write_outputs)
+                                   repeat_command, repo_relative, scaling_table, targets_line, versions,
+                                   write_outputs)
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
 
@@ -192,7 +197,7 @@ def data_spec(args: argparse.Namespace) -> DataSpec:
     if args.doc_length:
         return DataSpec.single_documents(args.doc_length, seed=args.seed)
     spec = DataSpec.tiny() if args.tiny else DataSpec()
-    overrides = {"seed": args.seed}
+    overrides = {"seed": args.seed, "prompt_share": WORKLOADS[args.workload].prompt_share}
     if args.tokens_per_step:
         overrides["tokens_per_step"] = args.tokens_per_step
     return DataSpec(**{**asdict(spec), **overrides})
@@ -233,6 +238,8 @@ def child_main(args: argparse.Namespace) -> None:
         # every rank draws the same samples and takes its share: enough for all ranks' steps without reuse
         data = make_data(spec, build_config(workload, args.tiny).vocab_size,
                          (args.steps + args.warmup) * rank.world_size)
+        if data.prompts is not None:  # prompt-masked: the data set's own count, to hold each config's labels to
+            result.update(data_tokens=sum(data.lengths), expected_target_tokens=data.target_tokens())
         model = (config.launched if launched else config.run)(settings, data, options(args), timing)
         ranks: dict = {}
         if launched:
@@ -399,6 +406,8 @@ def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Option
     stock = [n for n, c in CONFIGS.items() if c.stock]
     best = add_ratios_per_nproc(results, stock) if args.nproc else add_ratios(results, stock)
     table = markdown_table(results, best)
+    if targets_line(results):
+        table = targets_line(results) + "\n\n" + table
     profiles = profile_table(results)
     if profiles:
         table += "\n\n" + profiles

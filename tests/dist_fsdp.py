@@ -38,6 +38,9 @@ CASES = {  # name: (tiny model, extra config, sharding layout)
     "neox": ("neox-parallel", {}, "head-unit"),
     "falcon": ("falcon-40b-newarch", {}, "accelerate"),
 }
+# The sharded run of these cases takes the collator's target rows (the fused loss computes the head on them only);
+# the 1-process reference computes every row, so the comparison also holds the gathered path under FSDP2.
+TARGET_ROWS_CASES = ("llama-tied", "neox")
 STEPS = 3
 CHUNK = 16  # tokens per fused-CE chunk: several chunks per micro-batch, as a real vocabulary gives
 LR = 0.5  # plain SGD: a gradient that is off by any factor shows in the weights (Adam would normalise it away)
@@ -59,7 +62,7 @@ def build(name: str, overrides: dict) -> torch.nn.Module:
     return model
 
 
-def micro_batch(index: int) -> dict:
+def micro_batch(index: int, target_rows: bool = False) -> dict:
     """Global micro-batch `index`: 2-4 documents of 5-40 tokens packed into one row (the Trainer's collator)."""
     gen = torch.Generator().manual_seed(1000 + index)
     docs = []
@@ -68,7 +71,7 @@ def micro_batch(index: int) -> dict:
         labels = ids.clone()
         labels[: len(ids) // 3] = -100  # a prompt: no targets
         docs.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
-    return DataCollatorForPacking(pad_token_id=0)(docs)
+    return DataCollatorForPacking(pad_token_id=0, target_rows=target_rows)(docs)
 
 
 def targets(batch: dict) -> int:
@@ -139,9 +142,12 @@ def run_case(case: str, out: Path, rank: int, world: int) -> dict:
     report = {"layout": layout, "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls = head_calls(model)
+    head_rows = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda m, args: head_rows.append(args[0].shape[0]))
     losses = []
+    report["target_rows"] = case in TARGET_ROWS_CASES
     for step in range(STEPS):
-        batches = [micro_batch(step * world + r) for r in range(world)]
+        batches = [micro_batch(step * world + r, report["target_rows"]) for r in range(world)]
         n_items = sum(targets(b) for b in batches)
         if step == 0:  # one micro-batch's forward + backward, looked at closely
             out_0 = model(**batches[rank], num_items_in_batch=n_items)
@@ -149,6 +155,8 @@ def run_case(case: str, out: Path, rank: int, world: int) -> dict:
             report["head_calls_forward"] = calls[0]
             (out_0.loss * world).backward()
             report["head_calls_forward_backward"] = calls[0]
+            report["head_rows"] = head_rows[-1]
+            report["positions"], report["targets"] = batches[rank]["input_ids"].numel(), targets(batches[rank])
             local = out_0.loss.item()
             grads = full_grads(model)  # a collective: every rank
             if rank == 0:

@@ -66,7 +66,7 @@ def test_flop_formula_matches_hand_count():
     h, i, v, layers, kv_width = 64, 128, 128, 2, 2 * 16
     per_layer = h * h + 2 * h * kv_width + h * h + 3 * h * i  # q, k+v (GQA), o, gate/up/down
     fm = FlopModel.from_model(_tiny_llama())
-    assert fm == FlopModel(layers * per_layer + v * h, 0, layers, 64)
+    assert fm == FlopModel(layers * per_layer + v * h, 0, layers, 64, head_trainable_params=v * h)
     docs = [10, 3]
     want = 6 * (layers * per_layer + v * h) * 13 + 6 * layers * 64 * (10**2 + 3**2)
     assert fm.step_flops(docs) == want
@@ -74,7 +74,8 @@ def test_flop_formula_matches_hand_count():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     lora = layers * (4 * h + h * 4)
-    assert FlopModel.from_model(model) == FlopModel(lora, layers * per_layer + v * h, layers, 64)
+    assert FlopModel.from_model(model) == FlopModel(lora, layers * per_layer + v * h, layers, 64,
+                                                    head_frozen_params=v * h)
 
 
 def test_flop_formula_matches_torch_flop_counter():
@@ -300,6 +301,7 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(mon
 
 @pytest.mark.parametrize("name, want", [
     ("hf_accel-defaults", {}),  # no flags at all: whatever patch() chooses by itself
+    ("hf_accel-defaults-all-rows", {}),  # the same; only its collator lists no target rows
     ("hf_accel-offload", {"checkpointing": "offload"}),
     ("hf_accel-offload-mlp4k", {"checkpointing": "offload", "mlp_chunks": 4096}),
     ("hf_accel", {"backend": "auto", "fused_ce": False, "fused_ops": False, "compile": False, "mlp_chunks": False}),
@@ -314,7 +316,7 @@ def test_hf_accel_configs_pass_exactly_their_flags(monkeypatch, name, want):
     monkeypatch.setattr(hf_accel, "patch", lambda model, **kwargs: calls.append(kwargs) or "report")
     monkeypatch.setattr(configs, "build_model", lambda settings, attn: torch.nn.Linear(1, 1))
     monkeypatch.setattr(configs, "run_loop", lambda *a, **k: None)
-    monkeypatch.setattr(configs, "_hf_accel_steps", lambda data, seed: iter(()))
+    monkeypatch.setattr(configs, "_hf_accel_steps", lambda data, seed, *a, **k: iter(()))
     settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=1, warmup=1, step_time_budget=1.0)
     configs.CONFIGS[name].run(settings, None, configs.Options(compile=True, fused_ops="on"), Timing())
     assert calls == [want]
@@ -522,3 +524,61 @@ def test_records_name_files_relative_to_the_repository():
     assert repo_relative(text) == 'File "scripts/sft.py", line 3\n  cwd .\n  File "/usr/lib/python3/x.py"'
     assert (REPO / "scripts" / "bench.py").exists()
 
+
+
+# ------------------------------------------------------------------------------------ prompt-masked data (issue 39b)
+def test_completion_data_masks_40_to_60_percent_of_every_document():
+    from hf_accel.bench.workloads import PROMPT_SHARE, WORKLOADS
+
+    spec = DataSpec(prompt_share=PROMPT_SHARE)
+    data = make_data(spec, vocab_size=1000, steps=4)
+    assert data.prompts == make_data(spec, 1000, 4).prompts  # deterministic in the seed
+    shares = [p / n for p, n in zip(data.prompts, data.lengths)]
+    assert all(1 <= p < n for p, n in zip(data.prompts, data.lengths))
+    assert min(shares) >= 0.4 - 1 / 16 and max(shares) <= 0.6 + 1 / 16  # rounding, documents of >= 16 tokens
+    assert 0.45 < statistics.mean(shares) < 0.55 and max(shares) - min(shares) > 0.15  # spread over the range
+    masked = 1 - data.target_tokens() / sum(data.lengths)
+    assert 0.4 <= masked <= 0.6
+    labels = data.labels(3)
+    assert labels[: data.prompts[3]] == [-100] * data.prompts[3] and labels[data.prompts[3]:] == \
+        data.samples[3][data.prompts[3]:]
+    assert make_data(DataSpec(), 1000, 4).prompts is None and make_data(DataSpec(), 1000, 4).labels(0) is None
+    for name in ("llama-1b-completion", "llama-8b-lora-completion"):
+        assert WORKLOADS[name].prompt_share == PROMPT_SHARE
+    bench = script_module("bench")
+    assert bench.data_spec(bench.parse_args(["--preset", "llama-8b-lora-completion"])).prompt_share == PROMPT_SHARE
+    assert bench.data_spec(bench.parse_args(["--workload", "llama-1b"])).prompt_share is None
+
+
+def test_targets_line_says_whether_every_config_trains_the_same_targets():
+    from hf_accel.bench.report import targets_line
+
+    def ok(config, data_targets, fraction):
+        return {"config": config, "status": "ok", "tokens_per_s": 1.0, "expected_target_tokens": 500,
+                "data_tokens": 1000, "data_target_tokens": data_targets, "target_fraction": fraction}
+
+    same = targets_line([ok("trl", 500, 0.51), ok("mine", 500, 0.49)])
+    assert same.startswith("targets: every configuration's own data path labels exactly the data set's 500")
+    assert "50.0% of its 1,000 tokens masked" in same and "trl 51.0%, mine 49.0%" in same
+    assert targets_line([ok("trl", 520, 0.5), ok("mine", 500, 0.5)]).startswith("targets DIFFER")
+    assert targets_line([{"config": "a", "status": "ok", "tokens_per_s": 1.0}]) == ""
+
+
+@pytest.mark.slow
+def test_script_tiny_cpu_runs_the_completion_workload(tmp_path):
+    """The prompt-masked workload through every data path (stock padded, TRL's completion masks, hf_accel's collator
+    with and without target rows): each labels exactly the data set's completion tokens, the table says so, MFU's
+    record says what it counts, and hf_accel-best (fused loss over the target rows only) trains like hf_accel-defaults
+    (the model's own loss over full logits on CPU) on the same steps."""
+    stdout, record = _run_bench(tmp_path, "--workload", "llama-1b-completion", "--substitute-attn", "sdpa",
+                                "--configs", "hf-sdpa-padded,trl-fa4-packed,hf_accel-defaults,hf_accel-best")
+    assert record["data"]["prompt_share"] == [0.4, 0.6]
+    results = {r["config"]: r for r in record["results"]}
+    for name, r in results.items():
+        assert r["status"].startswith("ok"), r
+        assert r["data_target_tokens"] == r["expected_target_tokens"] < r["data_tokens"], name
+        assert 0.3 < r["target_fraction"] < 0.7 and r["target_tokens"] == sum(r["step_targets"]), name
+        assert "LM head on target tokens only" in r["mfu_counts"]
+    assert "targets: every configuration's own data path labels exactly" in stdout
+    assert any("over target rows only" in n for n in results["hf_accel-best"]["notes"])
+    assert results["hf_accel-best"]["losses"] == pytest.approx(results["hf_accel-defaults"]["losses"], rel=1e-4)

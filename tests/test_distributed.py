@@ -293,7 +293,8 @@ def fsdp_run(tmp_path_factory) -> tuple[Path, dict]:
 def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
     """FSDP2 over gloo, every parameter a sharded DTensor (accelerate's layout for Llama and Falcon, tied embeddings;
     for GPT-NeoX the LM head as its own unit, freed after forward). Fused loss in 16-token chunks, so ranks run
-    different numbers of chunks. Against 1 process x grad-accum 2 on the same global micro-batches: the full gradients
+    different numbers of chunks; for llama-tied and neox on the collator's target rows only (the reference computes
+    every row). Against 1 process x grad-accum 2 on the same global micro-batches: the full gradients
     after the first backward (the inline path's weight gradient reaches the sharded parameter through FSDP's
     reduce-scatter), the per-step losses, and the saved model loaded with from_pretrained.
 
@@ -308,6 +309,9 @@ def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
     report = reports[case]
     assert report["sharded"], "FSDP2 left some parameter unsharded: the run would not test sharding"
     assert report["head_calls_forward_backward"] == 1, "the fused loss must call the LM head module exactly once"
+    # the collator's target rows (llama-tied, neox): the head computed those rows only, and trained like every row
+    want_rows = report["targets"] if report["target_rows"] else report["positions"]
+    assert report["head_rows"] == want_rows and report["target_rows"] == (case in dist_fsdp.TARGET_ROWS_CASES)
     assert "_GradInForwardLinearCEBackward" in report["loss_nodes"], "FSDP-wrapped nn.Linear head: inline path"
     grads, want = (load_file(out / case / f"grads-{kind}.safetensors") for kind in ("fsdp", "reference"))
     assert grads.keys() == want.keys()

@@ -13,6 +13,7 @@ from .apart import (APART_PACKAGES, BNB_SITES, UNSLOTH_SITES, child_sites, missi
                     unsloth_runner)
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop,
                     run_trl)
+from .targets import data_targets
 from .workloads import BenchData, greedy_steps, micro_batches
 
 FA4 = "flash_attention_4"
@@ -109,36 +110,49 @@ def _attn(options: Options, wanted: str) -> str:
     return options.substitute_attn if (wanted == FA4 and options.substitute_attn) else wanted
 
 
-def _padded_steps(data: BenchData) -> Iterator[list[Batch]]:
+def _padded_steps(data: BenchData, timing: Timing | None = None) -> Iterator[list[Batch]]:
     steps = greedy_steps(data.lengths, data.spec.tokens_per_step)
+    if timing is not None and data.prompts is not None:
+        timing.data_targets = data_targets(_pad(data, mb) for step in steps
+                                           for mb in micro_batches(step, data.spec.padded_batch_size))
     for step in itertools.cycle(steps):
-        yield [_pad([data.samples[i] for i in mb]) for mb in micro_batches(step, data.spec.padded_batch_size)]
+        yield [_pad(data, mb) for mb in micro_batches(step, data.spec.padded_batch_size)]
 
 
-def _pad(samples: list[list[int]]) -> Batch:
-    """Right-pad to the longest: input_ids (B, S), attention_mask, labels (-100 on padding)."""
+def _pad(data: BenchData, indices: list[int]) -> Batch:
+    """Right-pad samples to the longest: input_ids (B, S), attention_mask, labels (-100 on padding and prompts)."""
+    samples = [data.samples[i] for i in indices]
     longest = max(len(s) for s in samples)
     input_ids = torch.zeros(len(samples), longest, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for row, sample in enumerate(samples):
         input_ids[row, : len(sample)] = torch.tensor(sample)
         mask[row, : len(sample)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": input_ids.masked_fill(mask == 0, -100)}
+    labels = input_ids.masked_fill(mask == 0, -100)
+    for row, i in enumerate(indices):
+        if data.prompts is not None:
+            labels[row, : data.prompts[i]] = -100
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
-def _flattened_steps(data: BenchData) -> Iterator[list[Batch]]:
+def _flattened_steps(data: BenchData, timing: Timing | None = None) -> Iterator[list[Batch]]:
     """Stock packing: transformers' DataCollatorWithFlattening, one row per step, position_ids only."""
     from transformers import DataCollatorWithFlattening
 
     collate = DataCollatorWithFlattening(return_tensors="pt")
-    for step in itertools.cycle(greedy_steps(data.lengths, data.spec.tokens_per_step)):
-        batch = collate([{"input_ids": data.samples[i]} for i in step])
+    steps = greedy_steps(data.lengths, data.spec.tokens_per_step)
+    if timing is not None and data.prompts is not None:
+        timing.data_targets = data_targets(collate(data.features(step)) for step in steps)
+    for step in itertools.cycle(steps):
+        batch = collate(data.features(step))
         yield [{k: batch[k] for k in ("input_ids", "labels", "position_ids")}]
 
 
-def _hf_accel_steps(data: BenchData, seed: int) -> Iterator[list[Batch]]:
+def _hf_accel_steps(data: BenchData, seed: int, target_rows: bool = False,
+                    timing: Timing | None = None) -> Iterator[list[Batch]]:
     """hf_accel's data path: token-budget best-fit bins packed into one row each by DataCollatorForPacking, through a
-    DataLoader with hf_accel.data.prepare.dataloader_kwargs() (collating in worker processes, pinned memory on CUDA)."""
+    DataLoader with hf_accel.data.prepare.dataloader_kwargs() (collating in worker processes, pinned memory on CUDA).
+    ``target_rows``: the collator lists the positions with a target, for a model whose loss is the fused loss."""
     from torch.utils.data import DataLoader
 
     from hf_accel.data.collators import DataCollatorForPacking
@@ -146,8 +160,11 @@ def _hf_accel_steps(data: BenchData, seed: int) -> Iterator[list[Batch]]:
     from hf_accel.data.sampling import TokenBudgetBatchSampler
 
     sampler = TokenBudgetBatchSampler(data.lengths, max_tokens=data.spec.tokens_per_step, shuffle=True, seed=seed)
-    loader = DataLoader([{"input_ids": s} for s in data.samples], batch_sampler=sampler,
-                        collate_fn=DataCollatorForPacking(pad_token_id=0, max_tokens=None), **dataloader_kwargs())
+    collator = DataCollatorForPacking(pad_token_id=0, max_tokens=None, target_rows=target_rows)
+    features = data.features()
+    if timing is not None and data.prompts is not None:
+        timing.data_targets = data_targets(collator(features[i: i + 64]) for i in range(0, len(features), 64))
+    loader = DataLoader(features, batch_sampler=sampler, collate_fn=collator, **dataloader_kwargs())
     for epoch in itertools.count():
         sampler.set_epoch(epoch)
         for batch in loader:
@@ -157,7 +174,7 @@ def _hf_accel_steps(data: BenchData, seed: int) -> Iterator[list[Batch]]:
 def _stock(attn: str, packed: bool) -> Callable[..., nn.Module]:
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         model = add_lora(build_model(settings, _attn(options, attn)), settings.workload)
-        steps = _flattened_steps(data) if packed else _padded_steps(data)
+        steps = _flattened_steps(data, timing) if packed else _padded_steps(data, timing)
         run_loop(model, steps, hf_loss, settings, timing)
         return model
 
@@ -170,7 +187,7 @@ def _liger_padded(settings: RunSettings, data: BenchData, options: Options, timi
     model = build_model(settings, "sdpa")
     _apply_liger_kernel_to_instance(model=model)  # rope, norms, MLP and fused linear CE in the forward
     model = add_lora(model, settings.workload)
-    run_loop(model, _padded_steps(data), hf_loss, settings, timing)
+    run_loop(model, _padded_steps(data, timing), hf_loss, settings, timing)
     return model
 
 
@@ -184,15 +201,17 @@ def _trl(liger: bool) -> Callable[..., nn.Module]:
 
 
 def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
+    from hf_accel.data.collators import TARGET_ROWS_KEY
     from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
 
     def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
         lm = causal_lm(model)
         decoder = getattr(lm, lm.base_model_prefix)
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", TARGET_ROWS_KEY)}
         hidden = call_filtered(decoder, {**inputs, "use_cache": False}).last_hidden_state
         return causal_lm_loss_from_hidden(model, hidden, batch["labels"], num_items_in_batch=step_targets,
-                                          chunk_size=options.ce_chunk_size, method=options.fused_ce)
+                                          target_rows=batch.get(TARGET_ROWS_KEY), chunk_size=options.ce_chunk_size,
+                                          method=options.fused_ce)
 
     return loss_fn
 
@@ -212,19 +231,24 @@ def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timi
     timing.notes.append(f"checkpointing: {policy.describe()}")
 
 
-def _patched(base: Callable[[RunSettings, str], nn.Module] | None = None, **patch_kwargs: Any
-             ) -> Callable[..., nn.Module]:
+def _patched(base: Callable[[RunSettings, str], nn.Module] | None = None, all_rows: bool = False,
+             **patch_kwargs: Any) -> Callable[..., nn.Module]:
     """`hf_accel.patch(model, **patch_kwargs)` on the workload's model from ``base`` (default: the random-init model;
     or the NF4 QLoRA base), then its LoRA and hf_accel's packing; no --best-* option reaches it. With no arguments:
-    whatever the library chooses by itself (issue 18's "hf_accel defaults")."""
+    whatever the library chooses by itself (issue 18's "hf_accel defaults"). Where that binds the fused loss the
+    collator lists the target rows, as hf_accel.Trainer does (``all_rows``: it does not, the loss takes every row)."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         import hf_accel
 
         model = (base or build_model)(settings, "sdpa")
-        timing.notes.append(f"patch: {hf_accel.patch(model, **patch_kwargs)}")
+        report = hf_accel.patch(model, **patch_kwargs)
+        timing.notes.append(f"patch: {report}")
+        rows = bool(getattr(report, "fused_ce", False)) and not all_rows
+        if getattr(report, "fused_ce", False):
+            timing.notes.append(f"fused loss over {'target rows only' if rows else 'every row'}")
         model = add_lora(model, settings.workload)
-        run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
+        run_loop(model, _hf_accel_steps(data, settings.seed, rows, timing), hf_loss, settings, timing)
         return model
 
     return run
@@ -250,10 +274,13 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
         model = add_lora(model, settings.workload)
         if best and options.checkpointing is not None:
             _apply_checkpointing(model, options.checkpointing, data.spec.tokens_per_step, timing)
-        loss_fn = _fused_loss(options) if best and options.fused_ce in ("inline", "recompute", "liger") else hf_loss
+        outside = best and options.fused_ce in ("inline", "recompute", "liger")
+        loss_fn = _fused_loss(options) if outside else hf_loss
+        rows = outside or bool(getattr(report, "fused_ce", False))  # a fused loss: over the target rows only
         if best:
-            timing.notes.append(f"fused_ce={options.fused_ce}")
-        run_loop(model, _hf_accel_steps(data, settings.seed), loss_fn, settings, timing)
+            timing.notes.append(f"fused_ce={options.fused_ce}{', over target rows only' if rows else ''}")
+        steps = _hf_accel_steps(data, settings.seed, target_rows=rows, timing=timing)
+        run_loop(model, steps, loss_fn, settings, timing)
         return model
 
     return run
@@ -262,7 +289,8 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
 def _hf_accel_trainer(kind: str) -> Callable[..., nn.Module]:
     """An hf_accel configuration under a launcher: hf_accel.Trainer (it patches the model; FSDP2 comes from the
     launcher's environment) with a token budget of the step's tokens per rank. `kind`: "defaults" (AccelArguments'
-    own choices: patch(model)'s), "plain" (every fast path off) or "best" (the --best-* options, as hf_accel-best)."""
+    own choices: patch(model)'s), "defaults-all-rows" (the same, the fused loss over every row), "plain" (every fast
+    path off) or "best" (the --best-* options, as hf_accel-best)."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         from hf_accel import AccelArguments
@@ -281,7 +309,7 @@ def _hf_accel_trainer(kind: str) -> Callable[..., nn.Module]:
                                                             and unavailable_reason(causal_lm(model)) is None)
             accel.compile, accel.mlp_chunks = options.compile, options.mlp_chunks
             timing.notes.append("fused_ce=True (AccelArguments; --fused-ce methods are not used under a launcher)")
-        return run_accel_trainer(model, data, settings, timing, accel)
+        return run_accel_trainer(model, data, settings, timing, accel, all_rows=kind == "defaults-all-rows")
 
     return run
 
@@ -312,6 +340,10 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-defaults", False, ("hf_accel",), _patched(),
                     "hf_accel.patch(model), no arguments (the library's own choices) + the same packing",
                     launched=_hf_accel_trainer("defaults")),
+        BenchConfig("hf_accel-defaults-all-rows", False, ("hf_accel",), _patched(all_rows=True),
+                    "as hf_accel-defaults, the fused loss over every row (the collator lists no target rows): "
+                    "the LM head's work on masked positions, as before issue 39",
+                    launched=_hf_accel_trainer("defaults-all-rows")),
         BenchConfig("hf_accel-sdpa", False, ("hf_accel",), _patched(backend="sdpa"),
                     "hf_accel.patch(model, backend='sdpa'), otherwise no arguments: the path ALiBi took before flex "
                     "(documents regrouped into padded rows with a dense float bias)"),

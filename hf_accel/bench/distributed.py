@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .targets import trainer_data_targets
 from .train import RunSettings, Timing, train_timed
 from .workloads import BenchData
 
@@ -150,7 +151,7 @@ def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
     else:
         peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     mine = {"step_docs": timing.step_docs, "steps": len(timing.step_seconds), "peak_bytes": peak_bytes,
-            "losses": timing.losses}
+            "losses": timing.losses, "step_targets": timing.step_targets}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
@@ -161,7 +162,10 @@ def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
                     step_docs=[[n for r in ranks for n in r["step_docs"][i]] for i in range(steps)],
                     losses=[sum(r["losses"][i] for r in ranks) / len(ranks)
                             for i in range(min(steps, *(len(r["losses"]) for r in ranks)))],
-                    notes=timing.notes, host_events=timing.host_events, profile=timing.profile)  # rank 0's
+                    notes=timing.notes, host_events=timing.host_events, profile=timing.profile,  # rank 0's
+                    data_targets=timing.data_targets)  # every rank's data set is the same
+    if all(len(r["step_targets"]) >= steps for r in ranks):
+        merged.step_targets = [sum(r["step_targets"][i] for r in ranks) for i in range(steps)]
     info: dict[str, Any] = {"nproc": len(ranks),
                             "rank_step_tokens": [[sum(d) for d in r["step_docs"][:steps]] for r in ranks]}
     peaks = [r["peak_bytes"] / 2**30 for r in ranks]
@@ -173,9 +177,11 @@ def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
 
 
 def run_accel_trainer(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing,
-                      accel: Any) -> nn.Module:
+                      accel: Any, all_rows: bool = False) -> nn.Module:
     """hf_accel.Trainer with `accel` (AccelArguments: its patch, token-budget packing), bf16 on CUDA, the same
-    step timing as run_trl. One micro-batch of at most accel.max_tokens_per_batch tokens per rank and step."""
+    step timing as run_trl. One micro-batch of at most accel.max_tokens_per_batch tokens per rank and step.
+    Prompt-masked data: a labels column (-100 on prompts). ``all_rows``: the collator lists no target rows (the
+    fused loss then takes every row)."""
     from datasets import Dataset
     from transformers import TrainingArguments
 
@@ -192,11 +198,20 @@ def run_accel_trainer(model: nn.Module, data: BenchData, settings: RunSettings, 
         )
         accel.print_summary = False
 
+        columns = {"input_ids": data.samples}
+        if data.prompts is not None:
+            columns["labels"] = [data.labels(i) for i in range(len(data.samples))]
+
         def make(cls: type, timer: Any) -> Any:
-            trainer = cls(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
-                          accel=accel, callbacks=[timer])
+            trainer = cls(model=model, args=args, train_dataset=Dataset.from_dict(columns), accel=accel,
+                          callbacks=[timer])
             if trainer.patch_report is not None:
                 timing.notes.append(f"patch: {trainer.patch_report}")
+            if all_rows and hasattr(trainer.data_collator, "target_rows"):
+                trainer.data_collator.target_rows = False
+            timing.notes.append(f"target rows: {getattr(trainer.data_collator, 'target_rows', None)}")
+            if data.prompts is not None:
+                timing.data_targets = trainer_data_targets(trainer)
             return trainer
 
         train_timed(Trainer, settings, timing, make)

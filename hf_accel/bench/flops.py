@@ -1,9 +1,14 @@
 """Model FLOPs for MFU, trainable-aware, counted on real (non-pad) tokens and real documents only.
 
-Per optimizer step, with T real tokens in documents of lengths n_d:
-    FLOPs = (6 * P_trainable + 4 * P_frozen) * T  +  6 * L * d_attn * sum_d n_d^2
+Per optimizer step, with T real tokens in documents of lengths n_d, of which T_target have a target (a label that
+is not -100 after the causal shift):
+    FLOPs = (6 * P_trainable + 4 * P_frozen) * T  -  (6 * H_trainable + 4 * H_frozen) * (T - T_target)
+            +  6 * L * d_attn * sum_d n_d^2
 - P_*: weights of every matmul (each nn.Linear, so LoRA A/B and a tied lm_head count; embeddings lookups do not).
   A weight costs 2 FLOPs/token forward, 2 for the input gradient, and 2 more for its own gradient if trainable.
+- H_*: the LM head's share of P_* (its nn.Linear layers, LoRA's included). The head is counted on target tokens
+  only: a masked position (a prompt token, a document's first token) needs no logits, so its head work is not model
+  work, whatever a configuration spends on it. Without masks (T_target = T) this is the plain formula.
 - attention: per layer, causal QK^T and PV cost 2 * 2 * d_attn * n^2 / 2 forward, x3 for forward+backward.
   d_attn = num_attention_heads * head_dim (query width; GQA does not reduce score FLOPs).
 Recomputation by gradient checkpointing is not counted (MFU, not hardware FLOPs utilisation); padding is not
@@ -27,30 +32,38 @@ class FlopModel:
     frozen_matmul_params: int
     num_layers: int
     attn_width: int  # num_attention_heads * head_dim
+    head_trainable_params: int = 0  # of the above, the LM head's (counted on target tokens only)
+    head_frozen_params: int = 0
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FlopModel":
-        trainable = frozen = 0
+        counts = {True: [0, 0], False: [0, 0]}  # requires_grad -> [all matmul weights, the head's]
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        in_head = {id(m) for m in head.modules()} if head is not None else set()
         for module in model.modules():
             if isinstance(module, nn.Linear):
-                if module.weight.requires_grad:
-                    trainable += module.weight.numel()
-                else:
-                    frozen += module.weight.numel()
+                count = counts[module.weight.requires_grad]
+                count[0] += module.weight.numel()
+                count[1] += module.weight.numel() if id(module) in in_head else 0
         config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(trainable, frozen, config.num_hidden_layers, heads * head_dim)
+        return cls(counts[True][0], counts[False][0], config.num_hidden_layers, heads * head_dim,
+                   counts[True][1], counts[False][1])
 
-    def step_flops(self, doc_lengths: Iterable[int]) -> float:
-        """Model FLOPs of one optimizer step (forward + backward) over documents of these real lengths."""
+    def step_flops(self, doc_lengths: Iterable[int], targets: int | None = None) -> float:
+        """Model FLOPs of one optimizer step (forward + backward) over documents of these real lengths, `targets` of
+        their tokens with a target (None: every token)."""
         lengths = [int(n) for n in doc_lengths]
-        return float(self.flops_from_sums(sum(lengths), sum(n * n for n in lengths)))
+        return float(self.flops_from_sums(sum(lengths), sum(n * n for n in lengths), targets))
 
-    def flops_from_sums(self, tokens, squared_lengths):
-        """The same from the real token count and the sum of squared document lengths (numbers or tensors: a
-        training loop can accumulate them on the GPU and read them back when it logs)."""
+    def flops_from_sums(self, tokens, squared_lengths, targets=None):
+        """The same from the real token count, the sum of squared document lengths and the target count (numbers
+        or tensors: a training loop can accumulate them on the GPU and read them back when it logs)."""
         dense = (6 * self.trainable_matmul_params + 4 * self.frozen_matmul_params) * tokens
+        if targets is not None:  # no LM-head work for a token without a target
+            dense = dense - (6 * self.head_trainable_params + 4 * self.head_frozen_params) * (tokens - targets)
         return dense + 6 * self.num_layers * self.attn_width * squared_lengths
 
 

@@ -20,6 +20,12 @@ on 2 GPUs / on 1) and hf_accel / TRL at each count. Each launch costs ~40-90 s o
 took 5.3 minutes and `multi-gpu-8b` 2.8 (BENCHMARKS.md, "Multi-GPU"); `multi-gpu-8b` (8B full FT) runs on 2 GPUs
 only: its fp32 master weights and AdamW states (~128 GB) leave one 141 GB GPU no room.
 
+The completion presets (issue 39) train prompt-masked documents (each document's first 40-60% masked, see
+hf_accel.bench.workloads): TRL + flash-attn-4 + Liger through its prompt-completion form (`completion_mask`,
+`completion_only_loss=True`) against hf_accel defaults (the fused loss over the target rows only), the same defaults
+over every row (what the target rows save) and hf_accel best. `llama-1b-completion` takes about 4 minutes on one
+H200, `llama-8b-lora-completion` about 9 (one 10-minute device call each).
+
 A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
 "not implemented yet: issue N" and what it will run.
 """
@@ -97,6 +103,23 @@ PRESETS: dict[str, Preset] = {
             "falcon-rw-1b", ("hf-sdpa-padded", "hf_accel-sdpa", "hf_accel-defaults"),
             # hf_accel defaults compile flex per new padded row length (~11 s each on the GPU): 120 s timed out
             dict(steps=15, warmup=6, time_budget=540, config_timeout=300),
+        ),
+        # issue 39b: prompt-masked SFT data, the same masks in every configuration
+        Preset(
+            "llama-1b-completion", "Llama-3.2-1B shapes, full FT, prompt-completion documents (40-60% of each "
+            "masked): TRL + flash-attn-4 + Liger (completion_only_loss) vs hf_accel defaults (LM head on target rows "
+            "only), the same over every row, and best",
+            "llama-1b-completion", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
+            dict(steps=30, warmup=6, best_compile="on", time_budget=420, config_timeout=120),
+        ),
+        Preset(
+            "llama-8b-lora-completion", "Llama-3-8B shapes, LoRA r=16 + checkpointing, prompt-completion documents "
+            "(40-60% of each masked): TRL + flash-attn-4 + Liger (completion_only_loss) vs hf_accel defaults (LM head "
+            "on target rows only), the same over every row, and best (checkpointing budget:0.8)",
+            "llama-8b-lora-completion",
+            ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
+            dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=560,
+                 config_timeout=150),
         ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first
         # OOM or timeout. Lengths past ~64k do not fit one 10-minute device call: run them apart with --doc-lengths

@@ -180,6 +180,27 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
     return "\n".join(lines)
 
 
+def targets_line(results: list[dict[str, Any]]) -> str:
+    """Prompt-masked workloads: whether every finished configuration's own data path labels exactly the data set's
+    completion tokens as targets (its collator over its prepared data, TRL's from its completion masks), and the share
+    of each one's timed tokens that were targets; "" for a workload without masks."""
+    rows = [r for r in results if _ok(r) and r.get("expected_target_tokens") is not None]
+    if not rows:
+        return ""
+    wrong = [r for r in rows if r.get("data_target_tokens") != r["expected_target_tokens"]]
+    shares = ", ".join(f"{r['config']} {_fmt(r.get('target_fraction'), '.1%')}" for r in rows)
+    if wrong:
+        head = "targets DIFFER from the data set's completion tokens: " + ", ".join(
+            f"{r['config']} {_fmt(r.get('data_target_tokens'), ',')} of {r['expected_target_tokens']:,}" for r in wrong)
+    else:
+        first = rows[0]
+        masked = 1 - first["expected_target_tokens"] / first["data_tokens"]
+        head = (f"targets: every configuration's own data path labels exactly the data set's "
+                f"{first['expected_target_tokens']:,} completion tokens as targets ({masked:.1%} of its "
+                f"{first['data_tokens']:,} tokens masked: prompts, each document's first token among them)")
+    return f"{head}; targets per real token in the timed steps: {shares}"
+
+
 def profile_table(results: list[dict[str, Any]]) -> str:
     """bench.py --profile-steps: kernel ms per step by category, one column per configuration ("" when none ran)."""
     profiled = [r for r in results if r.get("profile")]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .flops import FlopModel, doc_lengths_from_batch
+from .targets import target_count, targets_where_they_are, trainer_data_targets
 from .workloads import BenchData, Workload, build_config
 
 Batch = dict[str, Any]
@@ -51,6 +52,8 @@ class Timing:
     notes: list[str] = field(default_factory=list)
     host_events: list[dict[str, Any]] = field(default_factory=list)  # per timed step, see HostEvents
     profile: dict[str, Any] | None = None  # kernel ms per step by category (RunSettings.profile_steps)
+    step_targets: list[int] = field(default_factory=list)  # per timed step: tokens with a target (after the shift)
+    data_targets: int | None = None  # the whole data set's target tokens as this configuration's data path labels it
 
 
 def synchronize(device: str) -> None:
@@ -101,11 +104,6 @@ def call_filtered(fn: Callable[..., Any], batch: Mapping[str, Any]) -> Any:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return fn(**batch)
     return fn(**{k: v for k, v in batch.items() if k in params})
-
-
-def target_count(batch: Mapping[str, Any]) -> int:
-    """Non-ignored targets after the causal shift (what transformers' loss averages over)."""
-    return int((batch["labels"][:, 1:] != -100).sum())
 
 
 def hf_loss(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
@@ -260,6 +258,7 @@ def run_loop(
         elif index >= settings.warmup:
             clock.mark()
             timing.step_docs.append([n for mb in micro for n in doc_lengths_from_batch(mb)])
+            timing.step_targets.append(step_targets)
             losses.append(step_loss)
             if happened:
                 timing.host_events.append(happened)
@@ -319,11 +318,13 @@ def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
     a StepClock; the timed steps (after ``settings.warmup``) go to ``timing``."""
     docs: list[list[int]] = []
     losses: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
     clock = StepClock(settings.device, settings.profile_steps)
 
     class Counting(trainer_cls):
         def training_step(self, model, inputs, *args, **kwargs):
             docs.append(doc_lengths_from_batch(inputs))
+            targets.append(targets_where_they_are(inputs))
             loss = super().training_step(model, inputs, *args, **kwargs)
             losses.append(loss.detach())
             return loss
@@ -333,18 +334,24 @@ def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
     timing.step_seconds = clock.step_seconds()
     timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
     timing.step_docs.extend(docs[timed])
+    timing.step_targets.extend(int(t) for t in targets[timed])
     timing.losses = [float(x) for x in losses[timed]]
 
 
 def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool,
             sft_overrides: dict[str, Any] | None = None, processing_class: Any = None) -> None:
     """TRL SFTTrainer, packing=True (bfd => padding-free): rows of max_len, tokens_per_step // max_len rows a step.
-    ``sft_overrides`` replace SFTConfig arguments (Unsloth: its own checkpointing instead of TRL's)."""
+    ``sft_overrides`` replace SFTConfig arguments (Unsloth: its own checkpointing instead of TRL's). Prompt-masked
+    data goes in TRL's prompt-completion form, pre-tokenized: ``completion_mask`` (0 on the prompt) with
+    ``completion_only_loss=True``, from which TRL builds the labels itself."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     spec = data.spec
     cuda = settings.device.startswith("cuda")
+    columns: dict[str, Any] = {"input_ids": data.samples}
+    if data.prompts is not None:
+        columns["completion_mask"] = [[0] * p + [1] * (n - p) for n, p in zip(data.lengths, data.prompts)]
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(**{**dict(
             output_dir=out, max_steps=settings.warmup + settings.steps, max_length=spec.max_len, packing=True,
@@ -353,11 +360,17 @@ def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Ti
             bf16=cuda, use_cpu=not cuda, gradient_checkpointing=settings.workload.checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False}, save_strategy="no",  # TRL's logging_steps
             report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
-            use_liger_kernel=liger, shuffle_dataset=False,
+            use_liger_kernel=liger, shuffle_dataset=False, completion_only_loss=data.prompts is not None,
         ), **(sft_overrides or {})})
-        train_timed(SFTTrainer, settings, timing, lambda cls, timer: cls(
-            model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": data.samples}),
-            processing_class=processing_class or offline_tokenizer(), callbacks=[timer]))
+
+        def make(cls: type, timer: Any) -> Any:
+            trainer = cls(model=model, args=args, train_dataset=Dataset.from_dict(columns),
+                          processing_class=processing_class or offline_tokenizer(), callbacks=[timer])
+            if data.prompts is not None:
+                timing.data_targets = trainer_data_targets(trainer)
+            return trainer
+
+        train_timed(SFTTrainer, settings, timing, make)
 
 
 def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str) -> dict[str, Any]:
@@ -369,7 +382,8 @@ def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str)
     docs = timing.step_docs[: len(timing.step_seconds)]
     step_tokens = [sum(d) for d in docs]
     tokens = sum(step_tokens)
-    flops = sum(flop_model.step_flops(d) for d in docs)
+    step_targets = timing.step_targets[: len(docs)] if len(timing.step_targets) >= len(docs) else [None] * len(docs)
+    flops = sum(flop_model.step_flops(d, t) for d, t in zip(docs, step_targets))
     step_rates = sorted(n / s for n, s in zip(step_tokens, timing.step_seconds))
     result = {
         "timed_steps": len(timing.step_seconds), "timed_seconds": seconds, "real_tokens": tokens,
@@ -380,7 +394,15 @@ def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str)
         "loss_finite": bool(timing.losses) and all(math.isfinite(x) for x in timing.losses),
         "step_seconds": timing.step_seconds, "flop_model": flop_model.__dict__, "notes": timing.notes,
         "host_events": timing.host_events,
+        "mfu_counts": "every matmul weight on every real token, but the LM head on target tokens only (a masked "
+                      "position needs no logits), attention per document; no recomputation" if None not in step_targets
+                      else "every matmul weight on every real token (targets not counted), attention per document",
     }
+    if None not in step_targets:
+        result.update(step_targets=step_targets, target_tokens=sum(step_targets),
+                      target_fraction=sum(step_targets) / tokens if tokens else None)
+    if timing.data_targets is not None:
+        result["data_target_tokens"] = timing.data_targets
     if device.startswith("cuda"):
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result

@@ -1,9 +1,14 @@
-"""Benchmark workloads: real architectures' shapes (random init, no hub), SFT-shaped lengths, token-budget steps."""
+"""Benchmark workloads: real architectures' shapes (random init, no hub), SFT-shaped lengths, token-budget steps.
+
+The `completion` workloads train prompt-masked documents, as SFT data mostly is: each document is a prompt (system
+and user turns) followed by its completion (the assistant's turn), and only the completion is a target. The prompt's
+share of each document is drawn uniformly from `PROMPT_SHARE` (so 40-60% of every document's tokens are masked, the
+first token always among them), independently of its length; every configuration trains the same masks."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -23,6 +28,7 @@ class Workload:
     checkpointing: bool = False
     lora_targets: tuple[str, ...] = ()
     notes: str = ""
+    prompt_share: tuple[float, float] | None = None  # completion workloads: each document's masked prompt share range
 
 
 # Llama-3.1's rope scaling (what its long-context checkpoints ship); positions up to 256k for the longest runs
@@ -38,6 +44,7 @@ _LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5)
 _LLAMA_1B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True)
 _LLAMA_8B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
+PROMPT_SHARE = (0.4, 0.6)  # the completion workloads: a document's prompt share, uniform in this range
 _LONG_ROPE = dict(max_position_embeddings=LONG_MAX_POSITIONS, rope_parameters=LLAMA3_ROPE)
 _LONG_ROPE_TINY = dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64))
 
@@ -100,6 +107,23 @@ WORKLOADS: dict[str, Workload] = {
             notes="Falcon-RW-1B shapes: hidden 2048, 24 layers, 32 heads MHA, ALiBi (no rotary), sequential "
                   "attention + MLP, biases, vocab 50304, tied",
         ),
+        # issue 39: prompt-masked SFT data (prompt + completion documents, the prompt masked)
+        Workload(
+            "llama-1b-completion", "llama",
+            dict(_LLAMA_1B, rope_theta=500000.0, max_position_embeddings=131072),
+            dict(_LLAMA_1B_TINY),
+            prompt_share=PROMPT_SHARE,
+            notes="Llama-3.2-1B shapes, full FT, prompt-completion documents: each document's first 40-60% "
+                  "(uniform) is its prompt, masked (-100); only completion tokens are targets",
+        ),
+        Workload(
+            "llama-8b-lora-completion", "llama",
+            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            dict(_LLAMA_8B_TINY),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS, prompt_share=PROMPT_SHARE,
+            notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on, "
+                  "prompt-completion documents: each document's first 40-60% (uniform) is its prompt, masked",
+        ),
         # issue 22: single long documents (the long-context preset), Llama-3 rope scaling as the real checkpoints
         Workload(
             "llama-8b-lora-long", "llama",
@@ -143,6 +167,7 @@ class DataSpec:
     padded_batch_size: int = 8  # micro-batch size of the padded configs
     seed: int = 0
     min_samples: int = 512
+    prompt_share: tuple[float, float] | None = None  # each document's masked prompt share (uniform), or no masks
 
     @classmethod
     def tiny(cls) -> "DataSpec":
@@ -211,17 +236,48 @@ def micro_batches(step: list[int], batch_size: int) -> list[list[int]]:
     return [step[i : i + batch_size] for i in range(0, len(step), batch_size)]
 
 
+def prompt_lengths(lengths: list[int], share: tuple[float, float], seed: int) -> list[int]:
+    """Each document's prompt length: its length times a share drawn uniformly from `share`, rounded, at least the
+    first token (never a target anyway) and leaving at least one completion token."""
+    low, high = share
+    gen = torch.Generator().manual_seed(seed + 2)
+    shares = low + (high - low) * torch.rand(len(lengths), generator=gen, dtype=torch.float64)
+    return [min(max(1, round(f * n)), n - 1) if n > 1 else 1 for f, n in zip(shares.tolist(), lengths)]
+
+
 @dataclass
 class BenchData:
     lengths: list[int]
     samples: list[list[int]]
     spec: DataSpec
     source: str = field(default="")
+    prompts: list[int] | None = None  # completion workloads: each sample's masked prompt length
+
+    def labels(self, index: int) -> list[int] | None:
+        """Sample `index`'s labels (-100 on its prompt), or None where every token is a target."""
+        if self.prompts is None:
+            return None
+        p = self.prompts[index]
+        return [-100] * p + self.samples[index][p:]
+
+    def features(self, indices: Iterable[int] | None = None) -> list[dict[str, list[int]]]:
+        """The samples as collator features: input_ids, and labels where the prompts are masked."""
+        indices = range(len(self.samples)) if indices is None else indices
+        return [{"input_ids": self.samples[i], **({} if self.prompts is None else {"labels": self.labels(i)})}
+                for i in indices]
+
+    def target_tokens(self) -> int | None:
+        """Target tokens of the whole data set (completion tokens; a document's first token is never one), or None
+        without masks."""
+        if self.prompts is None:
+            return None
+        return sum(n - p for n, p in zip(self.lengths, self.prompts))
 
 
 def make_data(spec: DataSpec, vocab_size: int, steps: int) -> BenchData:
-    """Lengths + random token ids for `steps` optimizer steps (deterministic in spec.seed)."""
+    """Lengths + random token ids (+ prompt lengths) for `steps` optimizer steps (deterministic in spec.seed)."""
     n = spec.num_samples(steps)
     lengths = sft_lengths(n, spec)
     source = "hf_accel.data.prepare.sft_lengths" if _lengths_fn() is not _local_sft_lengths else "local log-normal"
-    return BenchData(lengths, make_samples(lengths, vocab_size, spec.seed), spec, source)
+    prompts = prompt_lengths(lengths, spec.prompt_share, spec.seed) if spec.prompt_share else None
+    return BenchData(lengths, make_samples(lengths, vocab_size, spec.seed), spec, source, prompts)

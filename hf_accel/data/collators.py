@@ -8,6 +8,11 @@ format the patched models consume (see the package README):
   over the flattened ``B * S`` tokens; ``max_length_q/k`` Python ints. The first label of every document is -100, so
   no token is trained to predict across a document boundary. A row's padding tail is its own dummy document.
 
+With ``target_rows=True`` both also emit ``hf_accel_target_rows`` ``(T,) int64``: the flattened ``B * S`` positions
+whose shifted label (what position t predicts: label t + 1) is a target, for hf_accel's fused loss, which then runs
+the LM head on those rows only. A model not patched with the fused loss must not receive it (it is not a transformers
+argument): the hf_accel Trainer turns it on only where the fused loss consumes it.
+
 Nothing is dropped silently: every truncation, split, dropped empty or all-masked document is counted in
 ``collator.stats``.
 """
@@ -29,6 +34,8 @@ IGNORE_INDEX = -100
 # Sequence-parallel rows only: 1 on document tokens, 0 on the padding tail, a (rows, length) tensor so that DeepSpeed's
 # Ulysses loader shards it with the rest; the Trainer's throughput meter reads it and drops it before the model call.
 REAL_TOKENS_KEY = "hf_accel_real_tokens"
+# target_rows=True: the flattened positions with a target, which hf_accel's fused loss consumes (and removes)
+TARGET_ROWS_KEY = "hf_accel_target_rows"
 
 Feature = Mapping[str, Any]
 
@@ -106,8 +113,16 @@ def validate_feature(feature: Feature, index: int = 0) -> tuple[list[int], list[
     return list(ids), list(labels)
 
 
+def target_positions(labels: torch.Tensor) -> torch.Tensor:
+    """``(T,) int64``: the flattened positions ``b * S + s`` of ``labels (B, S)`` whose target ``labels[b, s + 1]``
+    is not -100 (transformers' causal shift; the last position of a row predicts nothing). Host tensors: no sync."""
+    has_target = torch.zeros(labels.shape, dtype=torch.bool)
+    has_target[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return has_target.flatten().nonzero().flatten()
+
+
 class _BaseCollator:
-    """Shared validation and accounting: empty and all-masked documents."""
+    """Shared validation and accounting: empty and all-masked documents; the target rows."""
 
     def __init__(
         self,
@@ -115,6 +130,7 @@ class _BaseCollator:
         pad_to_multiple_of: int | None,
         drop_empty: bool,
         all_masked: Literal["drop", "keep", "error"],
+        target_rows: bool = False,
     ) -> None:
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ConfigurationError(f"pad_to_multiple_of={pad_to_multiple_of}; use a positive int or None.")
@@ -124,6 +140,7 @@ class _BaseCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.drop_empty = drop_empty
         self.all_masked = all_masked
+        self.target_rows = target_rows
         self.stats = CollatorStats()
         self._warned_all_masked = False
 
@@ -192,7 +209,12 @@ class _BaseCollator:
         self.stats.documents += len(docs)
         self.stats.real_tokens += sum(len(ids) for ids, _ in docs)
         self.stats.slots += input_ids.numel()
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        return self._with_target_rows({"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask})
+
+    def _with_target_rows(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if self.target_rows:
+            batch[TARGET_ROWS_KEY] = target_positions(batch["labels"])
+        return batch
 
 
 class DataCollatorForPadding(_BaseCollator):
@@ -201,7 +223,8 @@ class DataCollatorForPadding(_BaseCollator):
     Labels default to ``input_ids``; padding and each document's first token get label -100 (the latter is never a
     target, as in packed mode), padding gets attention_mask 0. ``all_masked`` decides what
     happens to a document without any target token: "drop" (default; counted and warned once), "keep" (train on it
-    as context only; it adds nothing to the loss), or "error".
+    as context only; it adds nothing to the loss), or "error". ``target_rows``: also emit ``TARGET_ROWS_KEY`` (the
+    positions with a target) for hf_accel's fused loss (see the module docstring).
     """
 
     def __init__(
@@ -211,8 +234,9 @@ class DataCollatorForPadding(_BaseCollator):
         padding_side: Literal["left", "right"] = "right",
         drop_empty: bool = False,
         all_masked: Literal["drop", "keep", "error"] = "drop",
+        target_rows: bool = False,
     ) -> None:
-        super().__init__(pad_token_id, pad_to_multiple_of, drop_empty, all_masked)
+        super().__init__(pad_token_id, pad_to_multiple_of, drop_empty, all_masked, target_rows)
         if padding_side not in ("left", "right"):
             raise ConfigurationError(f"padding_side={padding_side!r}; allowed: 'left', 'right'.")
         self.padding_side = padding_side
@@ -231,6 +255,12 @@ class DataCollatorForPacking(_BaseCollator):
 
     When the attention backend cannot do varlen, call ``use_padding(reason)`` (or pass ``fallback_to_padding=True``):
     the collator then emits padded batches (one document per row) with the same documents and targets.
+
+    ``target_rows=True`` adds ``TARGET_ROWS_KEY``: the positions of the flattened rows whose shifted label is a target,
+    listed here on the host like ``cu_seq_lens``, so hf_accel's fused loss runs the LM head on those rows only (prompt
+    tokens cost no head work) without a device sync. Only for a model whose loss is hf_accel's fused loss
+    (``patch(model, fused_ce=True)``, or "auto" on CUDA); the hf_accel Trainer sets it then. Not emitted under
+    ``sequence_parallel`` (DeepSpeed's loader shards every tensor along the sequence; the loss then takes every row).
     """
 
     def __init__(
@@ -242,8 +272,9 @@ class DataCollatorForPacking(_BaseCollator):
         drop_empty: bool = False,
         all_masked: Literal["drop", "keep", "error"] = "drop",
         fallback_to_padding: bool = False,
+        target_rows: bool = False,
     ) -> None:
-        super().__init__(pad_token_id, pad_to_multiple_of, drop_empty, all_masked)
+        super().__init__(pad_token_id, pad_to_multiple_of, drop_empty, all_masked, target_rows)
         if max_tokens is not None and max_tokens < 1:
             raise ConfigurationError(f"max_tokens={max_tokens}; use a positive int or None (one row for the batch).")
         if overflow not in ("error", "truncate", "split"):
@@ -258,8 +289,8 @@ class DataCollatorForPacking(_BaseCollator):
     def sequence_parallel(self, size: int, row_length: int | None = None) -> None:
         """Emit what Ulysses sequence parallelism (DeepSpeed's ``UlyssesSPDataLoaderAdapter``) can shard: rows whose
         length divides by ``size`` (the padding tail stays its own dummy document) and only (rows, length) tensors,
-        so no ``cu_seq_lens_*`` / ``max_length_*`` (the attention wrapper gathers ``position_ids`` instead), plus
-        ``REAL_TOKENS_KEY``. ``row_length`` (the token budget): every row padded to it, rounded up to a multiple of
+        so no ``cu_seq_lens_*`` / ``max_length_*`` (the attention wrapper gathers ``position_ids`` instead) and no
+        ``TARGET_ROWS_KEY``, plus ``REAL_TOKENS_KEY``. ``row_length`` (the token budget): every row padded to it, rounded up to a multiple of
         ``size``, because the adapter all-gathers the rows of every rank in the group, which needs equal shapes
         (gloo refuses unequal ones)."""
         if size < 1:
@@ -350,13 +381,13 @@ class DataCollatorForPacking(_BaseCollator):
             "labels": torch.tensor(labels, dtype=torch.long),
             "position_ids": torch.tensor(position_ids, dtype=torch.long),
         }
-        if self.sp_size > 1:
+        if self.sp_size > 1:  # no target rows: a (T,) list cannot be sharded along the sequence
             real = torch.arange(seq_len)[None, :] < torch.tensor(real_lens)[:, None]  # the tail is not real
             return {**rows_out, REAL_TOKENS_KEY: real.to(torch.int8)}
-        return {
+        return self._with_target_rows({
             **rows_out,
             "cu_seq_lens_q": cu_seq_lens,
             "cu_seq_lens_k": cu_seq_lens.clone(),
             "max_length_q": max_length,
             "max_length_k": max_length,
-        }
+        })

@@ -15,6 +15,12 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 
 
+def _chunk_starts(num_rows: int, chunk_size: int) -> range:
+    """Chunk offsets over ``num_rows`` rows; one empty chunk when there are none (a batch gathered down to its
+    target rows may have none), so that every gradient buffer is written and the loss stays on the graph."""
+    return range(0, num_rows, chunk_size) if num_rows else range(1)
+
+
 def _chunk_ce_sum(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_cv.float(), labels_c, ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -28,7 +34,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         lse_n = torch.empty(hidden_nh.shape[0], dtype=torch.float32, device=hidden_nh.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden_nh.device)
         w_vh, b_v = _cast(weight_vh, ctx.compute), _cast(bias_v, ctx.compute)
-        for start in range(0, hidden_nh.shape[0], chunk_size):
+        for start in _chunk_starts(hidden_nh.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
             logits_cv = _chunk_logits(hidden_nh[sl], w_vh, b_v).float()
             lse_n[sl] = torch.logsumexp(logits_cv, dim=-1)
@@ -46,7 +52,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight_vh, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         w_vh, b_v = _cast(weight_vh, ctx.compute), _cast(bias_v, ctx.compute)
-        for start in range(0, hidden_nh.shape[0], ctx.chunk_size):
+        for start in _chunk_starts(hidden_nh.shape[0], ctx.chunk_size):
             sl = slice(start, start + ctx.chunk_size)
             h_ch, labels_c = hidden_nh[sl], labels_n[sl]
             logits_cv = _chunk_logits(h_ch, w_vh, b_v).float()
@@ -142,7 +148,7 @@ class _GradInForwardLinearCE(torch.autograd.Function):
             grad_weight = torch.empty_like(weight_vh) if want_weight else None
             grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
             total = torch.zeros((), dtype=torch.float32, device=device)
-            for start in range(0, h_nh.shape[0], chunk_size):
+            for start in _chunk_starts(h_nh.shape[0], chunk_size):
                 sl = slice(start, start + chunk_size)
                 h_ch = h_nh[sl]
                 logits_cv = F.linear(h_ch, w_vh, b_v)
@@ -188,7 +194,7 @@ def _module_chunked_sum(hidden_nh: torch.Tensor, head_forward: Callable[[torch.T
         return _chunk_ce_sum(head_forward(h_ch), labels_c)
 
     total = hidden_nh.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden_nh.shape[0], chunk_size):
+    for start in _chunk_starts(hidden_nh.shape[0], chunk_size):
         sl = slice(start, start + chunk_size)
         total = total + checkpoint(chunk_loss, hidden_nh[sl], labels_n[sl], use_reentrant=False)
     return total

@@ -53,6 +53,8 @@ def ce_grad_triton_(logits_cv: torch.Tensor, labels_c: torch.Tensor, ignore_inde
     if logits_cv.stride(1) != 1:
         raise ValueError("ce_grad_triton_ needs logits whose last dimension is contiguous")
     loss_c = torch.empty(rows, dtype=torch.float32, device=logits_cv.device)
+    if rows == 0:  # an empty chunk (no target rows): nothing to launch
+        return loss_c.sum()
     block = min(MAX_BLOCK, triton.next_power_of_2(cols))
     _ce_grad_rows[(rows,)](
         logits_cv, logits_cv.stride(0), labels_c.contiguous(), loss_c, ignore_index, n_cols=cols,

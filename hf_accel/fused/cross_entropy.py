@@ -10,6 +10,10 @@ Four paths, chosen per call by `linear_cross_entropy` (`method`; the autograd fu
 - "module", for any other head (e.g. a PEFT LoRA layer): the head's own forward is run per chunk under
   non-reentrant activation checkpointing, so adapters get their gradients and chunk logits are not kept.
 
+Where the batch says which positions have a target (``target_rows``: the packing collator's
+``hf_accel_target_rows``), only those hidden rows reach the head: a masked position's logits, gradients and loss are
+never computed (prompt tokens in SFT data). The gather comes before any of the paths, which see fewer rows.
+
 Whatever the path, the whole loss runs as ONE call of the head module's ``__call__`` (`_one_head_call`): a wrapper
 that shards the head (FSDP2's ``fully_shard``, DeepSpeed ZeRO-3) then sees one forward of it, gathers its weight once
 before, and reduces the weight gradient once, after the backward has finished with it.
@@ -109,6 +113,8 @@ def _pick_method(hidden_nh: torch.Tensor, head: nn.Module, method: Method) -> st
                        f"{type(head).__name__} (e.g. LoRA on lm_head); using the chunked module path, which trains "
                        "the adapters.")
         return "module"
+    if method == "liger" and hidden_nh.shape[0] == 0:  # no target row: nothing for its kernel (which syncs) to do
+        return "inline"
     if method == "liger" and not (liger_available() and hidden_nh.is_cuda):
         _warn_once("liger-missing", "Liger fused CE requested but liger-kernel is not installed or the device is not "
                    "CUDA; using hf_accel's inline path.")
@@ -187,6 +193,29 @@ def linear_cross_entropy(
     return total / (labels_n != IGNORE_INDEX).sum().clamp(min=1)
 
 
+def _check_target_rows(rows_t: torch.Tensor, labels_n: torch.Tensor) -> None:
+    """The rows must index the flattened positions and cover every target (rows without one add nothing). The dtype
+    and shape are host metadata; the values are checked only where they are on the host (a check of device values
+    would cost a sync: there an index out of range fails in the gather, a missing target would go unseen)."""
+    if rows_t.dim() != 1 or rows_t.dtype not in (torch.int64, torch.int32):
+        raise InvalidBatch(f"{TARGET_ROWS_KEY} must be a 1-D int64 tensor of flattened (B*S) positions, got "
+                           f"{rows_t.dtype} of shape {tuple(rows_t.shape)}; build it with DataCollatorForPacking("
+                           "target_rows=True) or leave it out (every row is then computed).")
+    if rows_t.is_cuda or labels_n.is_cuda:
+        return
+    n = labels_n.shape[0]
+    if rows_t.numel() and (int(rows_t.min()) < 0 or int(rows_t.max()) >= n):
+        raise InvalidBatch(f"{TARGET_ROWS_KEY} holds positions outside [0, {n}) (the batch's B*S positions).")
+    covered = torch.zeros(n, dtype=torch.bool)
+    covered[rows_t] = True
+    missing = ((labels_n != IGNORE_INDEX) & ~covered).nonzero().flatten()
+    if missing.numel() or torch.unique(rows_t).numel() != rows_t.numel():
+        raise InvalidBatch(
+            f"{TARGET_ROWS_KEY} does not match the batch's labels: {missing.numel()} target positions missing (e.g. "
+            f"{missing[:5].tolist()}) or a position listed twice. Were the labels changed after collating? Build the "
+            "rows from the final labels, or drop the key (every row is then computed).")
+
+
 def causal_lm_loss_from_hidden(
     model: nn.Module,
     hidden_states: torch.Tensor,
@@ -194,6 +223,7 @@ def causal_lm_loss_from_hidden(
     num_items_in_batch: int | torch.Tensor | None = None,
     *,
     shift_labels: torch.Tensor | None = None,
+    target_rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
     method: Method = "auto",
 ) -> torch.Tensor:
@@ -204,6 +234,9 @@ def causal_lm_loss_from_hidden(
     target tokens, or sum / num_items_in_batch. The labels move, not the hidden states: no copy of (B, S, H).
     ``shift_labels`` (B, S), as transformers takes it: targets already aligned with the positions (position t
     predicts shift_labels[t], e.g. a sequence-parallel shard's), used as they are; ``labels`` is then not read.
+    ``target_rows`` (T,) int64: the flattened (B*S) positions whose target is not -100 (a superset does no harm), as
+    the packing collator lists them; only those rows of hidden states go through the head. Same loss and gradients
+    as every row (a masked row adds nothing to either), without the masked rows' LM-head work.
     """
     head = model.get_output_embeddings()
     if head is None:
@@ -213,12 +246,19 @@ def causal_lm_loss_from_hidden(
         labels_n = shift_labels.reshape(-1).to(hidden_states.device)
     else:
         labels_n = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(hidden_states.device)
+    if target_rows is not None:
+        _check_target_rows(target_rows, labels_n)
+        rows_t = target_rows.to(hidden_nh.device, non_blocking=True)  # the collator's list: no host read here
+        hidden_nh, labels_n = hidden_nh.index_select(0, rows_t), labels_n.index_select(0, rows_t)
     return linear_cross_entropy(
         hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, method=method
     )
 
 
 _STOCK_FORWARD = "_hf_accel_stock_forward"
+# The batch key DataCollatorForPacking(target_rows=True) emits (hf_accel.data.collators.TARGET_ROWS_KEY; data/ and
+# fused/ do not import each other): (T,) int64 flattened positions with a target.
+TARGET_ROWS_KEY = "hf_accel_target_rows"
 
 
 def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: Method = "auto") -> Callable[[], None]:
@@ -227,23 +267,30 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
 
     Because the loss is computed inside the model's own forward, DDP / FSDP wrappers see it like any forward
     (gradients are reduced, root parameters gathered). Evaluation, generation and calls without labels run the stock
-    forward. Returns the action that restores the stock forward exactly.
+    forward. The collator's ``hf_accel_target_rows`` (the positions with a target) is taken out of every call, so it
+    never reaches transformers' code; a training call with labels computes only those rows of the head (a call that
+    also brings ``shift_labels`` computes every row: the rows were listed from ``labels``). Returns the action that
+    restores the stock forward exactly.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     stock = model.forward
 
     def forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
+        target_rows = kwargs.pop(TARGET_ROWS_KEY, None)  # batch metadata for this loss only
         if labels is None or not self.training or args:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return stock(*args, labels=labels, **kwargs)
         kwargs.pop("logits_to_keep", None)
         shift_labels = kwargs.pop("shift_labels", None)  # transformers' loss kwarg: pre-shifted targets
+        if shift_labels is not None:
+            target_rows = None  # targets not from `labels`, where the rows were listed: take every row
         body = getattr(self, self.base_model_prefix)
         out = body(**kwargs)
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
-                                          shift_labels=shift_labels, chunk_size=chunk_size, method=method)
+                                          shift_labels=shift_labels, target_rows=target_rows, chunk_size=chunk_size,
+                                          method=method)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
 
     # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.

@@ -4,7 +4,8 @@ CUDA start-up, kernel JIT and torch.compile), both global over ranks.
 
 Counted on the batches the training loop actually ran (every micro-batch), in the training process itself (a
 collator's own counters live in DataLoader workers when ``num_workers > 0``). FLOPs follow ``hf_accel.bench.flops``:
-6 * trainable + 4 * frozen matmul weights per real token, plus causal attention per document.
+6 * trainable + 4 * frozen matmul weights per real token (the LM head's per token with a target only: a masked
+position needs no logits), plus causal attention per document.
 """
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def batch_counts(batch: Mapping[str, Any]) -> tuple[Any, int, Any]:
     return slots, slots, float(rows * seq * seq)
 
 
+def batch_targets(batch: Mapping[str, Any]) -> Any:
+    """Target tokens of one micro-batch, where the batch is (no host sync): labels that are not -100 after the causal
+    shift, or ``shift_labels`` as given (a sequence-parallel shard's); None without labels (every token counts)."""
+    shifted = batch.get("shift_labels")
+    if shifted is not None:
+        return shifted.ne(-100).sum()
+    labels = batch.get("labels")
+    return None if labels is None else labels[..., 1:].ne(-100).sum()
+
+
 @dataclass
 class Window:
     start: float
@@ -84,7 +95,7 @@ class ThroughputMeter:
 
     def add_batch(self, batch: Mapping[str, Any]) -> None:
         tokens, slots, squared_lengths = batch_counts(batch)
-        flops = self.flop_model.flops_from_sums(tokens, squared_lengths)
+        flops = self.flop_model.flops_from_sums(tokens, squared_lengths, batch_targets(batch))
         for w in self._open_windows():
             w.tokens = w.tokens + tokens  # may become a device tensor: read back in _metrics
             w.slots += slots

@@ -142,6 +142,11 @@ class AccelMixin(CheckpointFilesMixin):
             logger.info("%s", self.patch_report)
         elif self._accel_applied_policy is not None:
             self._accel_applied_policy.apply(self.model)
+        if self.patch_report is not None and self.patch_report.fused_ce and getattr(self, "_own_collator", False) \
+                and hasattr(self.data_collator, "target_rows"):
+            # the fused loss consumes the collator's target rows (and takes them out of the batch): no LM-head work
+            # for masked positions. Only then: a stock forward must not receive the key.
+            self.data_collator.target_rows = True
         self._accel_sequence_parallel()
         if self.accel.async_save and self.args.world_size > 1:
             raise ConfigurationError(

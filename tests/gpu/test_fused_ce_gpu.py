@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_accel.fused.cross_entropy import liger_available, linear_cross_entropy
+from hf_accel.data.collators import target_positions
+from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden, liger_available, linear_cross_entropy
 
 pytestmark = pytest.mark.gpu
 
@@ -107,3 +108,80 @@ def test_inline_fp32_head_under_bf16_autocast():
     assert abs(got[0] - want[0]) <= 2 * abs(base[0] - want[0]) + 1e-3
     for g_got, g_base, g_want in zip(got[1:], base[1:], want[1:]):
         assert _rel(g_got, g_want) <= 2 * _rel(g_base, g_want) + 1e-3
+
+
+class _Head(nn.Module):
+    """What causal_lm_loss_from_hidden needs of a model: its output embeddings."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.lm_head = head
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def _prompt_masked_labels(rows: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """Packed rows of documents of 64-700 tokens, each one's first 40-60% masked (a prompt) and its first label
+    -100, as DataCollatorForPacking builds them."""
+    labels = torch.randint(0, V, (rows, seq), generator=gen)
+    for row in range(rows):
+        start = 0
+        while start < seq:
+            n = int(torch.randint(64, 700, (1,), generator=gen))
+            prompt = int(n * (0.4 + 0.2 * float(torch.rand(1, generator=gen))))
+            labels[row, start:start + prompt] = -100
+            start += n
+    return labels
+
+
+def _causal_loss_and_grads(model, hidden0, labels, n_items, rows=None):
+    hidden = hidden0.detach().clone().requires_grad_(True)
+    model.lm_head.weight.grad = None
+    if rows is None and hidden0.dtype == torch.float32:  # the fp32 reference: full logits, stock shift
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+        logits = model.lm_head(hidden.flatten(0, 1)).float()
+        loss = F.cross_entropy(logits, shifted, ignore_index=-100, reduction="sum") / n_items
+    else:
+        loss = causal_lm_loss_from_hidden(model, hidden, labels, n_items, target_rows=rows, method="inline")
+    loss.backward()
+    return loss.detach().float(), hidden.grad.float(), model.lm_head.weight.grad.float()
+
+
+def test_target_rows_within_bf16_error_of_every_row():
+    """Issue 39a on CUDA: the fused loss on the collator's target rows only (Triton row kernel, bf16) against the
+    fp32 full-logits loss over every row, held to the error of the same bf16 fused loss over every row; the hidden
+    states' gradient is exactly zero on positions without a target."""
+    gen = torch.Generator().manual_seed(4)
+    torch.manual_seed(4)
+    head32 = nn.Linear(H, V, bias=False, device="cuda")
+    nn.init.normal_(head32.weight, std=0.02)
+    head16 = nn.Linear(H, V, bias=False, device="cuda", dtype=torch.bfloat16)
+    head16.weight.data.copy_(head32.weight.data)
+    labels = _prompt_masked_labels(2, 4099, gen)
+    rows = target_positions(labels).cuda()
+    labels = labels.cuda()
+    assert rows.numel() < 0.65 * labels.numel()
+    n_items = (labels[:, 1:] != -100).sum()
+    hidden = torch.randn(2, 4099, H, device="cuda")
+    want = _causal_loss_and_grads(_Head(head32), hidden, labels, n_items)
+    every = _causal_loss_and_grads(_Head(head16), hidden.bfloat16(), labels, n_items)
+    got = _causal_loss_and_grads(_Head(head16), hidden.bfloat16(), labels, n_items, rows)
+    assert abs(got[0] - want[0]) <= 2 * abs(every[0] - want[0]) + 1e-3
+    for g_got, g_every, g_want in zip(got[1:], every[1:], want[1:]):
+        assert _rel(g_got, g_want) <= 2 * _rel(g_every, g_want) + 1e-3, (_rel(g_got, g_want), _rel(g_every, g_want))
+    masked = torch.ones(labels.numel(), dtype=torch.bool, device="cuda")
+    masked[rows] = False
+    assert got[1].flatten(0, 1)[masked].abs().max() == 0
+
+
+def test_target_rows_none_at_all():
+    """A micro-batch of prompts only: no row reaches the head (the Triton kernel gets an empty chunk), the loss is 0
+    and the weight gradient exactly zero."""
+    head = nn.Linear(H, V, bias=False, device="cuda", dtype=torch.bfloat16)
+    labels = torch.full((1, 512), -100, device="cuda")
+    rows = torch.empty(0, dtype=torch.long, device="cuda")
+    loss, grad_hidden, grad_weight = _causal_loss_and_grads(
+        _Head(head), torch.randn(1, 512, H, device="cuda", dtype=torch.bfloat16), labels, torch.tensor(9, device="cuda"),
+        rows)
+    assert loss.item() == 0 and grad_weight.abs().max() == 0 and grad_hidden.abs().max() == 0

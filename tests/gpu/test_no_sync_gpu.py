@@ -22,19 +22,23 @@ def _model():
         num_key_value_heads=4, tie_word_embeddings=True, attn_implementation="sdpa"))
 
 
-def _batches(n, vocab):
+def _batches(n, vocab, target_rows=False):
+    """Packed steps; with ``target_rows`` prompt-masked (each document's first half) and the collator's target rows."""
     g = torch.Generator().manual_seed(0)
-    collate = DataCollatorForPacking(pad_token_id=0, max_tokens=None)
+    collate = DataCollatorForPacking(pad_token_id=0, max_tokens=None, target_rows=target_rows)
     out = []
     for i in range(n):
         lengths = [300 + 40 * i, 17, 900, 64 + i]
         features = [{"input_ids": torch.randint(1, vocab, (n_tok,), generator=g).tolist()} for n_tok in lengths]
+        if target_rows:
+            for f in features:
+                f["labels"] = [-100] * (len(f["input_ids"]) // 2) + f["input_ids"][len(f["input_ids"]) // 2:]
         out.append({k: v.pin_memory() if torch.is_tensor(v) else v for k, v in collate(features).items()})
     return out
 
 
-@pytest.mark.parametrize("compile_layers", [False, True])
-def test_training_step_never_waits_for_the_gpu(compile_layers):
+@pytest.mark.parametrize("compile_layers,target_rows", [(False, False), (True, False), (True, True)])
+def test_training_step_never_waits_for_the_gpu(compile_layers, target_rows):
     torch.manual_seed(0)
     model = _model().cuda().to(torch.bfloat16).train()
     hf_accel.patch(model, fused_ce=True, compile=compile_layers)
@@ -48,7 +52,7 @@ def test_training_step_never_waits_for_the_gpu(compile_layers):
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    batches = _batches(6, model.config.vocab_size)
+    batches = _batches(6, model.config.vocab_size, target_rows)
     for batch in batches[:3]:  # warm-up: kernel JIT, compilation, the recompile that makes lengths dynamic
         train_step(batch)
     torch.cuda.synchronize()
