@@ -66,6 +66,7 @@ def test_no_automatic_full_collections_while_compiled_layers_are_bound():
     assert gc.get_threshold()[2] == threshold
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unpatch_first", [False, True])
 def test_a_deleted_compiled_model_is_freed(unpatch_first):
     """Nothing of hf_accel's keeps a deleted compiled, patched model alive (2.36 GiB stayed on the H200: gc.freeze
@@ -98,15 +99,16 @@ def test_inductor_llama_matches_unpatched_and_reuses_graphs():
     assert graphs[0] == graphs[1] == graphs[2] == graphs[3], graphs
 
 
-@pytest.mark.parametrize("variant", ["neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi",
-                                     "falcon-40b-newarch", "llama-rope-llama3"])
+@pytest.mark.parametrize("variant", [*(pytest.param(v, marks=pytest.mark.slow) for v in (
+    "neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-40b-newarch")), "llama-rope-llama3"])
 def test_compiled_graphs_match_eager(variant):
     ours, ref = pair(variant, AOT_EAGER)
     for seed, lengths in enumerate(STEPS[:3]):
         assert_same_step(ours, ref, packed(lengths, seed))
 
 
-@pytest.mark.parametrize("spec", ["full", "every_2", "op"])
+@pytest.mark.parametrize("spec", ["full", pytest.param("every_2", marks=pytest.mark.slow),
+                                  pytest.param("op", marks=pytest.mark.slow)])
 def test_compiled_layers_under_checkpointing(spec):
     ours, ref = pair("llama-gqa", AOT_EAGER, checkpointing=spec)
     calls = []

@@ -280,9 +280,14 @@ def _cache(model, kind: str):
     return StaticCache(config=model.config, max_cache_len=8) if kind == "static" else DynamicCache(config=model.config)
 
 
+_SLOW = pytest.mark.slow  # each case compiles a decode step (dynamo, fullgraph): ~10 s on 2 cores
+
+
 @pytest.mark.parametrize("variant, cache", [
-    ("llama-gqa", "static"), ("llama-mqa", "dynamic"), ("neox-parallel", "static"), ("neox-sequential", "dynamic"),
-    ("falcon-40b-newarch", "static"), ("falcon-rw-alibi", "dynamic"),  # stock ALiBi Falcon has no static cache path
+    ("llama-gqa", "static"), pytest.param("llama-mqa", "dynamic", marks=_SLOW),
+    pytest.param("neox-parallel", "static", marks=_SLOW), pytest.param("neox-sequential", "dynamic", marks=_SLOW),
+    pytest.param("falcon-40b-newarch", "static", marks=_SLOW),
+    pytest.param("falcon-rw-alibi", "dynamic", marks=_SLOW),  # stock ALiBi Falcon has no static cache path
 ])
 def test_compiled_decoding_traces_with_fullgraph(variant, cache, monkeypatch):
     """The whole module (forward hooks included) compiles with fullgraph=True for prefill and decode steps, and gives

@@ -224,6 +224,7 @@ def test_bad_settings_say_what_is_allowed(setting):
         hf_accel.patch(make("llama-gqa"), backend="reference", mlp_chunks=setting)
 
 
+@pytest.mark.slow  # dynamo compiles
 def test_chunks_inside_compiled_layers():
     """Compiled layers (aot_eager: dynamo + AOTAutograd, no code generation) break their graph around a chunked MLP,
     which runs eagerly in chunks; the result matches the eager unchunked model."""

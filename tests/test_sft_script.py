@@ -62,6 +62,7 @@ def test_default_run_learns_above_chance_within_time_limit(tmp_path):
     assert (out / "training.png").stat().st_size > 1000  # matplotlib is a dependency: the plot is always drawn
 
 
+@pytest.mark.slow  # a subprocess of the command
 def test_lora_no_patch_jsonl_dataset(tmp_path):
     """A local jsonl of prompt/completion pairs, LoRA adapter saved, stock (unpatched) path."""
     from hf_accel.data.default_task import make_examples

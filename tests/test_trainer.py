@@ -249,6 +249,7 @@ def test_sft_trainer_refuses_fused_ce():
         SFTTrainer(make("llama-gqa"), accel=AccelArguments(fused_ce=True))
 
 
+@pytest.mark.slow  # dynamo compiles
 def test_compiled_layers_train_like_the_stock_trainer(tmp_path):
     """AccelArguments(compile=...) through the Trainer: the same steps as stock transformers on padded fp32 batches
     (aot_eager captures the same graphs as inductor without generating code; tests/test_compile.py runs inductor)."""

@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,9 @@ def add_lora(model, args: argparse.Namespace):
         targets = list(family_of(model).LORA_TARGETS)
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets,
                         lora_dropout=0.0, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # PEFT reads a property transformers 5.2x deprecated: nothing a user can change
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def _linear_names(model) -> set[str]:
