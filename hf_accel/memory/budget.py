@@ -156,8 +156,8 @@ class MemoryBudget(CheckpointingPolicy):
             f" with {format_bytes(plan.host_bytes)} of host memory (of {format_bytes(plan.host_budget_bytes)} "
             "it may use)")
         if longest:
-            shorter = (f"or train on at most {longest:,} tokens per micro-batch: the longest document this budget "
-                       f"holds (activations scaled linearly from the probe of {tokens:,} tokens)")
+            shorter = (f"or train on at most {longest:,} tokens per micro-batch: about the longest document this "
+                       f"budget holds (activations scaled linearly from the probe of {tokens:,} tokens)")
         else:
             shorter = "even an empty micro-batch does not fit: the training state alone is over the budget"
         return (f"checkpointing budget {self.budget} ({format_bytes(budget)}) cannot be met for {tokens:,} tokens per "
