@@ -1,9 +1,13 @@
 """The ``budget:`` checkpointing policy: the least recompute whose predicted peak fits a memory budget.
 
 It probes one forward for each decoder layer's activation bytes, adds the training state (weights, gradients,
-optimizer) and the loss's own peak, asks ``plan.plan_checkpointing`` for per-layer choices (none / op-level / full /
-offload) and applies them as a ``PerLayer`` plan; a budget no plan meets raises before training, naming the smallest
-one that fits. ``policy_from_spec("budget:20GiB")`` builds it.
+optimizer) and the loss's own peak, asks ``planner.plan_checkpointing`` for per-layer choices (none / op-level / full
+/ offload / spaced) within the device budget and the host memory offloaded inputs may take, and applies them as a
+``PerLayer`` plan. So the longest document the device and the host together hold trains: layers keep their input on
+the device while it fits, in pinned host memory after that, and spaced (the input rebuilt in backward from the layer
+below) where neither holds them all. The plan prints its split; a budget no plan meets raises before training,
+naming the smallest budget that fits and the longest micro-batch this one holds. ``policy_from_spec("budget:20GiB")``
+builds it.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ class MemoryBudget(CheckpointingPolicy):
     computes it (full logits, or a fused loss's chunks), and applies `plan.plan_checkpointing`'s choice for
     `1 - headroom` of the budget. Apply it after everything else that changes the forward (patch() does).
     The plan is kept in `self.plan` and printed (`verbose`); a budget no plan fits raises ConfigurationError naming
-    the smallest budget that fits.
+    the smallest budget that fits and the longest micro-batch (in tokens) the budget holds. Offloaded inputs may take
+    `host_budget` of host memory (default HOST_SHARE of what is available: host_available_bytes).
     """
 
     budget: int | float | str
