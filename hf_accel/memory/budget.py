@@ -20,7 +20,7 @@ from torch import nn
 
 from .checkpointing import CheckpointingPolicy, LayerChoice, PerLayer, logger, remove_checkpointing
 from .targets import base_model
-from ..errors import ConfigurationError
+from ..errors import BudgetExceeded, ConfigurationError
 
 
 @dataclass(kw_only=True)
@@ -137,8 +137,9 @@ class MemoryBudget(CheckpointingPolicy):
         self.plan = plan_checkpointing(probe.layers, **planning)
         tokens = batch["input_ids"].numel()
         if not self.plan.fits:
-            raise ConfigurationError(self._refusal(budget, tokens, grads is None,
-                                                   longest_feasible_tokens(probe.layers, tokens, **planning)))
+            longest = longest_feasible_tokens(probe.layers, tokens, **planning)
+            raise BudgetExceeded(self._refusal(budget, tokens, grads is None, longest), longest,
+                                 f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
         _check_host_memory(self.plan, self.budget)
         sharded = "" if self.sharding is None else (
             f", the training state as one of {self.sharding.world_size} {self.sharding.engine} processes holds it")
