@@ -145,6 +145,10 @@ class MemoryBudget(CheckpointingPolicy):
             f", the training state as one of {self.sharding.world_size} {self.sharding.engine} processes holds it")
         text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
                 f"head peak {format_bytes(probe.tail_peak_bytes)}{sharded}):\n{self.plan.table()}")
+        if "offload" in modes:
+            text += (f"\nhost memory: {format_bytes(self.plan.host_bytes)} of pinned copies needed, "
+                     f"{format_bytes(host_budget)} allowed" + ("" if self.host_budget is not None else
+                                                              f" ({HOST_SHARE:.0%} of the host's available memory)"))
         logger.info("%s", text)
         if self.verbose and _first_process():
             print(text, flush=True)
