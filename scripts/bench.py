@@ -61,7 +61,8 @@ from hf_accel.bench.distributed import CHILDREN, Rank, RunStopped, gather_ranks,
 from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
 from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
                                    repeat_command, repo_relative, scaling_table, versions, write_outputs)
-from hf_accel.bench.train import RunSettings, Timing, memory_summary, summarize  # noqa: E402
+from hf_accel.bench.memory_report import memory_summary  # noqa: E402
+from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data, with_positions  # noqa: E402
 
 MIN_CONFIG_SECONDS = {False: 45.0, True: 5.0}  # do not start a configuration with less time left than this
