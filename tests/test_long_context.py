@@ -329,3 +329,19 @@ def test_offline_estimate_plans_the_split_and_names_the_longest_length():
                                         lora_rank=16, batch_tokens=tokens).notes[-1].endswith("fits")
 
     assert fits(longest) and not fits(longest + 1)
+
+
+def test_budget_honours_the_process_device_memory_cap(monkeypatch):
+    """Under torch.cuda.set_per_process_memory_fraction a budget above the cap is refused before the probe, and a
+    fractional budget is a share of what the process may allocate, not of the whole device (faked 140 GiB device
+    capped at 80 GiB)."""
+    import types
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=140 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 80 / 140, raising=False)
+    cuda = torch.device("cuda", 0)
+    assert MemoryBudget(budget="80GiB").budget_bytes(cuda) == 80 * gib
+    assert MemoryBudget(budget=0.5).budget_bytes(cuda) == 40 * gib
+    with pytest.raises(ConfigurationError, match=r"more than this process may allocate .*80.00 GiB"):
+        MemoryBudget(budget="100GiB").budget_bytes(cuda)

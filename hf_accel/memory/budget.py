@@ -88,7 +88,7 @@ class MemoryBudget(CheckpointingPolicy):
             return int(budget * total)
         if budget <= 0:
             raise ConfigurationError(f"memory budget must be positive, got {self.budget!r}; e.g. 'budget:20GiB'.")
-        if cap is not None and budget > cap:
+        if cap is not None and budget > cap + 2**20:  # (the cap is a fraction of the device: rounding slack)
             from .plan import format_bytes
 
             raise ConfigurationError(
@@ -250,9 +250,10 @@ def device_cap_bytes(device: torch.device) -> int | None:
     (torch.cuda.set_per_process_memory_fraction); None off CUDA."""
     if device.type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
-    return int(total * (fraction(device) if fraction is not None else 1.0))
+    return round(total * (fraction(index) if fraction is not None else 1.0))
 
 
 def _check_host_memory(plan, budget) -> None:
