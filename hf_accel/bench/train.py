@@ -384,4 +384,3 @@ def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str)
     if device.startswith("cuda"):
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
-
