@@ -39,6 +39,16 @@ class UsageError(ConfigurationError):
     line naming the argument, what was wrong and what is allowed."""
 
 
+class BudgetExceeded(ConfigurationError):
+    """No checkpointing plan meets a memory budget for the micro-batch; raised before training. ``longest_tokens``:
+    about the most tokens per micro-batch the budget holds (0: none); ``smallest_budget``: the smallest budget spec
+    that fits this micro-batch (e.g. "budget:23.5GiB")."""
+
+    def __init__(self, message: str, longest_tokens: int = 0, smallest_budget: str = "") -> None:
+        super().__init__(message)
+        self.longest_tokens, self.smallest_budget = longest_tokens, smallest_budget
+
+
 class CheckpointError(HFAccelError, RuntimeError):
     """A checkpoint cannot be written or read back: a damaged or partial file (named), a full disk, or a checkpoint
     of another run or another base model."""

@@ -56,6 +56,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
+from hf_accel.errors import BudgetExceeded  # noqa: E402
+
 from hf_accel.bench import flops  # noqa: E402
 from hf_accel.bench.apart import child_env  # noqa: E402
 from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
@@ -64,8 +66,9 @@ from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # no
 from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
                                    repeat_command, repo_relative, scaling_table, targets_line, versions,
                                    write_outputs)
+from hf_accel.bench.memory_report import memory_summary  # noqa: E402
 from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
-from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
+from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data, with_positions  # noqa: E402
 
 MIN_CONFIG_SECONDS = {False: 45.0, True: 5.0}  # do not start a configuration with less time left than this
 
@@ -97,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "takes the next length of the config with the fewest lengths measured, as one GPU does; a "
                         "config's lengths run in order, one at a time)")
     p.add_argument("--doc-length", type=int, default=None, help=argparse.SUPPRESS)  # one length, in a child
+    p.add_argument("--device-memory-cap-gib", type=float, default=None,
+                   help="cap what every configuration's process may allocate on its GPU to this many GiB "
+                        "(torch.cuda.set_per_process_memory_fraction, set before the model is built; recorded with "
+                        "each result), e.g. 80 to compare with results on an 80 GB GPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-steps", type=int, default=0,
                    help="profile each configuration's first N timed steps with torch.profiler: kernel ms per step by "
@@ -229,9 +236,12 @@ def child_main(args: argparse.Namespace) -> None:
         device, budget = rank.device(args.device), float("inf")
         timing.notes.append(f"{rank.world_size} processes under accelerate launch ({args.accelerate_config}); "
                             "step-time budget off")
+    if args.doc_length:  # the document must fit the model's positions
+        workload = with_positions(workload, args.doc_length, args.tiny)
     settings = RunSettings(workload, device, args.tiny, args.steps, args.warmup, budget, args.seed,
                            profile_steps=args.profile_steps)
     try:
+        result.update(cap_device_memory(args.device_memory_cap_gib, device))
         if launched and config.launched is None:
             raise RuntimeError(f"{name} has no multi-process path (runs without --nproc only)")
         spec = data_spec(args)
@@ -246,6 +256,7 @@ def child_main(args: argparse.Namespace) -> None:
             timing, ranks = gather_ranks(timing, device)
         gpu_peak = peak(args)
         result.update(summarize(model, timing, gpu_peak * rank.world_size if gpu_peak else None, device))
+        result.update(memory_summary(model, device))
         if timing.profile is not None:
             result["profile"] = timing.profile
         result.update(ranks)
@@ -261,12 +272,30 @@ def child_main(args: argparse.Namespace) -> None:
         result["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if isinstance(exc, torch.OutOfMemoryError):
             result["status"] = "OOM"
+        if isinstance(exc, BudgetExceeded):  # refused before the first step: the plan says how long a document fits
+            result["status"] = (f"refused by the budget plan: at most ~{exc.longest_tokens:,} tokens fit "
+                                f"(this length needs {exc.smallest_budget})")
+            result["longest_feasible_tokens"] = exc.longest_tokens
         result["traceback"] = repo_relative(traceback.format_exc()[-4000:])
         result["notes"] = timing.notes
     if launched:
         result["nproc"] = rank.world_size
     if rank.rank == 0:
         args.child.write_text(json.dumps(result, default=str))
+
+
+def cap_device_memory(cap_gib: float | None, device: str) -> dict:
+    """Cap this process's allocations on `device` at `cap_gib` GiB (before anything is allocated); what to record."""
+    if cap_gib is None:
+        return {}
+    if not device.startswith("cuda"):
+        return {"device_memory_cap_gib": cap_gib, "device_memory_cap": "not applied: not a CUDA device"}
+    index = torch.device(device).index or 0
+    total = torch.cuda.get_device_properties(index).total_memory
+    if cap_gib * 2**30 > total:
+        raise RuntimeError(f"--device-memory-cap-gib {cap_gib} is more than the device's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, index)
+    return {"device_memory_cap_gib": cap_gib, "device_total_gib": total / 2**30}
 
 
 def command(argv: list[str]) -> str:
@@ -285,7 +314,8 @@ def child_argv(args: argparse.Namespace, name: str, out: Path, nproc: int | None
     for flag, value in (("--tokens-per-step", args.tokens_per_step), ("--doc-length", args.doc_length),
                         ("--best-checkpointing", args.best_checkpointing),
                         ("--ce-chunk-size", args.ce_chunk_size),
-                        ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops)):
+                        ("--substitute-attn", args.substitute_attn), ("--peak-tflops", args.peak_tflops),
+                        ("--device-memory-cap-gib", args.device_memory_cap_gib)):
         if value is not None:
             argv += [flag, str(value)]
     for site in args.extra_site:
@@ -424,6 +454,7 @@ def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Option
                       "(as Trainer/TRL with bf16=True)" if workload.lora else "")) if args.device.startswith("cuda")
         else "fp32",
         "optimizer": "torch.optim.AdamW(fused=True), lr 1e-5", "peak_flops": peak(args),
+        "device_memory_cap_gib": args.device_memory_cap_gib,
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
     }
@@ -530,8 +561,10 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
     record = {
         "workload": args.workload, "workload_notes": workload.notes, "tiny": args.tiny, "device": args.device,
         "date": now.isoformat(timespec="seconds"), "command": command(argv), "preset": args.preset,
-        "versions": versions(), "model_config": build_config(workload, args.tiny).to_dict(),
+        "versions": versions(), "model_config": build_config(with_positions(workload, max(lengths), args.tiny),
+                                                              args.tiny).to_dict(),
         "data": {"doc_lengths": lengths, "docs_per_step": 1}, "peak_flops": peak(args),
+        "device_memory_cap_gib": args.device_memory_cap_gib,
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
     }

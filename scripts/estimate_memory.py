@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """``hf-accel estimate-memory`` from a checkout: `python scripts/estimate_memory.py llama-3-8b --lora-rank 16
---checkpointing op` (hf_accel/cli/estimate.py)."""
+--checkpointing op`, or a budget plan split between device and host: `... --batch-tokens 524288 --checkpointing
+budget:120GiB --host-gib 96` (hf_accel/cli/estimate.py)."""
 import sys
 from pathlib import Path
 

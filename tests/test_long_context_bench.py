@@ -29,9 +29,48 @@ def test_long_context_preset_trains_one_document_per_step_in_a_child(tmp_path):
     for r, n in zip(results, (96,)):
         assert r["status"] == "ok", r.get("log_tail")
         assert r["step_tokens"] == [n] and r["tokens_per_s"] > 0  # one document of that length per step
-        assert any("offload" in note for note in r["notes"])  # the preset's checkpointing reached the config
+        assert any("memory budget" in note for note in r["notes"])  # the preset's checkpointing reached the config
+        assert r["host_peak_gib"] > 0 and "layer inputs on the device" in r["checkpointing_plan"]["split"]
     assert record["model_config"]["rope_parameters"]["rope_type"] == "llama3"
     assert "| hf_accel-best | 96 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_length_the_budget_plan_refuses_names_the_longest_and_stops_the_config(tmp_path):
+    """Issue 40: a document no plan fits under --best-checkpointing's budget is refused before its first step with
+    the longest length the plan holds (recorded, and in the table), and the config's longer lengths are skipped; the
+    child's model has positions for the longest document (tiny config: 2048 by default)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--preset", "long-context", "--device", "cpu",
+           "--tiny", "--doc-lengths", "96,2304,4096", "--configs", "hf_accel-best", "--steps", "1", "--warmup", "0",
+           "--best-checkpointing", "budget:3MiB+offload", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("*.json")).read_text())
+    ok, refused, skipped = record["results"]
+    assert ok["status"] == "ok" and refused["status"].startswith("refused by the budget plan: at most ~")
+    assert 96 < refused["longest_feasible_tokens"] < 2304 and skipped["status"].startswith("skipped: failed")
+    assert record["model_config"]["max_position_embeddings"] == 4096
+    assert f"(its budget plan: at most ~{refused['longest_feasible_tokens']:,})" in proc.stdout
+
+
+def test_device_memory_cap_and_positions_for_long_documents():
+    """--device-memory-cap-gib reaches every child and is recorded (applied on CUDA only); a sweep's documents get
+    positions enough (Llama-3 rope scaling does not read the field)."""
+    from hf_accel.bench.workloads import WORKLOADS, build_config, with_positions
+
+    bench = script_module("bench")
+    args = bench.parse_args(["--preset", "long-context-qlora", "--device", "cpu"])
+    assert args.device_memory_cap_gib == 80 and args.best_checkpointing == "budget:80GiB"
+    assert "--device-memory-cap-gib" in bench.child_argv(args, "unsloth-qlora", REPO / "x.json")
+    assert bench.cap_device_memory(80, "cpu")["device_memory_cap"].startswith("not applied")
+    assert bench.cap_device_memory(None, "cuda") == {}
+    workload = WORKLOADS["llama-8b-lora-long"]
+    assert build_config(with_positions(workload, 524288)).max_position_embeddings == 524288
+    assert with_positions(workload, 1024) is workload
+    tiny = with_positions(workload, 4096, tiny=True)
+    assert build_config(tiny, tiny=True).max_position_embeddings == 4096
+    assert build_config(tiny).max_position_embeddings == build_config(workload).max_position_embeddings
 
 
 def test_first_oom_skips_longer_lengths_and_table_names_longest(monkeypatch, tmp_path):

@@ -372,6 +372,20 @@ def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing:
     return model
 
 
+def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+    """The QLoRA model with hf_accel.patch(model) (its defaults), then --best-checkpointing (a budget plan) over the
+    adapted model: issue 40c's longest QLoRA document within a device cap."""
+    import hf_accel
+
+    model = qlora_base(settings, "sdpa")
+    timing.notes.append(f"patch: {hf_accel.patch(model)}")
+    model = add_lora(model, settings.workload)
+    if options.checkpointing is not None:
+        _apply_checkpointing(model, options.checkpointing, data.spec.tokens_per_step, timing)
+    run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
+    return model
+
+
 _UNSLOTH_NEEDS = ("unsloth", "cuda", "unsloth-family")  # "not installed" first: the likelier news
 CONFIGS.update({
     c.name: c
@@ -394,5 +408,8 @@ CONFIGS.update({
                     "the same QLoRA model with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
                     "pinned host memory, as Unsloth's offloaded checkpointing) + hf_accel's packing",
                     sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-budget", False, ("bitsandbytes", "cuda", "hf_accel"), _qlora_budget,
+                    "the same QLoRA model with hf_accel.patch(model) and --best-checkpointing (a budget plan: layer "
+                    "inputs on the device, in host memory or spaced) + hf_accel's packing", sites=BNB_SITES),
     ]
 })

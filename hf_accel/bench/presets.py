@@ -23,8 +23,8 @@ only: its fp32 master weights and AdamW states (~128 GB) leave one 141 GB GPU no
 The completion presets (issue 39) train prompt-masked documents (each document's first 40-60% masked, see
 hf_accel.bench.workloads): TRL + flash-attn-4 + Liger through its prompt-completion form (`completion_mask`,
 `completion_only_loss=True`) against hf_accel defaults (the fused loss over the target rows only), the same defaults
-over every row (what the target rows save) and hf_accel best. `llama-1b-completion` takes about 4 minutes on one
-H200, `llama-8b-lora-completion` about 9 (one 10-minute device call each).
+over every row (what the target rows save) and hf_accel best. Each is sized to fit one 10-minute device call (the
+8B one takes most of it).
 
 A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
 "not implemented yet: issue N" and what it will run.
@@ -59,6 +59,15 @@ _LONG_CONFIGS = ("trl-fa4-packed-liger", "hf-sdpa-padded", "unsloth", "hf_accel-
 _MULTI_CONFIGS = ("trl-fa4-packed-liger", "hf_accel-defaults")
 _LONG_SETTINGS = dict(doc_lengths="16384,32768,65536,131072,262144", steps=2, warmup=1, best_checkpointing="offload",
                       best_compile="off", time_budget=560, config_timeout=400)
+# issue 40: past 256k the layer inputs alone (4 GiB a layer at 512k) outgrow the device, and offloading all of them
+# the host: hf_accel's row plans the split (device / host / spaced) under a memory budget a little under the GPU's
+_LONG_8B_SETTINGS = dict(_LONG_SETTINGS, doc_lengths="16384,32768,65536,131072,262144,393216,524288",
+                         best_checkpointing="budget:125GiB", config_timeout=540)
+# issue 40c: QLoRA within an 80 GiB device cap (every config of the run capped, torch's per-process memory fraction),
+# from 256k past Unsloth's published 342,733 tokens on an 80 GB GPU
+_QLORA_LONG_SETTINGS = dict(doc_lengths="262144,344064,393216,458752,524288", steps=1, warmup=0,
+                            best_checkpointing="budget:80GiB", device_memory_cap_gib=80, time_budget=560,
+                            config_timeout=540)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -126,11 +135,19 @@ PRESETS: dict[str, Preset] = {
         # (and --configs), e.g. `--preset long-context --doc-lengths 131072,262144 --configs hf_accel-best`; on the
         # 2-GPU machine `--sweep-gpus 2` runs the configs side by side in one run.
         Preset(
-            "long-context", "single documents of 16k-256k tokens, Llama-3-8B shapes with Llama-3 rope scaling, LoRA "
-            "r=16: the longest length that trains and tokens/s + MFU per length, for TRL + flash-attn-4 + Liger with "
-            "checkpointing, HF sdpa with checkpointing, Unsloth (its offloaded checkpointing) where its pack is "
-            "installed, hf_accel (fused loss and ops, offloaded checkpointing)",
-            "llama-8b-lora-long", _LONG_CONFIGS, _LONG_SETTINGS,
+            "long-context", "single documents of 16k-512k tokens, Llama-3-8B shapes with Llama-3 rope scaling, LoRA "
+            "r=16: the longest length that trains and tokens/s + MFU + device and host peaks per length, for TRL + "
+            "flash-attn-4 + Liger with checkpointing, HF sdpa with checkpointing, Unsloth (its offloaded "
+            "checkpointing) where its pack is installed, hf_accel (fused loss and ops, a 125 GiB budget plan: layer "
+            "inputs on the device, in host memory or spaced); 1M tokens: --doc-lengths 1048576",
+            "llama-8b-lora-long", _LONG_CONFIGS, _LONG_8B_SETTINGS,
+        ),
+        Preset(
+            "long-context-qlora", "single documents of 256k-512k tokens, Llama-3-8B shapes, QLoRA (NF4 base, LoRA "
+            "r=16), every config capped at 80 GiB of device memory: hf_accel's budget plan (budget:80GiB) vs "
+            "Unsloth's QLoRA (published: 342,733 tokens on an 80 GB GPU) and TRL + flash-attn-4 + Liger QLoRA, "
+            "where the bitsandbytes / Unsloth packs are installed",
+            "llama-8b-qlora-long", ("hf_accel-qlora-budget", "unsloth-qlora", "trl-qlora"), _QLORA_LONG_SETTINGS,
         ),
         Preset(
             "long-context-1b", "as long-context, Llama-3.2-1B shapes, full FT",

@@ -225,17 +225,31 @@ def long_context_table(results: list[dict[str, Any]]) -> str:
         longest.setdefault(r["config"], None)
         if _ok(r):
             longest[r["config"]] = max(longest[r["config"]] or 0, r["doc_length"])
+    planned = {r["config"]: r["longest_feasible_tokens"] for r in results if r.get("longest_feasible_tokens")}
     lines = ["| config | longest length that trained |", "|---|---:|"]
-    lines += [f"| {name} | {'none' if n is None else f'{n:,}'} |" for name, n in longest.items()]
-    lines += ["", "| config | document length | real tokens/s | MFU | peak GiB | status |",
-              "|---|---:|---:|---:|---:|---|"]
+    lines += [f"| {name} | {'none' if n is None else f'{n:,}'}"
+              f"{f' (its budget plan: at most ~{planned[name]:,})' if name in planned else ''} |"
+              for name, n in longest.items()]
+    lines += ["", "| config | document length | real tokens/s | MFU | peak GiB | host peak GiB (pinned) | status |",
+              "|---|---:|---:|---:|---:|---:|---|"]
     for r in results:
         mfu = r.get("mfu")
+        pinned = "" if r.get("pinned_peak_gib") is None else f" ({r['pinned_peak_gib']:.1f})"
         lines.append(
             f"| {r['config']} | {r['doc_length']:,} | {_fmt(r.get('tokens_per_s'), ',.0f')}"
             f" | {'-' if mfu is None else f'{100 * mfu:.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')}"
-            f" | {r.get('status', '?')} |"
+            f" | {_fmt(r.get('host_peak_gib'), '.1f')}{pinned} | {r.get('status', '?')} |"
         )
+    plans = [r for r in results if r.get("checkpointing_plan")]
+    if plans:
+        lines += ["", "| config | document length | checkpointing plan (split) | host memory planned GiB |",
+                  "|---|---:|---|---:|"]
+        lines += [f"| {r['config']} | {r['doc_length']:,} | {r['checkpointing_plan']['split']} | "
+                  f"{r['checkpointing_plan']['host_gib']:.1f} |" for r in plans]
+    caps = {r.get("device_memory_cap_gib") for r in results if r.get("device_total_gib")} - {None}
+    if caps:
+        lines += ["", f"Every configuration's process capped at {', '.join(f'{c:g}' for c in sorted(caps))} GiB of "
+                  "device memory (torch.cuda.set_per_process_memory_fraction)."]
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ first token always among them), independently of its length; every configuration
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -133,6 +133,14 @@ WORKLOADS: dict[str, Workload] = {
             notes="Llama-3.1-8B shapes with its rope scaling, LoRA r=16 alpha=32 on all decoder linears, gradient "
                   "checkpointing on; one document per step",
         ),
+        Workload(  # issue 40c: the longest QLoRA document within an 80 GiB device cap
+            "llama-8b-qlora-long", "llama",
+            dict(_LLAMA_8B, **_LONG_ROPE),
+            dict(_LLAMA_8B_TINY, **_LONG_ROPE_TINY),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Llama-3.1-8B shapes with its rope scaling, QLoRA: the base in bitsandbytes NF4 (bf16 compute), "
+                  "LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on; one document per step",
+        ),
         Workload(
             "llama-1b-long", "llama",
             dict(_LLAMA_1B, **_LONG_ROPE),
@@ -143,6 +151,16 @@ WORKLOADS: dict[str, Workload] = {
         ),
     ]
 }
+
+
+def with_positions(workload: Workload, length: int, tiny: bool = False) -> Workload:
+    """`workload` with max_position_embeddings raised to `length` where its config has fewer (a long-context sweep's
+    document must fit the positions; Llama-3's rope scaling does not depend on the field)."""
+    kwargs = workload.tiny_kwargs if tiny else workload.config_kwargs
+    if build_config(workload, tiny).max_position_embeddings >= length:
+        return workload
+    raised = {**kwargs, "max_position_embeddings": length}
+    return replace(workload, **({"tiny_kwargs": raised} if tiny else {"config_kwargs": raised}))
 
 
 def build_config(workload: Workload, tiny: bool = False):

@@ -1,6 +1,7 @@
 """``hf-accel estimate-memory MODEL``: training memory predicted offline from a config (no weights, no hub).
 
     hf-accel estimate-memory llama-3-8b --lora-rank 16 --checkpointing op --batch-tokens 16384
+    hf-accel estimate-memory llama-3-8b --lora-rank 16 --batch-tokens 524288 --checkpointing budget:120GiB --host-gib 96
 
 MODEL is a known shape (llama-3.2-1b, llama-3-8b, pythia-1.4b, falcon-1b) or a local folder with config.json.
 """
@@ -34,14 +35,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpointing", default="none",
                         help="none | full | every_N | op | budget:20GiB | budget:0.6 (with --device-gib)")
     parser.add_argument("--device-gib", type=float, default=None, help="device memory for fractional budgets")
+    parser.add_argument("--host-gib", type=float, default=None,
+                        help="host memory budget plans may offload layer inputs to (default: none)")
     args = parser.parse_args(argv)
     if args.lora_rank is not None and args.lora_rank < 1:
         raise UsageError(f"--lora-rank {args.lora_rank}: a LoRA rank is at least 1 (leave it out for full "
                          "fine-tuning)")
     if args.batch_tokens < 1:
         raise UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 1")
-    if args.device_gib is not None and not args.device_gib > 0:
-        raise UsageError(f"--device-gib {args.device_gib}: must be positive")
+    for name in ("device_gib", "host_gib"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 or (name == "device_gib" and value == 0)):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be positive")
     try:
         spec = parse_checkpointing(args.checkpointing)
     except ConfigurationError as e:  # the allowed forms
@@ -62,5 +67,6 @@ def main(argv: list[str] | None = None) -> None:
         lora_targets=args.lora_targets.split(",") if args.lora_targets else None, batch_tokens=args.batch_tokens,
         checkpointing=args.checkpointing,
         device_bytes=int(args.device_gib * 1024**3) if args.device_gib else None,
+        host_bytes=int(args.host_gib * 1024**3) if args.host_gib is not None else None,
     )
     print(estimate.table())

@@ -1,12 +1,17 @@
 """The ``budget:`` checkpointing policy: the least recompute whose predicted peak fits a memory budget.
 
 It probes one forward for each decoder layer's activation bytes, adds the training state (weights, gradients,
-optimizer) and the loss's own peak, asks ``plan.plan_checkpointing`` for per-layer choices (none / op-level / full /
-offload) and applies them as a ``PerLayer`` plan; a budget no plan meets raises before training, naming the smallest
-one that fits. ``policy_from_spec("budget:20GiB")`` builds it.
+optimizer) and the loss's own peak, asks ``planner.plan_checkpointing`` for per-layer choices (none / op-level / full
+/ offload / spaced) within the device budget and the host memory offloaded inputs may take, and applies them as a
+``PerLayer`` plan. So the longest document the device and the host together hold trains: layers keep their input on
+the device while it fits, in pinned host memory after that, and spaced (the input rebuilt in backward from the layer
+below) where neither holds them all. The plan prints its split; a budget no plan meets raises before training,
+naming the smallest budget that fits and the longest micro-batch this one holds. ``policy_from_spec("budget:20GiB")``
+builds it.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,7 +20,7 @@ from torch import nn
 
 from .checkpointing import CheckpointingPolicy, LayerChoice, PerLayer, logger, remove_checkpointing
 from .targets import base_model
-from ..errors import ConfigurationError
+from ..errors import BudgetExceeded, ConfigurationError
 
 
 @dataclass(kw_only=True)
@@ -28,7 +33,8 @@ class MemoryBudget(CheckpointingPolicy):
     computes it (full logits, or a fused loss's chunks), and applies `plan.plan_checkpointing`'s choice for
     `1 - headroom` of the budget. Apply it after everything else that changes the forward (patch() does).
     The plan is kept in `self.plan` and printed (`verbose`); a budget no plan fits raises ConfigurationError naming
-    the smallest budget that fits.
+    the smallest budget that fits and the longest micro-batch (in tokens) the budget holds. Offloaded inputs may take
+    `host_budget` of host memory (default HOST_SHARE of what is available: host_available_bytes).
     """
 
     budget: int | float | str
@@ -56,6 +62,12 @@ class MemoryBudget(CheckpointingPolicy):
     # the training state is sharded (FSDP2, DeepSpeed ZeRO-3; estimate.Sharding): the plan counts this process's
     # share and what it gathers while computing, not the whole model's state. hf_accel's Trainers set it.
     sharding: object = None
+    # host memory offloaded layer inputs may take (bytes or "64GiB"); None: HOST_SHARE of what the host has available
+    # when the plan is made (host_available_bytes)
+    host_budget: int | str | None = None
+    # plans may rebuild layers' inputs in backward from the layer below ("spaced", memory.spacing: one more layer
+    # forward each, priced above offloading, so chosen only where the inputs fit neither the device nor the host)
+    spacing: bool = True
     plan: object = field(default=None, init=False, repr=False)
     budget_bytes_resolved: int | None = field(default=None, init=False, repr=False)  # the budget apply() planned for
 
@@ -63,10 +75,11 @@ class MemoryBudget(CheckpointingPolicy):
         from .spec import parse_bytes
 
         budget = parse_bytes(self.budget) if isinstance(self.budget, str) else self.budget
+        cap = device_cap_bytes(device)
         if isinstance(budget, float) and 0 < budget <= 1:
             total = self.device_bytes
             if total is None and device.type == "cuda":
-                total = torch.cuda.get_device_properties(device).total_memory
+                total = cap
             if total is None:
                 raise ConfigurationError(
                     f"budget fraction {budget} needs the device's memory size, but the model is on {device}. "
@@ -75,11 +88,32 @@ class MemoryBudget(CheckpointingPolicy):
             return int(budget * total)
         if budget <= 0:
             raise ConfigurationError(f"memory budget must be positive, got {self.budget!r}; e.g. 'budget:20GiB'.")
+        if cap is not None and budget > cap + 2**20:  # (the cap is a fraction of the device: rounding slack)
+            from .plan import format_bytes
+
+            raise ConfigurationError(
+                f"memory budget {self.budget} ({format_bytes(budget)}) is more than this process may allocate on "
+                f"{device} ({format_bytes(cap)}: torch.cuda.set_per_process_memory_fraction or the device's size). "
+                f"Pass a budget of at most 'budget:{format_bytes(cap).replace(' ', '')}', or a fraction such as "
+                "'budget:0.9' (of what the process may allocate)."
+            )
         return int(budget)
+
+    def host_budget_bytes(self) -> int:
+        """Host memory offloaded inputs may take: `host_budget`, or HOST_SHARE of the host's available memory."""
+        from .plan import parse_bytes
+
+        if self.host_budget is None:
+            return int(HOST_SHARE * host_available_bytes())
+        value = parse_bytes(self.host_budget) if isinstance(self.host_budget, str) else int(self.host_budget)
+        if value < 0:
+            raise ConfigurationError(f"host_budget must be >= 0 bytes, got {self.host_budget!r}; e.g. '64GiB'.")
+        return value
 
     def apply(self, model: nn.Module) -> None:
         from .estimate import gradient_bytes, training_state_bytes
-        from .plan import RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, plan_checkpointing, probe_training_memory
+        from .plan import (RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, longest_feasible_tokens,
+                           plan_checkpointing, probe_training_memory)
         from .targets import decoder_layers
 
         remove_checkpointing(model)
@@ -94,32 +128,53 @@ class MemoryBudget(CheckpointingPolicy):
             model.train(was_training)
         self.budget_bytes_resolved = budget
         grads = gradient_bytes(model, decoder_layers(model), self.sharding) if self.grads_freed else None
-        self.plan = plan_checkpointing(
-            probe.layers, fixed_bytes=training_state_bytes(model, self.optimizer, grads=grads is None,
-                                                           sharding=self.sharding),
-            budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes, modes=modes,
-            costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST, grads=grads,
-        )
+        host_budget = self.host_budget_bytes() if "offload" in modes else 0
+        planning = dict(fixed_bytes=training_state_bytes(model, self.optimizer, grads=grads is None,
+                                                         sharding=self.sharding),
+                        budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
+                        modes=modes, costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST, grads=grads,
+                        host_budget_bytes=host_budget)
+        self.plan = plan_checkpointing(probe.layers, **planning)
         tokens = batch["input_ids"].numel()
         if not self.plan.fits:
-            smallest = self.plan.predicted_peak_bytes / (1 - self.headroom)
-            held = "weights, gradients and optimizer states" if grads is None else "weights and optimizer states"
-            raise ConfigurationError(
-                f"checkpointing budget {self.budget} ({format_bytes(budget)}) cannot be met for {tokens} tokens per "
-                f"micro-batch: even the leanest plan ({PerLayer(choices=self.plan.choices).describe()}) needs "
-                f"{format_bytes(self.plan.predicted_peak_bytes)} ({format_bytes(self.plan.fixed_bytes)} of it {held}) "
-                f"plus {self.headroom:.0%} headroom. The smallest feasible budget is "
-                f"'budget:{_ceil_bytes(smallest)}'; or train on fewer tokens per micro-batch."
-            )
+            longest = longest_feasible_tokens(probe.layers, tokens, **planning)
+            raise BudgetExceeded(self._refusal(budget, tokens, grads is None, longest), longest,
+                                 f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
         _check_host_memory(self.plan, self.budget)
         sharded = "" if self.sharding is None else (
             f", the training state as one of {self.sharding.world_size} {self.sharding.engine} processes holds it")
         text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
                 f"head peak {format_bytes(probe.tail_peak_bytes)}{sharded}):\n{self.plan.table()}")
+        if "offload" in modes:
+            text += (f"\nhost memory: {format_bytes(self.plan.host_bytes)} of pinned copies needed, "
+                     f"{format_bytes(host_budget)} allowed" + ("" if self.host_budget is not None else
+                                                              f" ({HOST_SHARE:.0%} of the host's available memory)"))
         logger.info("%s", text)
         if self.verbose and _first_process():
             print(text, flush=True)
         super().apply(model)
+
+    def _refusal(self, budget: int, tokens: int, grads_counted: bool, longest: int) -> str:
+        """Why no plan fits: the leanest plan's needs, the smallest budget that fits these tokens, and the longest
+        micro-batch (document) this budget holds."""
+        from .plan import format_bytes
+
+        plan = self.plan
+        smallest = plan.predicted_peak_bytes / (1 - self.headroom)
+        held = "weights, gradients and optimizer states" if grads_counted else "weights and optimizer states"
+        host = "" if plan.host_budget_bytes is None or "offload" not in plan.choices else (
+            f" with {format_bytes(plan.host_bytes)} of host memory (of {format_bytes(plan.host_budget_bytes)} "
+            "it may use)")
+        if longest:
+            shorter = (f"or train on at most {longest:,} tokens per micro-batch: about the longest document this "
+                       f"budget holds (activations scaled linearly from the probe of {tokens:,} tokens)")
+        else:
+            shorter = "even an empty micro-batch does not fit: the training state alone is over the budget"
+        return (f"checkpointing budget {self.budget} ({format_bytes(budget)}) cannot be met for {tokens:,} tokens per "
+                f"micro-batch: even the leanest plan ({PerLayer(choices=plan.choices).describe()}{host}) needs "
+                f"{format_bytes(plan.predicted_peak_bytes)} on the device ({format_bytes(plan.fixed_bytes)} of it "
+                f"{held}) plus {self.headroom:.0%} headroom. The smallest feasible budget is "
+                f"'budget:{_ceil_bytes(smallest)}'; {shorter}.")
 
     def offloads(self, device: torch.device) -> bool:
         """Whether plans may offload: as asked, else on CUDA (host memory is a separate pool only there) with
@@ -140,7 +195,7 @@ class MemoryBudget(CheckpointingPolicy):
                     "what it saves), but this run uses reentrant checkpointing. Drop '+offload'."
                 )
             return ("none", "full")
-        return (*DEVICE_MODES, "offload") if self.offloads(device) else DEVICE_MODES
+        return (*DEVICE_MODES, *(("offload",) if self.offloads(device) else ()), *(("spaced",) if self.spacing else ()))
 
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
         return list(self.plan.choices)
@@ -163,15 +218,51 @@ DEFAULT_PROBE_TOKENS = 2048
 HOST_SHARE = 0.8  # an offloading plan may use at most this share of the host memory available when it is made
 
 
+def host_available_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Host memory this process can still take: the kernel's MemAvailable (psutil), or less where a cgroup (a
+    container's memory limit) allows less: its limit minus its usage, reclaimable file pages counted as free."""
+    import os
+
+    import psutil
+
+    available = psutil.virtual_memory().available
+    for limit_name, usage_name, inactive_key in (("memory.max", "memory.current", "inactive_file"),
+                                                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                                  "total_inactive_file")):
+        try:
+            with open(os.path.join(cgroup_root, limit_name)) as f:
+                limit = int(f.read().strip())  # "max": no limit (ValueError)
+            with open(os.path.join(cgroup_root, usage_name)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        inactive = 0
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(cgroup_root, os.path.dirname(limit_name), "memory.stat")) as f:
+                stats = dict(line.split() for line in f if len(line.split()) == 2)
+            inactive = int(stats.get(inactive_key, 0))
+        return min(available, max(limit - usage + inactive, 0))
+    return available
+
+
+def device_cap_bytes(device: torch.device) -> int | None:
+    """What this process may allocate on a CUDA device: its size times the per-process memory fraction
+    (torch.cuda.set_per_process_memory_fraction); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    return round(total * (fraction(index) if fraction is not None else 1.0))
+
+
 def _check_host_memory(plan, budget) -> None:
     """Refuse, before training, an offloading plan whose saved inputs would not fit the host's available memory."""
     if not plan.host_bytes:
         return
-    import psutil
-
     from .plan import format_bytes
 
-    available = psutil.virtual_memory().available
+    available = host_available_bytes()
     if plan.host_bytes > HOST_SHARE * available:
         raise ConfigurationError(
             f"checkpointing budget {budget}: the plan offloads {plan.choices.count('offload')} layers' saved inputs, "

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .offload import ActivationOffloader, offloaded_checkpoint
+from .spacing import Spacer
 from .targets import (OP_LEVEL_ATTR, _as_packet, _hf_enable_function, _op_level_context_fn, base_model,
                                  decoder_layers, default_save_ops, fsdp_activation_checkpointing_active)
 from ..errors import ConfigurationError
@@ -30,7 +31,9 @@ from .spec import ALLOWED, parse_checkpointing
 
 logger = logging.getLogger(__name__)
 
-LayerChoice = str  # "none" | "op" | "full" | "offload" (full, saved input kept in host memory)
+# "none" | "op" | "full" | "offload" (full, saved input kept in host memory) | "spaced" (full, saved input not kept:
+# rebuilt in backward from the layer below, memory.spacing)
+LayerChoice = str
 _STATE_ATTR = "_hf_accel_checkpointing"
 
 
@@ -90,7 +93,18 @@ class CheckpointingPolicy:
         remove_checkpointing(model)
 
     # -- internals
-    def _layer_function(self, choice: LayerChoice) -> Callable:
+    def _layer_function(self, choice: LayerChoice, head: bool = False) -> Callable:
+        """The checkpoint function for `choice`; `head`: the layer above is spaced (this one keeps its span's
+        input)."""
+        if (choice == "spaced" or head) and self.use_reentrant:
+            raise ConfigurationError(
+                "spaced checkpointing works through non-reentrant checkpointing (it hooks the inputs that checkpoint "
+                "saves); got use_reentrant=True. Use 'full' layers instead of 'spaced' ones."
+            )
+        if choice == "spaced":
+            return _spacer_of(self).spaced
+        if head:
+            return _spacer_of(self).head(offload=choice == "offload")
         if choice == "op":
             if self.use_reentrant:
                 raise ConfigurationError(
@@ -125,10 +139,11 @@ class CheckpointingPolicy:
             if self.use_reentrant and not getattr(hf_model, "_require_grads_hooks", None):
                 hf_model.enable_input_require_grads()  # reentrant: frozen-input layers would get no LoRA grads
             applied.added_input_grad_hooks |= not had_hooks
-        for layer, choice in zip(layers, choices):
+        for i, (layer, choice) in enumerate(zip(layers, choices)):
             layer.gradient_checkpointing = choice != "none"
             if choice != "none":
-                layer._gradient_checkpointing_func = self._layer_function(choice)
+                head = i + 1 < len(choices) and choices[i + 1] == "spaced"
+                layer._gradient_checkpointing_func = self._layer_function(choice, head)
 
     def _wrap_modules(self, model: nn.Module, applied: _Applied) -> None:
         selector = self.module_selector()
@@ -265,18 +280,27 @@ class PerLayer(CheckpointingPolicy):
     choices: Sequence[LayerChoice]
 
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
+        from .planner import CHECKPOINTED, valid_choices
+
         num_layers = len(layers)
-        if len(self.choices) != num_layers or set(self.choices) - {"none", "op", "full", "offload"}:
+        if len(self.choices) != num_layers or set(self.choices) - {"none", "op", "full", "offload", "spaced"}:
             raise ConfigurationError(
-                f"PerLayer needs one of 'none'/'op'/'full'/'offload' per decoder layer ({num_layers} layers), "
-                f"got {list(self.choices)}."
+                f"PerLayer needs one of 'none'/'op'/'full'/'offload'/'spaced' per decoder layer ({num_layers} "
+                f"layers), got {list(self.choices)}."
+            )
+        if not valid_choices(self.choices):
+            raise ConfigurationError(
+                f"PerLayer: a 'spaced' layer rebuilds its input from the layer below, which must be checkpointed "
+                f"({'/'.join(CHECKPOINTED)}); got {list(self.choices)}. Make the layer under each first 'spaced' "
+                "one 'full' or 'offload'."
             )
         return list(self.choices)
 
     def describe(self) -> str:
-        counts = {c: list(self.choices).count(c) for c in ("full", "op", "none", "offload")}
+        counts = {c: list(self.choices).count(c) for c in ("full", "op", "none", "offload", "spaced")}
         offload = f", {counts['offload']} offloaded" if counts["offload"] else ""
-        return f"per layer: {counts['full']} full, {counts['op']} op-level, {counts['none']} none{offload}"
+        spaced = f", {counts['spaced']} spaced" if counts["spaced"] else ""
+        return f"per layer: {counts['full']} full, {counts['op']} op-level, {counts['none']} none{offload}{spaced}"
 
 
 @dataclass(kw_only=True)
@@ -312,6 +336,14 @@ def _offloader_of(policy: CheckpointingPolicy) -> ActivationOffloader:
     if getattr(policy, "offloader", None) is None:
         policy.offloader = ActivationOffloader()
     return policy.offloader
+
+
+def _spacer_of(policy: CheckpointingPolicy) -> Spacer:
+    """The policy's spaced-checkpoint functions (a plan with "spaced" choices gets them on first use), sharing its
+    offloader, so a span head's offloaded input is prefetched like any other."""
+    if getattr(policy, "spacer", None) is None:
+        policy.spacer = Spacer(offloader=_offloader_of(policy))
+    return policy.spacer
 
 
 def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True) -> CheckpointingPolicy:

@@ -226,9 +226,10 @@ class MemoryEstimate:
     loss_bytes: int
     peak_bytes: int
     notes: tuple[str, ...] = field(default=())
+    host_bytes: int = 0  # offloaded layers' inputs in pinned host memory
 
     def table(self) -> str:
-        counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("none", "op", "full", "offload")
+        counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("none", "op", "full", "offload", "spaced")
                            if c in self.choices)
         rows = [("parameters", f"{self.params:,} ({self.trainable_params:,} trainable)"),
                 ("weights", format_bytes(self.param_bytes)), ("gradients", format_bytes(self.grad_bytes)),
@@ -236,7 +237,8 @@ class MemoryEstimate:
                 ("activations / layer (none | op | full)", " | ".join(
                     format_bytes(self.layer.retained(c)) for c in ("none", "op", "full"))),
                 (f"activations ({counts})", format_bytes(self.activation_bytes)),
-                ("logits + loss", format_bytes(self.loss_bytes)), ("peak", format_bytes(self.peak_bytes))]
+                ("logits + loss", format_bytes(self.loss_bytes)), ("peak", format_bytes(self.peak_bytes)),
+                *([("host memory (offloaded inputs)", format_bytes(self.host_bytes))] if self.host_bytes else [])]
         lines = [f"| {self.config_name} | bytes |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
@@ -262,12 +264,13 @@ def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]
 def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str = "adamw",
                              lora_rank: int | None = None, lora_targets: Sequence[str] | None = None,
                              batch_tokens: int = 4096, checkpointing="none",
-                             device_bytes: int | None = None) -> MemoryEstimate:
+                             device_bytes: int | None = None, host_bytes: int | None = None) -> MemoryEstimate:
     """Predict weights, gradients, optimizer states, activations and the peak of one training step, offline.
 
     dtype: weights and activations ("bf16", "fp16", "fp32"); LoRA adapters are fp32 (PEFT's default).
     checkpointing: "none" | "full" | "every_N" | "op" | "budget:20GiB" | "budget:0.6" (needs device_bytes),
-    planned on the formula's per-layer sizes. batch_tokens: tokens per micro-batch (packed, no padding).
+    planned on the formula's per-layer sizes (layers may be spaced; offloaded too, within `host_bytes` of host memory,
+    when it is given). batch_tokens: tokens per micro-batch (packed, no padding).
     """
     config = load_config(config_or_path)
     if dtype not in DTYPE_BYTES:
@@ -285,7 +288,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                                                          per_token.full_bytes)))
     fixed = params * b + lora * 4 + trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)
     loss = loss_bytes(batch_tokens, config.vocab_size, b) + batch_tokens * (4 * config.hidden_size + 4)
-    choices = _choices_for(checkpointing, [layer] * config.num_hidden_layers, fixed, loss, device_bytes)
+    layers = [layer] * config.num_hidden_layers
+    choices, longest = _choices_for(checkpointing, layers, fixed, loss, device_bytes, host_bytes, batch_tokens)
     notes = ("attention counted flash-style (no seq x seq tensor); HF's eager/sdpa paths with a mask add one",
              "eager layers and the full-logits loss: an upper bound for patch()'s CUDA defaults, whose fused loss "
              "holds one ~512 MiB chunk of logits and whose compiled layers save less (Llama-1B at 16k tokens: this "
@@ -293,14 +297,15 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
              "budget: plan probes the real forward instead")
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, loss)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
-        notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes)
-                                                      else "does NOT fit even with full checkpointing"),)
+        notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
+                                                      f"does NOT fit with any plan; the longest micro-batch it "
+                                                      f"holds is {longest:,} tokens"),)
     return MemoryEstimate(
         config_name=str(config_or_path) if isinstance(config_or_path, str) else config.model_type, params=params + lora,
         trainable_params=trainable, param_bytes=params * b + lora * 4, grad_bytes=trainable * train_bytes,
         optimizer_bytes=_optimizer_state_bytes(trainable, train_bytes, optimizer), layer=layer,
         choices=tuple(choices), activation_bytes=sum(layer.retained(c) for c in choices), loss_bytes=loss,
-        peak_bytes=peak, notes=notes,
+        peak_bytes=peak, notes=notes, host_bytes=sum(layer.full_bytes for c in choices if c == "offload"),
     )
 
 
@@ -321,12 +326,19 @@ def _budget(spec, device_bytes: int | None) -> int:
     return MemoryBudget(budget=policy.budget, device_bytes=device_bytes).budget_bytes(torch.device("meta"))
 
 
-def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra: int, device_bytes: int | None) -> list[str]:
+def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra: int, device_bytes: int | None,
+                 host_bytes: int | None, tokens: int) -> tuple[list[str], int]:
+    """The policy's per-layer choices, and for a budget the longest micro-batch it holds (the formula is linear in
+    tokens)."""
     from .budget import MemoryBudget
     from .checkpointing import policy_from_spec
+    from .planner import longest_feasible_tokens
 
     policy = policy_from_spec(spec)
-    if isinstance(policy, MemoryBudget):
-        budget = _budget(spec, device_bytes)
-        return list(plan_checkpointing(layers, fixed_bytes=fixed, budget_bytes=budget, extra_bytes=extra).choices)
-    return policy.layer_choices([None] * len(layers))
+    if not isinstance(policy, MemoryBudget):
+        return policy.layer_choices([None] * len(layers)), 0
+    modes = ("none", "op", "full", *(("offload",) if host_bytes is not None else ()), "spaced")
+    planning = dict(fixed_bytes=fixed, budget_bytes=_budget(spec, device_bytes), extra_bytes=extra, modes=modes,
+                    host_budget_bytes=host_bytes or 0)
+    plan = plan_checkpointing(layers, **planning)
+    return list(plan.choices), (tokens if plan.fits else longest_feasible_tokens(layers, tokens, **planning))

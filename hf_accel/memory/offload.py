@@ -13,6 +13,11 @@ those, go through our hooks:
   prefetch already started it), the compute stream waits for it, and the copy of the layer recomputed *next* (the
   one packed before this one) is started, so it travels while this layer recomputes and runs backward.
 
+Pinned host buffers come from torch's caching host allocator, which rounds every block up to a power of two (a
+3 GiB layer input would take 4 GiB): each copy is therefore split into power-of-two pieces (`pinned_pieces`), so the
+host memory a plan counts is the host memory it takes, to within 1 MiB per tensor; freed pieces are cached by torch
+and reused by the next step's copies of the same sizes.
+
 The design follows torchtune's `OffloadActivations` (saved-tensor hooks, a side stream, prefetch in backward),
 narrowed to checkpoint inputs: everything else is recomputed, as in full checkpointing, so gradients are identical
 to it (bit for bit: the same kernels see the same values).
@@ -30,11 +35,14 @@ from torch.utils.checkpoint import checkpoint
 class _Offloaded:
     """One saved tensor in host memory; what autograd keeps instead of the device tensor."""
 
-    __slots__ = ("host", "device", "copied", "fetched", "fetch_done", "previous", "__weakref__")
+    __slots__ = ("host", "device", "shape", "dtype", "copied", "fetched", "fetch_done", "previous", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, copied, previous) -> None:
-        self.host = host  # the saved tensor's values in host memory (pinned when it came from CUDA)
+    def __init__(self, host: torch.Tensor | list[torch.Tensor], device: torch.device, copied, previous,
+                 shape: torch.Size | None = None, dtype: torch.dtype | None = None) -> None:
+        # the saved tensor's values in host memory: the tensor itself (off CUDA), or its bytes in pinned pieces
+        self.host = host
         self.device = device  # where unpack must return it
+        self.shape, self.dtype = shape, dtype  # of the saved tensor, when `host` holds its bytes in pieces
         self.copied = copied  # CUDA event: device -> host copy finished (None off CUDA)
         self.fetched: torch.Tensor | None = None  # device copy started by a prefetch, not yet handed out
         self.fetch_done = None  # CUDA event: host -> device copy finished
@@ -50,9 +58,47 @@ class OffloadStats:
     unpacked: int = 0  # tensors handed back for a recompute
     prefetched: int = 0  # of those, host -> device copies started ahead of their unpack
     kept: int = 0  # saved tensors left where they were (empty, or below min_bytes)
+    host_bytes: int = 0  # host bytes held by copies alive now
+    host_peak_bytes: int = 0  # the most they held at once
 
     def reset(self) -> None:
         self.packed = self.packed_bytes = self.unpacked = self.prefetched = self.kept = 0
+        self.host_peak_bytes = self.host_bytes
+
+    def _hold(self, nbytes: int) -> None:
+        self.host_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+
+
+MIN_PIECE = 1 << 20  # bytes below this share one (rounded) piece
+
+
+def pinned_pieces(nbytes: int) -> list[int]:
+    """Piece sizes summing to `nbytes`: its power-of-two parts of at least MIN_PIECE, then one piece of the rest
+    (under MIN_PIECE), so the host allocator's rounding to powers of two wastes less than MIN_PIECE."""
+    pieces = [1 << bit for bit in range(nbytes.bit_length() - 1, -1, -1) if nbytes >> bit & 1 and 1 << bit >= MIN_PIECE]
+    rest = nbytes - sum(pieces)
+    return pieces + ([rest] if rest else [])
+
+
+def copy_to_pieces(tensor: torch.Tensor, pin_memory: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Start copying `tensor`'s bytes into host pieces (``pinned_pieces``) on the current stream; the pieces and the
+    flat byte view read (the caller keeps its memory alive until the copy ends)."""
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    pieces = [torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=pin_memory)
+              for n in pinned_pieces(flat.numel())]
+    for piece, part in zip(pieces, flat.split([p.numel() for p in pieces])):
+        piece.copy_(part, non_blocking=True)
+    return pieces, flat
+
+
+def join_pieces(pieces: list[torch.Tensor], shape: torch.Size, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """Start copying host pieces back into one new tensor of `shape` and `dtype` on `device` (current stream)."""
+    flat = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, device=device)
+    for piece, part in zip(pieces, flat.split([p.numel() for p in pieces])):
+        part.copy_(piece, non_blocking=True)
+    return flat.view(dtype).view(shape)
 
 
 @dataclass
@@ -80,22 +126,36 @@ class ActivationOffloader:
         if tensor.numel() == 0 or tensor.numel() * tensor.element_size() < self.min_bytes:
             self.stats.kept += 1
             return tensor
-        copied = None
+        copied, nbytes = None, tensor.numel() * tensor.element_size()
         if tensor.device.type == "cuda":
             compute, side = torch.cuda.current_stream(tensor.device), self._side_stream(tensor.device)
             side.wait_stream(compute)  # the tensor's producer must finish before the copy reads it
             with torch.cuda.stream(side):
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
-                host.copy_(tensor, non_blocking=True)
+                host, flat = copy_to_pieces(tensor, self.pin_memory)
                 copied = side.record_event()
             tensor.record_stream(side)  # its memory is not reused by compute until the copy has read it
+            flat.record_stream(side)  # (a contiguous copy, when the tensor was not)
         else:
             host = tensor.detach().to("cpu", copy=True)
-        entry = _Offloaded(host, tensor.device, copied, self._last)
+        entry = _Offloaded(host, tensor.device, copied, self._last, tensor.shape, tensor.dtype)
         self._last = weakref.ref(entry)
         self.stats.packed += 1
-        self.stats.packed_bytes += tensor.numel() * tensor.element_size()
+        self.stats.packed_bytes += nbytes
+        self.stats._hold(nbytes)
+        weakref.finalize(entry, self.stats._hold, -nbytes)
         return entry
+
+    def peek(self, entry: Any) -> torch.Tensor:
+        """The entry's tensor on its device, for a spaced span's rebuild (``memory.spacing``), leaving the entry to its
+        own unpack: on CUDA the device copy stays as that unpack's prefetch."""
+        if not isinstance(entry, _Offloaded):
+            return entry
+        if entry.device.type != "cuda":
+            return entry.host.to(entry.device)
+        if entry.fetched is None:
+            self._fetch(entry)
+        torch.cuda.current_stream(entry.device).wait_event(entry.fetch_done)
+        return entry.fetched
 
     def unpack(self, entry: Any) -> torch.Tensor:
         if not isinstance(entry, _Offloaded):
@@ -120,7 +180,7 @@ class ActivationOffloader:
     def _fetch(self, entry: _Offloaded) -> None:
         side = self._side_stream(entry.device)
         with torch.cuda.stream(side):  # after the device -> host copy: same stream, so in order
-            entry.fetched = entry.host.to(entry.device, non_blocking=True)
+            entry.fetched = join_pieces(entry.host, entry.shape, entry.dtype, entry.device)
             entry.fetch_done = side.record_event()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

@@ -1,5 +1,7 @@
-"""Issue 22 on the GPU: ALiBi through compiled flex vs fp32 math, a patched model at 32k tokens vs the unpatched one,
-and offloaded checkpointing vs full checkpointing. Run: pytest -m gpu tests/gpu/test_long_context_gpu.py"""
+"""Issues 22 and 40 on the GPU: ALiBi through compiled flex vs fp32 math, a patched model at 32k tokens vs the unpatched
+one, a 128k-token packed row vs each of its documents alone, offloaded and spaced checkpointing vs full
+checkpointing, and a Llama-3-8B LoRA budget plan split between device, host and spacing that holds its budget.
+Run: pytest -m gpu tests/gpu/test_long_context_gpu.py"""
 from __future__ import annotations
 
 import contextlib
@@ -175,7 +177,10 @@ def test_offload_uses_pinned_host_memory():
     step(model, _one_document(2048, model.config.vocab_size))
     offloaded = [h for h in hosts if hasattr(h, "host")]  # pack keeps small saved tensors on the device as they are
     assert len(offloaded) == model.config.num_hidden_layers  # each layer's input, once
-    assert all(h.host.device.type == "cpu" and h.host.is_pinned() for h in offloaded)
+    # in power-of-two pieces (torch's pinned allocator rounds each block up to one): 2048 x 512 x 2 bytes, one piece
+    assert all(all(p.device.type == "cpu" and p.is_pinned() for p in h.host) for h in offloaded)
+    assert all(sum(p.numel() for p in h.host) == 2048 * 512 * 2 for h in offloaded)
+    assert offloader.stats.host_peak_bytes == model.config.num_hidden_layers * 2048 * 512 * 2
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -198,3 +203,130 @@ def test_mlp_chunks_match_unchunked_and_lower_the_peak(compiled):
     assert (g_chunked - g_off).abs().max().item() <= 2 * noise + 1e-2 * g_off.abs().max().item()
     intermediate = tokens * base.config.intermediate_size * 2  # one bf16 (tokens x intermediate) tensor
     assert peak_chunked <= peak_off - intermediate, (peak_chunked, peak_off, intermediate)
+
+
+# ----------------------------------------------------------------------------------------------- issue 40
+PACKED_LENGTHS = (65536, 32768, 16384, 8192, 4096, 2048, 1024, 1024)  # 131,072 tokens
+
+
+def _documents(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in PACKED_LENGTHS]
+
+
+def _alone(model, documents) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+    """Each document in its own forward and backward: (mean loss over all targets, summed gradients, each document's
+    final hidden states). The summed loss is what one packed row of them computes."""
+    targets = sum(len(d) - 1 for d in documents)
+    model.zero_grad(set_to_none=True)
+    total, hidden = 0.0, []
+    for doc in documents:
+        ids = doc[None].cuda()
+        out = model(input_ids=ids, labels=ids, use_cache=False, output_hidden_states=True)
+        (out.loss * (len(doc) - 1) / targets).backward()
+        total += out.loss.item() * (len(doc) - 1) / targets
+        hidden.append(out.hidden_states[-1][0].float())
+        del out
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return total, grads, hidden
+
+
+def _packed(model, documents) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+    ids = torch.cat(documents)[None].cuda()
+    pos = torch.cat([torch.arange(len(d)) for d in documents])[None].cuda()
+    labels = ids.masked_fill(pos == 0, -100)  # no document predicts the next one's first token
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False, output_hidden_states=True)
+    out.loss.backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    hidden = list(out.hidden_states[-1][0].float().split(list(PACKED_LENGTHS)))
+    return out.loss.item(), grads, hidden
+
+
+def test_packed_128k_row_equals_each_document_alone():
+    """Issue 40d: one 131,072-token packed row of eight documents (64k down to 1k tokens; bf16, patched, the auto
+    backend) computes what each document alone does: every document's final hidden states, the loss over all targets
+    and the summed gradients match the unpatched fp32 model run on each document alone, within twice the error of
+    the unpatched bf16 model (also each document alone) against it."""
+    ref32 = _small_llama_32k()
+    ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
+    ours = copy.deepcopy(ref16)
+    report = hf_accel.patch(ours, **PLAIN)
+    documents = _documents(ref32.config.vocab_size)
+    loss, g, hidden = _packed(ours, documents)
+    del ours
+    loss16, g16, hidden16 = _alone(ref16, documents)
+    del ref16
+    with fp32_sdpa_without_score_matrix():
+        loss32, g32, hidden32 = _alone(ref32, documents)
+    assert_within_bf16((loss, g), (loss16, g16), (loss32, g32), f"packed 128k row, {report.backend}")
+    for n, h, h16, h32 in zip(PACKED_LENGTHS, hidden, hidden16, hidden32):
+        err, base = ((h - h32).norm() / h32.norm()).item(), ((h16 - h32).norm() / h32.norm()).item()
+        assert err <= 2 * base + 1e-3, f"document of {n} tokens: hidden error {err:.3e} vs bf16 alone {base:.3e}"
+
+
+def test_spaced_and_offloaded_plan_matches_full_checkpointing():
+    """A plan with offloaded span heads and spaced layers on CUDA (16k tokens, bf16): the loss of full checkpointing,
+    gradients within its own run-to-run noise, each spaced layer's input rebuilt from its head (fetched back from
+    pinned host memory), the host copies gone after backward."""
+    from hf_accel.memory.checkpointing import PerLayer
+
+    tokens = 16384
+    base = _small_llama_32k().to(torch.bfloat16)
+    results = _measured_steps(base, _one_document(tokens, base.config.vocab_size), {
+        "full": dict(PLAIN, checkpointing="full"), "full-again": dict(PLAIN, checkpointing="full"),
+        "spaced": dict(PLAIN, checkpointing=PerLayer(choices=["offload", "spaced", "full", "spaced"]))})
+    loss_full, g_full = results["full"].loss, results["full"].grads
+    loss, g, _, policy, _ = results["spaced"]
+    noise = (results["full-again"].grads - g_full).abs().max().item()
+    assert abs(loss - loss_full) <= 1e-6 * abs(loss_full)
+    assert (g - g_full).abs().max().item() <= 2 * noise + 1e-6 * g_full.abs().max().item()
+    assert policy.spacer.stats.rebuilt == 2 * 2 and policy.spacer.stats.kept == 0  # two steps, two spaced layers
+    assert policy.offloader.stats.host_peak_bytes == tokens * base.config.hidden_size * 2
+    assert policy.offloader.stats.host_bytes == 0
+
+
+def test_budget_split_with_spacing_holds_for_llama_8b_lora(capsys):
+    """Llama-3-8B LoRA (random init, bf16 autocast, fused loss), one 64k-token document, a 36 GiB budget with only 2
+    GiB of host memory: all layer inputs (16 GiB) fit neither, so the plan keeps some on the device, offloads 2 GiB of
+    them and spaces the rest; it prints that split, and two training steps peak within the budget."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.bench.train import add_lora
+    from hf_accel.bench.workloads import WORKLOADS, build_config
+    from hf_accel.memory.budget import MemoryBudget
+
+    tokens, budget_gib, host_gib = 65536, 36, 2
+    torch.manual_seed(0)
+    workload = WORKLOADS["llama-8b-lora-long"]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(build_config(workload), dtype=torch.bfloat16)
+    model = add_lora(model.train(), workload)
+    policy = MemoryBudget(budget=f"{budget_gib}GiB", batch_tokens=tokens, grads_freed=True,
+                          host_budget=f"{host_gib}GiB")
+    torch.cuda.reset_peak_memory_stats()
+    hf_accel.patch(model, checkpointing=policy)
+    printed = capsys.readouterr().out
+    plan = policy.plan
+    assert "| split |" in printed and "rebuilt in backward" in printed, printed
+    assert plan.fits and {"full", "offload", "spaced"} <= set(plan.choices), plan.choices
+    assert plan.host_bytes <= host_gib * GIB_
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    batch = {k: v.cuda() for k, v in _one_document(tokens, model.config.vocab_size).items()}
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / GIB_
+    print(f"llama-8b-lora 64k, budget {budget_gib} GiB, host {host_gib} GiB: {plan.split()}; predicted "
+          f"{plan.predicted_peak_bytes / GIB_:.2f} GiB, measured {peak:.2f} GiB, host peak "
+          f"{policy.offloader.stats.host_peak_bytes / GIB_:.2f} GiB")
+    assert torch.isfinite(loss) and policy.spacer.stats.rebuilt > 0
+    assert policy.offloader.stats.host_peak_bytes <= host_gib * GIB_
+    assert peak <= budget_gib, f"peak {peak:.2f} GiB over the {budget_gib} GiB budget ({plan.split()})"
+
+
+GIB_ = 1024**3

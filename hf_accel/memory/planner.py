@@ -1,0 +1,350 @@
+"""Planning checkpointing under a memory budget: pure functions of per-layer sizes (no model, no torch).
+
+Each decoder layer gets one choice; what it keeps from forward to backward, on the device and in host memory:
+
+- "none": everything autograd saves; "op": matmul / attention outputs plus its input (op-level checkpointing);
+- "full": its input (on the device); "offload": its input, in pinned host memory (``memory.offload``);
+- "spaced": nothing: its input is rebuilt in backward by re-running the layers below it from the nearest layer that
+  kept one ("full" or "offload"), as a checkpoint spanning those layers would (``memory.spacing``). A span of k
+  layers keeps one input instead of k, at one more layer forward per spaced layer.
+
+`plan_checkpointing` finds the least recompute whose predicted device peak fits the device budget and whose host
+copies fit the host budget (exact, on the peak model of `plan_peak_bytes`); `longest_feasible_tokens` how long a
+document the budgets could hold, with every size scaled linearly in tokens (activations are, with flash-style
+attention).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .spec import parse_bytes  # noqa: F401 (re-exported: the spec parser, torch-free)
+
+_GIB = 1024**3
+
+# Recompute cost of one decoder layer, in units of that layer's forward. Op-level recomputes only element-wise ops
+# (norms, rotary, activation function): no FLOPs to speak of, memory-bound, roughly a tenth of a layer's forward.
+# "offload" (full checkpointing with the saved input in host memory) keeps nothing on the device; its copies overlap
+# compute, so it costs a little more than "full" only so that plans prefer "full" wherever that fits. "spaced" runs
+# the layer below once more (to rebuild its input) besides its own recompute: plans space layers only where the
+# inputs fit neither the device nor the host.
+RECOMPUTE_COST = {"none": 0.0, "op": 0.1, "full": 1.0, "offload": 1.1, "spaced": 2.0}
+DEVICE_MODES = ("none", "op", "full")
+CHECKPOINTED = ("full", "offload", "spaced")  # what a "spaced" layer may follow (its span starts at a kept input)
+# With compiled layers (patch(compile=...)), an op-level layer also runs eagerly: its selective-checkpoint policy must
+# see each op, so it leaves the compiled path, and then costs about half a layer forward rather than a tenth
+# (the calibration run: benchmarks/other-measurements.md, "a 24 GiB budget").
+RECOMPUTE_COST_COMPILED = {**RECOMPUTE_COST, "op": 0.5}
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / _GIB:.2f} GiB" if abs(n) >= _GIB / 10 else f"{n / 1024**2:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class LayerActivation:
+    """Bytes one decoder layer keeps from forward to backward under each choice (measured or estimated)."""
+
+    none_bytes: int
+    op_bytes: int
+    full_bytes: int
+    # What the layer saves when it runs eagerly, where that differs from none_bytes (measured through compiled
+    # layers): an op-level layer leaves the compiled path, so its backward rebuilds the eager set. None: none_bytes.
+    eager_none_bytes: int | None = None
+
+    def retained(self, choice: str) -> int:
+        """Device bytes kept from forward to backward."""
+        return {"none": self.none_bytes, "op": self.op_bytes, "full": self.full_bytes, "offload": 0,
+                "spaced": 0}[choice]
+
+    def rebuilt(self, choice: str) -> int:
+        """Bytes the layer's backward rebuilds on top of what it retained (a recompute brings back the rest)."""
+        whole = self.eager_none_bytes if choice == "op" and self.eager_none_bytes is not None else self.none_bytes
+        return max(whole - self.retained(choice), 0)
+
+    def scaled(self, numerator: int, denominator: int) -> "LayerActivation":
+        """These sizes for numerator / denominator times the tokens (activations are linear in tokens)."""
+        def scale(n):
+            return None if n is None else n * numerator // denominator
+        return LayerActivation(scale(self.none_bytes), scale(self.op_bytes), scale(self.full_bytes),
+                               scale(self.eager_none_bytes))
+
+
+@dataclass(frozen=True)
+class GradientBytes:
+    """Gradient bytes per decoder layer (in the order of the probed layers) and outside them (embeddings, head,
+    final norm), for a training loop that frees gradients before each forward (see ``plan_peak_bytes``)."""
+
+    per_layer: tuple[int, ...]
+    other: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.other
+
+
+def valid_choices(choices: Sequence[str]) -> bool:
+    """Every "spaced" layer follows a checkpointed one ("full", "offload" or "spaced"): its span has a kept input."""
+    return all(c != "spaced" or (i > 0 and choices[i - 1] in CHECKPOINTED) for i, c in enumerate(choices))
+
+
+def _step(layer: LayerActivation, choice: str, prefetched: int, pending: int | None) -> tuple[int, int, int | None]:
+    """One layer of the peak model: (bytes its backward holds on top of every layer's retained bytes, the prefetched
+    input for the layers above, the span's pending inputs for the layer above; None: no span open)."""
+    held = layer.rebuilt(choice) + prefetched + (pending if choice == "spaced" else 0)
+    if choice == "offload":
+        prefetched = layer.full_bytes
+    if choice in ("full", "offload"):
+        pending = 0
+    elif choice == "spaced":
+        pending += layer.full_bytes
+    else:
+        pending = None
+    return held, prefetched, pending
+
+
+def layer_peaks(layers: Sequence[LayerActivation], choices: Sequence[str]) -> list[int]:
+    """Per layer, what its backward holds on top of the retained bytes of every layer: what it rebuilds; for a spaced
+    layer also the inputs its span rebuilt below it and still waiting; and the input of the nearest offloaded layer
+    below, which is on the device from the backward of the offloaded layer above it (a prefetch, or a spaced span's
+    rebuild) until its own (counted for every layer above it: an upper bound)."""
+    if not valid_choices(choices):
+        raise ValueError(f"a 'spaced' layer must follow a checkpointed one ({'/'.join(CHECKPOINTED)}): {choices}")
+    peaks, prefetched, pending = [], 0, None
+    for layer, choice in zip(layers, choices):
+        held, prefetched, pending = _step(layer, choice, prefetched, pending)
+        peaks.append(held)
+    return peaks
+
+
+def host_bytes(layers: Sequence[LayerActivation], choices: Sequence[str]) -> int:
+    """Host memory the offloaded layers' inputs take between forward and backward."""
+    return sum(layer.full_bytes for layer, c in zip(layers, choices) if c == "offload")
+
+
+def plan_peak_bytes(layers: Sequence[LayerActivation], choices: Sequence[str], fixed_bytes: int,
+                    extra_bytes: int = 0, grads: GradientBytes | None = None) -> int:
+    """Peak = fixed + every layer's retained activations + the most one layer's backward holds on top of them
+    (``layer_peaks``: what it rebuilds, plus spaced spans' rebuilt inputs and offloaded inputs fetched back).
+
+    grads: the loop frees gradients before each forward (one micro-batch per optimizer step, ``zero_grad(
+    set_to_none=True)``), and ``fixed_bytes`` holds no gradients. Gradients then never meet the whole forward's
+    activations: backward makes them top layer first while it frees that layer's activations. The peak is the larger
+    of the forward's end (with the head's and embeddings' gradients, which the loss may make early) and each layer's
+    backward (the activations of the layers below, this layer's retained and held bytes, the gradients of this layer
+    and those above). Never above the figure without ``grads``, which counts every gradient on top of everything."""
+    retained = [layer.retained(c) for layer, c in zip(layers, choices)]
+    held = layer_peaks(layers, choices)
+    forward_end = extra_bytes + sum(retained) + max(held, default=0)
+    if grads is None:
+        return fixed_bytes + forward_end
+    if len(grads.per_layer) != len(retained):
+        raise ValueError(f"{len(grads.per_layer)} layers of gradient bytes for {len(retained)} probed layers")
+    below = list(itertools.accumulate(retained, initial=0))  # activations of the layers under layer j
+    above = list(itertools.accumulate(reversed(grads.per_layer), initial=0))[::-1]  # gradients of layers j and up
+    backward = max((below[j] + retained[j] + held[j] + above[j] for j in range(len(retained))), default=0)
+    return fixed_bytes + grads.other + max(forward_end, backward)
+
+
+def plan_cost(choices: Sequence[str], costs: dict[str, float] = RECOMPUTE_COST) -> float:
+    return sum(costs[c] for c in choices)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Per-layer choices with their predicted peak; `fits` is False when no plan meets the budgets."""
+
+    choices: tuple[str, ...]
+    predicted_peak_bytes: int
+    budget_bytes: int
+    fixed_bytes: int
+    recompute_cost: float
+    fits: bool
+    host_bytes: int = 0  # offloaded layers' saved inputs, held in (pinned) host memory between forward and backward
+    freed_grad_bytes: int | None = None  # gradients freed before each forward (not in fixed_bytes); None: in it
+    host_budget_bytes: int | None = None  # host memory the plan could use (None: not limited)
+
+    @property
+    def spans(self) -> list[int]:
+        """Length of each run of layers sharing one kept input (a checkpointed layer and the spaced ones above it)."""
+        runs: list[int] = []
+        for c in self.choices:
+            if c == "spaced":
+                runs[-1] += 1
+            elif c in ("full", "offload"):
+                runs.append(1)
+        return runs
+
+    def split(self) -> str:
+        """One line: where the checkpointed layers' inputs live, and the spacing."""
+        count = self.choices.count
+        parts = [f"{count('full')} layer inputs on the device", f"{count('offload')} in host memory"]
+        if count("spaced"):
+            parts.append(f"{count('spaced')} rebuilt in backward (spacing {max(self.spans)}: a span of up to "
+                         f"{max(self.spans)} layers keeps one input)")
+        kept = [f"{count(c)} {name}" for c, name in (("none", "not checkpointed"), ("op", "op-level")) if count(c)]
+        return ", ".join(parts + kept)
+
+    def table(self) -> str:
+        full = [i for i, c in enumerate(self.choices) if c == "full"]
+        op = [i for i, c in enumerate(self.choices) if c == "op"]
+        spaced = [i for i, c in enumerate(self.choices) if c == "spaced"]
+        host_budget = "" if self.host_budget_bytes is None else f" (host budget {format_bytes(self.host_budget_bytes)})"
+        return "\n".join([
+            "| item | value |", "|---|---|",
+            f"| split | {self.split()} |",
+            f"| full checkpointing | {len(full)} layers {full} |",
+            f"| op-level checkpointing | {len(op)} layers {op} |",
+            f"| no checkpointing | {self.choices.count('none')} layers |",
+            *([f"| offloaded checkpointing | {self.choices.count('offload')} layers, "
+               f"{format_bytes(self.host_bytes)} of host memory{host_budget} |"] if "offload" in self.choices else []),
+            *([f"| spaced checkpointing | {len(spaced)} layers {spaced}, spans of {sorted(set(self.spans))} layers |"]
+              if spaced else []),
+            f"| recompute (layer forwards) | {self.recompute_cost:.1f} |",
+            *([f"| fixed (params, grads, optimizer) | {format_bytes(self.fixed_bytes)} |"]
+              if self.freed_grad_bytes is None else
+              [f"| fixed (params, optimizer) | {format_bytes(self.fixed_bytes)} |",
+               f"| gradients (freed before each forward) | {format_bytes(self.freed_grad_bytes)} |"]),
+            f"| predicted peak | {format_bytes(self.predicted_peak_bytes)} |",
+            f"| budget | {format_bytes(self.budget_bytes)}{'' if self.fits else ' (does NOT fit)'} |",
+        ])
+
+
+# ----------------------------------------------------------------------------------------------- the search
+def _best_first(layers: Sequence[LayerActivation], units: dict[str, int], bound: float, host_budget: float,
+                by_cost: bool, accept: Callable[[tuple[str, ...], int, float], bool]) -> None:
+    """Best-first search over per-layer choices, bottom layer first. Partial plans come off a heap by recompute cost
+    (`by_cost`) or by their partial device bytes (retained + the most one layer holds); both only grow as layers
+    are added, so complete plans come off in that order. A partial plan is dropped when its retained plus held bytes
+    exceed `bound`, when its host bytes exceed `host_budget`, or when one popped before it at the same layer and in
+    the same state (the prefetched input and the open span: what decides later layers' bytes) kept no more device,
+    host and held bytes. `accept(choices, cost, priority)` sees each complete plan (and returns True to stop)."""
+    import heapq
+
+    counter = itertools.count(1)
+    heap = [(0, 0, 0, 0, 0, 0, 0, 0, None, None)]
+    # (priority, tiebreak, layer, retained, host, held, cost, prefetched, pending, path)
+    popped: dict[tuple, list[tuple[int, int, int]]] = {}
+    while heap:
+        priority, _, i, retained, host, held, cost, prefetched, pending, path = heapq.heappop(heap)
+        front = popped.setdefault((i, prefetched, pending), [])
+        if any(r <= retained and h <= host and m <= held for r, h, m in front):
+            continue
+        # what this one dominates can go: whatever those would drop later (they came off first), it drops too
+        front[:] = [(r, h, m) for r, h, m in front if not (retained <= r and host <= h and held <= m)]
+        front.append((retained, host, held))
+        if i == len(layers):
+            if accept(_unwind(path), cost, priority):
+                return
+            continue
+        layer = layers[i]
+        for choice, unit in units.items():
+            if choice == "spaced" and pending is None:
+                continue
+            layer_held, next_prefetched, next_pending = _step(layer, choice, prefetched, pending)
+            r, h = retained + layer.retained(choice), host + (layer.full_bytes if choice == "offload" else 0)
+            m = max(held, layer_held)
+            if r + m > bound or h > host_budget:
+                continue
+            heapq.heappush(heap, (cost + unit if by_cost else r + m, next(counter), i + 1, r, h, m, cost + unit,
+                                  next_prefetched, next_pending, (choice, path)))
+
+
+def _unwind(path) -> tuple[str, ...]:
+    out = []
+    while path is not None:
+        choice, path = path
+        out.append(choice)
+    return tuple(reversed(out))
+
+
+def _cheapest_fitting(layers, units, fixed_bytes, budget_bytes, extra_bytes, grads, host_budget):
+    """The least-recompute plan whose exact peak fits the budget (ties: the lower peak), or None."""
+    base = fixed_bytes + extra_bytes + (grads.other if grads is not None else 0)
+    best: list = []  # [cost, peak, choices]
+
+    def accept(choices, cost, priority):
+        if best and cost > best[0]:
+            return True  # every plan left costs more
+        peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes, grads)
+        if peak <= budget_bytes and (not best or peak < best[1]):
+            best[:] = [cost, peak, choices]
+        return False
+
+    _best_first(layers, units, budget_bytes - base, host_budget, True, accept)
+    return best[2] if best else None
+
+
+def _lowest_peak(layers, units, fixed_bytes, extra_bytes, grads, host_budget):
+    """The plan with the lowest exact peak whose host bytes fit (ties: the first found)."""
+    base = fixed_bytes + extra_bytes + (grads.other if grads is not None else 0)
+    best: list = []  # [peak, choices]
+
+    def accept(choices, cost, priority):
+        if best and base + priority >= best[0]:
+            return True  # a lower bound of every plan left is no better
+        peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes, grads)
+        if not best or peak < best[0]:
+            best[:] = [peak, choices]
+        return False
+
+    _best_first(layers, units, float("inf"), host_budget, False, accept)
+    return best[1]
+
+
+def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, budget_bytes: int,
+                       extra_bytes: int = 0, modes: Sequence[str] = DEVICE_MODES,
+                       costs: dict[str, float] = RECOMPUTE_COST, grads: GradientBytes | None = None,
+                       host_budget_bytes: int | None = None) -> CheckpointPlan:
+    """The least-recompute per-layer choice whose predicted peak fits `budget_bytes` and whose offloaded inputs fit
+    `host_budget_bytes` (pure function, exact on ``plan_peak_bytes``'s model).
+
+    A dynamic program over layers keeps, per recompute cost, every plan not beaten on device bytes retained, host
+    bytes and the most one layer's backward holds; the cheapest fitting plan wins, ties to the lower peak. When
+    nothing fits, the plan with the lowest peak within the host budget is returned with fits=False. `modes`: the
+    choices to consider (add "offload" to keep layers' inputs in host memory, "spaced" to rebuild them in backward).
+    `costs`: recompute per choice, in layer forwards (RECOMPUTE_COST_COMPILED where the layers are compiled). `grads`:
+    gradients freed before each forward (see plan_peak_bytes; `fixed_bytes` then holds none); each candidate's peak
+    is then exact, but the candidates are still the least-retained plans per cost, so the cheapest fitting plan is
+    exact only while the forward's end is the peak (a full fine-tune's usual case).
+    """
+    units = {c: round(costs[c] * 10) for c in modes}
+    host_budget = float("inf") if host_budget_bytes is None else host_budget_bytes
+    choices = _cheapest_fitting(layers, units, fixed_bytes, budget_bytes, extra_bytes, grads, host_budget)
+    fits = choices is not None
+    if not fits:
+        choices = _lowest_peak(layers, units, fixed_bytes, extra_bytes, grads, host_budget)
+    peak = plan_peak_bytes(layers, choices, fixed_bytes, extra_bytes, grads)
+    return CheckpointPlan(tuple(choices), peak, budget_bytes, fixed_bytes, plan_cost(choices, costs), fits,
+                          host_bytes(layers, choices), None if grads is None else grads.total, host_budget_bytes)
+
+
+def longest_feasible_tokens(layers: Sequence[LayerActivation], tokens: int, *, fixed_bytes: int, budget_bytes: int,
+                            extra_bytes: int = 0, modes: Sequence[str] = DEVICE_MODES,
+                            costs: dict[str, float] = RECOMPUTE_COST, grads: GradientBytes | None = None,
+                            host_budget_bytes: int | None = None, upper: int | None = None) -> int:
+    """The most tokens per micro-batch (at most `upper`, default `tokens`) for which some plan fits, with the layers'
+    bytes and `extra_bytes` measured at `tokens` and scaled linearly (the fixed bytes and gradients do not scale).
+    0: not even an empty batch fits (the training state alone is over the budget). Binary search: a plan that fits
+    some length fits every shorter one."""
+    upper = tokens if upper is None else upper
+
+    units = {c: round(costs[c] * 10) for c in modes}
+    host_budget = float("inf") if host_budget_bytes is None else host_budget_bytes
+
+    def fits(t: int) -> bool:
+        scaled = [layer.scaled(t, tokens) for layer in layers]
+        return _cheapest_fitting(scaled, units, fixed_bytes, budget_bytes, extra_bytes * t // tokens, grads,
+                                 host_budget) is not None
+
+    if not fits(0):
+        return 0
+    lo, hi = 0, upper  # fits(lo); the answer is in [lo, hi]
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+

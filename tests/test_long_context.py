@@ -1,0 +1,347 @@
+"""Issue 40a: budget plans that split layers' saved inputs between the device and host memory and space checkpoints
+where neither holds them all. The planner against a brute-force search over every per-layer plan (and every length),
+and spaced / offloaded plans on tiny models against no checkpointing and full checkpointing (fp32, CPU)."""
+import copy
+import itertools
+import random
+import re
+import weakref
+
+import pytest
+import torch
+
+from hf_accel.errors import ConfigurationError
+from hf_accel.memory.budget import MemoryBudget, host_available_bytes
+from hf_accel.memory.checkpointing import (FullCheckpointing, NoCheckpointing, PerLayer, decoder_layers,
+                                           policy_from_spec)
+from hf_accel.memory.offload import MIN_PIECE, copy_to_pieces, join_pieces, pinned_pieces
+from hf_accel.memory.planner import (LayerActivation, host_bytes, longest_feasible_tokens, plan_checkpointing,
+                                     plan_cost, plan_peak_bytes, valid_choices)
+from tests.test_checkpointing import GRAD_ATOL, GRAD_RTOL, NUM_LAYERS, packed_batch, tiny_llama, tiny_neox
+from tests.test_offload import step
+
+ALL_MODES = ("none", "op", "full", "offload", "spaced")
+MODELS = {"llama": tiny_llama, "gpt_neox": tiny_neox}
+
+
+def every_plan(n: int):
+    return [c for c in itertools.product(ALL_MODES, repeat=n) if valid_choices(c)]
+
+
+def brute_force(layers, fixed, budget, host_budget, extra=0):
+    """(least cost of a fitting plan or None, lowest peak of a plan within the host budget) over every plan."""
+    plans = [(plan_cost(c), plan_peak_bytes(layers, c, fixed, extra)) for c in every_plan(len(layers))
+             if host_bytes(layers, c) <= host_budget]
+    fitting = [cost for cost, peak in plans if peak <= budget]
+    return (min(fitting) if fitting else None), min(peak for _, peak in plans)
+
+
+def random_layers(rng: random.Random, n: int) -> list[LayerActivation]:
+    layers = []
+    for _ in range(n):
+        full = rng.randint(5, 60)
+        op = full + rng.randint(0, 200)
+        layers.append(LayerActivation(none_bytes=op + rng.randint(0, 300), op_bytes=op, full_bytes=full))
+    return layers
+
+
+def test_planner_is_the_cheapest_plan_within_device_and_host_budgets():
+    """Random uneven layers, every mode, random device and host budgets: the plan's cost is the least among every
+    valid plan that fits both (a brute-force search), and when none fits it has the lowest peak of those within the
+    host budget."""
+    rng = random.Random(0)
+    for trial in range(150):
+        layers = random_layers(rng, rng.randint(1, 4))
+        fixed, extra = rng.randint(0, 50), rng.randint(0, 30)
+        top = plan_peak_bytes(layers, ["none"] * len(layers), fixed, extra)
+        budget, host_budget = rng.randint(fixed, top + 10), rng.choice([0, rng.randint(0, 150), 10**9])
+        plan = plan_checkpointing(layers, fixed_bytes=fixed, budget_bytes=budget, extra_bytes=extra,
+                                  modes=ALL_MODES, host_budget_bytes=host_budget)
+        cheapest, lowest = brute_force(layers, fixed, budget, host_budget, extra)
+        assert valid_choices(plan.choices) and plan.host_bytes <= host_budget, (trial, plan.choices)
+        assert plan.predicted_peak_bytes == plan_peak_bytes(layers, plan.choices, fixed, extra)
+        assert plan.fits == (cheapest is not None), (trial, plan.choices, budget)
+        if plan.fits:
+            assert plan.recompute_cost == pytest.approx(cheapest) and plan.predicted_peak_bytes <= budget, trial
+        else:
+            assert plan.predicted_peak_bytes == lowest, (trial, plan.choices)
+
+
+def test_spacing_and_offload_are_chosen_only_when_needed():
+    """16 equal layers whose inputs are small beside what one layer rebuilds (as at long context: Llama-3-8B at 512k
+    tokens has 4 GiB inputs): a roomy device keeps every input; a tighter one moves inputs to the host; with the host
+    short too, layers are spaced; with no host memory at all, only spaced; the split says so."""
+    gib = 1 << 30
+    layers = [LayerActivation(none_bytes=80 * gib, op_bytes=80 * gib, full_bytes=4 * gib)] * 16
+    fixed = 16 * gib
+
+    def plan(device_gib, host_gib):
+        return plan_checkpointing(layers, fixed_bytes=fixed, budget_bytes=device_gib * gib, modes=ALL_MODES,
+                                  host_budget_bytes=host_gib * gib)
+
+    roomy = plan(16 + 16 * 4 + 76, 100)  # all inputs + one full layer's rebuild
+    assert roomy.fits and set(roomy.choices) == {"full"} and roomy.host_bytes == 0
+    split = plan(120, 100)  # 120 - 16 - 80 - 4 (the prefetched input) = 20 GiB: 5 inputs on the device
+    assert split.fits and (split.choices.count("full"), split.choices.count("offload")) == (5, 11)
+    assert split.host_bytes == 11 * 4 * gib and split.split().startswith("5 layer inputs on the device, 11 in host")
+    spaced = plan(120, 20)
+    assert spaced.fits and "spaced" in spaced.choices and spaced.host_bytes <= 20 * gib
+    assert spaced.recompute_cost > split.recompute_cost
+    assert "rebuilt in backward (spacing" in spaced.split() and "| spaced checkpointing |" in spaced.table()
+    assert "(host budget 20.00 GiB)" in spaced.table()
+    no_host = plan(120, 0)  # spans of 4: 4 inputs kept + 80 rebuilt + 3 inputs waiting = 104 GiB
+    assert no_host.fits and "offload" not in no_host.choices and max(no_host.spans) == 4
+    assert not plan(16 + 80 + 3, 10**6).fits  # a layer's own rebuild does not fit: no plan does
+
+
+def test_longest_feasible_length_matches_brute_force():
+    """The longest micro-batch a budget holds (sizes linear in tokens) is the largest length at which some plan of a
+    brute-force search fits."""
+    rng = random.Random(1)
+    tokens = 40
+    for trial in range(12):
+        layers = random_layers(rng, 3)
+        fixed, extra = rng.randint(0, 40), rng.randint(0, 40)
+        budget = rng.randint(fixed, plan_peak_bytes(layers, ["full"] * 3, fixed, extra) + 50)
+        host_budget = rng.choice([0, 40, 10**6])
+        longest = longest_feasible_tokens(layers, tokens, fixed_bytes=fixed, budget_bytes=budget, extra_bytes=extra,
+                                          modes=ALL_MODES, host_budget_bytes=host_budget)
+        feasible = [t for t in range(tokens + 1)
+                    if brute_force([layer.scaled(t, tokens) for layer in layers], fixed, budget, host_budget,
+                                   extra * t // tokens)[0] is not None]
+        assert longest == max(feasible, default=0), (trial, longest, feasible)
+
+
+# ----------------------------------------------------------------------------------------------- on a model
+SPACED_PLANS = {
+    "spaced": ["full", "spaced", "full", "spaced"],
+    "offloaded-heads": ["offload", "spaced", "offload", "spaced"],
+    "one-span": ["offload", "spaced", "spaced", "spaced"],
+    "mixed": ["none", "full", "spaced", "op"],
+}
+
+
+@pytest.mark.parametrize("plan", list(SPACED_PLANS))
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_spaced_plans_match_no_checkpointing_and_full(family, plan):
+    """Loss and gradients of a spaced / offloaded plan: those of no checkpointing (within recompute's summation-order
+    noise) and bit for bit those of full checkpointing (the rebuilt inputs are the forward's own values); every
+    spaced layer's input was rebuilt, none kept."""
+    base = MODELS[family]()
+    none, full, spaced = base, copy.deepcopy(base), copy.deepcopy(base)
+    NoCheckpointing().apply(none)
+    FullCheckpointing().apply(full)
+    policy = PerLayer(choices=SPACED_PLANS[plan])
+    policy.apply(spaced)
+    batch = packed_batch()
+    (loss_none, g_none), (loss_full, g_full), (loss, g) = step(none, batch), step(full, batch), step(spaced, batch)
+    count = SPACED_PLANS[plan].count("spaced")
+    stats = policy.spacer.stats
+    assert (stats.spaced, stats.kept, stats.rebuilt) == (count, 0, count)
+    assert torch.equal(loss, loss_full) and all(torch.equal(g[n], t) for n, t in g_full.items())
+    torch.testing.assert_close(loss, loss_none, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    for name, grad in g_none.items():
+        torch.testing.assert_close(g[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+
+
+def _inputs_alive_after_forward(model, batch) -> list[bool]:
+    refs = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
+             for layer in decoder_layers(model)]
+    loss = model(**batch).loss
+    for hook in hooks:
+        hook.remove()
+    alive = [r() is not None for r in refs]
+    loss.backward()
+    return alive
+
+
+def test_spaced_layers_keep_no_input_and_offloaded_heads_free_theirs():
+    """After forward, a full layer's input is alive (kept), a spaced or offloaded one's is not; the host copies the
+    offloader counts are gone after backward."""
+    model = tiny_llama()
+    policy = PerLayer(choices=["full", "spaced", "offload", "spaced"])
+    policy.apply(model)
+    assert _inputs_alive_after_forward(model, packed_batch()) == [True, False, False, False]
+    stats = policy.offloader.stats
+    tokens = packed_batch()["input_ids"].numel()
+    assert stats.host_peak_bytes == tokens * 64 * 4 and stats.host_bytes == 0
+
+
+def test_rebuilt_inputs_replay_rng_and_autocast():
+    """A spaced layer's input is rebuilt in backward, outside the forward's autocast region and after its RNG moved
+    on: the rebuild replays both (dropout on, CPU bf16 autocast), so gradients equal full checkpointing's."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    base = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=NUM_LAYERS, num_attention_heads=4, use_cache=False,
+                                            attention_dropout=0.2, hidden_dropout=0.2)).train()
+    full, spaced = base, copy.deepcopy(base)
+    FullCheckpointing().apply(full)
+    PerLayer(choices=["full", "spaced", "spaced", "spaced"]).apply(spaced)
+    batch = packed_batch()
+    results = []
+    for model in (full, spaced):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_full, g_full), (loss, g) = results
+    assert torch.equal(loss, loss_full) and all(torch.equal(a, b) for a, b in zip(g, g_full))
+
+
+def test_spaced_layer_whose_input_is_not_its_spans_output_keeps_it():
+    """When something changes the hidden states between two layers, the spaced layer cannot rebuild its input from
+    the layer below: it keeps it, as full checkpointing would, and gradients stay right."""
+    model, reference = tiny_llama(), tiny_llama()
+    layers = decoder_layers(model)
+    layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))  # a new tensor, not layer 0's output
+    decoder_layers(reference)[1].register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))
+    policy = PerLayer(choices=["full", "spaced", "full", "full"])
+    policy.apply(model)
+    (loss, g), (loss_ref, g_ref) = step(model, packed_batch()), step(reference, packed_batch())
+    assert policy.spacer.stats.kept == 1 and policy.spacer.stats.spaced == 0
+    torch.testing.assert_close(loss, loss_ref)
+    for name, grad in g_ref.items():
+        torch.testing.assert_close(g[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+
+
+def test_spaced_choices_are_checked():
+    model = tiny_llama()
+    with pytest.raises(ConfigurationError, match="must be checkpointed"):
+        PerLayer(choices=["none", "spaced", "full", "full"]).apply(model)
+    with pytest.raises(ConfigurationError, match="must be checkpointed"):
+        PerLayer(choices=["spaced", "full", "full", "full"]).apply(model)
+    with pytest.raises(ConfigurationError, match="non-reentrant"):
+        PerLayer(choices=["full", "spaced", "full", "full"], use_reentrant=True).apply(model)
+
+
+# ----------------------------------------------------------------------------------------------- the budget policy
+def _tokens_batch(tokens: int) -> dict:
+    ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(2))
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def test_budget_plan_splits_and_spaces_within_the_host_budget(capsys):
+    """'budget:...+offload' on a tiny model with a budget between the leanest plan and all-full: with host memory
+    it offloads, without it spaces; both plans print their split, train with no checkpointing's gradients, and the
+    host copies fit the host budget."""
+    batch = _tokens_batch(256)
+    reference = tiny_llama()
+    _, g_ref = step(reference, batch)
+    layers, fixed, tail = _probe_sizes(tiny_llama(), batch)
+    full_peak = plan_peak_bytes(layers, ["full"] * NUM_LAYERS, fixed, tail)
+    for host_budget, expect in ((10**9, "offload"), (0, "spaced")):
+        model = tiny_llama()
+        policy = policy_from_spec(f"budget:{full_peak - 1}B+offload")
+        policy.sample_batch, policy.headroom, policy.host_budget = batch, 0.0, host_budget
+        policy.apply(model)
+        printed = capsys.readouterr().out
+        assert policy.plan.fits and expect in policy.plan.choices and policy.plan.host_bytes <= host_budget
+        assert "| split |" in printed and "layer inputs on the device" in printed, printed
+        _, g = step(model, batch)
+        for name, grad in g_ref.items():
+            torch.testing.assert_close(g[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+
+
+def _probe_sizes(model, batch):
+    from hf_accel.memory.estimate import training_state_bytes
+    from hf_accel.memory.plan import probe_training_memory
+
+    probe = probe_training_memory(model, batch)
+    return probe.layers, training_state_bytes(model), probe.tail_peak_bytes
+
+
+def test_refusal_names_the_longest_feasible_length():
+    """A budget no plan meets for the batch raises before training, naming the longest micro-batch it holds: the
+    planner's longest length for the probed sizes, below the batch's; a budget plan just under that length fits."""
+    tokens = 512
+    batch = _tokens_batch(tokens)
+    model = tiny_llama()
+    layers, fixed, tail = _probe_sizes(model, batch)
+    leanest = plan_checkpointing(layers, fixed_bytes=fixed, budget_bytes=0, extra_bytes=tail,
+                                 modes=("none", "op", "full", "spaced")).predicted_peak_bytes
+    budget = (fixed + leanest) // 2
+    with pytest.raises(ConfigurationError, match=r"train on at most ([0-9,]+) tokens per micro-batch") as err:
+        MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
+    assert not any(layer.gradient_checkpointing for layer in decoder_layers(model))  # nothing applied
+    named = int(re.search(r"at most ([0-9,]+) tokens", str(err.value)).group(1).replace(",", ""))
+    expected = longest_feasible_tokens(layers, tokens, fixed_bytes=fixed, budget_bytes=budget, extra_bytes=tail,
+                                       modes=("none", "op", "full", "spaced"), host_budget_bytes=0)
+    assert 0 < named == expected < tokens
+    # a probe at a length just under it fits (at the length itself a few bytes that do not scale, such as the loss's
+    # scalars, can tip it: real budgets keep 3% headroom)
+    shorter = MemoryBudget(budget=budget, sample_batch=_tokens_batch(named * 95 // 100), headroom=0.0, verbose=False)
+    shorter.apply(model)
+    assert shorter.plan.fits
+    with pytest.raises(ConfigurationError, match="the training state alone is over the budget"):
+        MemoryBudget(budget=fixed // 2, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
+
+
+def test_host_available_memory_honours_a_cgroup_limit(tmp_path):
+    """Inside a container the host's MemAvailable overstates what the process may take: a cgroup v2 limit minus its
+    usage (reclaimable file pages counted free) caps it; no limit ("max") leaves MemAvailable."""
+    (tmp_path / "memory.max").write_text("8589934592\n")
+    (tmp_path / "memory.current").write_text("6442450944\n")
+    (tmp_path / "memory.stat").write_text("anon 5368709120\ninactive_file 1073741824\n")
+    assert host_available_bytes(str(tmp_path)) == min(3 << 30, host_available_bytes(str(tmp_path / "none")))
+    (tmp_path / "memory.max").write_text("max\n")
+    assert host_available_bytes(str(tmp_path)) == host_available_bytes(str(tmp_path / "none"))
+
+
+def test_host_copies_come_in_power_of_two_pieces():
+    """torch's pinned allocator rounds each block up to a power of two (a 3 GiB copy would take 4): copies are cut
+    into power-of-two pieces (the rest under MIN_PIECE in one), and put back bit for bit."""
+    for nbytes in (3 << 30, (5 << 20) + 12345, 1000, 1 << 20):
+        pieces = pinned_pieces(nbytes)
+        assert sum(pieces) == nbytes
+        assert all(p & (p - 1) == 0 and p >= MIN_PIECE for p in pieces[:-1])
+        assert pieces[-1] & (pieces[-1] - 1) == 0 or pieces[-1] < MIN_PIECE
+    tensor = torch.randn(3, 700, 1001).to(torch.bfloat16)[:, ::2]  # non-contiguous, odd size
+    pieces, _ = copy_to_pieces(tensor, pin_memory=False)
+    assert [p.numel() for p in pieces] == pinned_pieces(tensor.numel() * 2)
+    back = join_pieces(pieces, tensor.shape, tensor.dtype, tensor.device)
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+
+
+def test_offline_estimate_plans_the_split_and_names_the_longest_length():
+    """estimate_training_memory with a budget and host memory: the plan offloads within the host memory given (none
+    without it) and says how much; a budget it cannot meet names the longest micro-batch, which the estimate at that
+    length meets and one token more does not (the formula is linear in tokens)."""
+    from hf_accel.memory.estimate import estimate_training_memory
+
+    gib = 1 << 30
+    kwargs = dict(lora_rank=16, batch_tokens=16384)
+    device_only = estimate_training_memory("llama-3.2-1b", checkpointing="budget:28GiB", **kwargs)
+    split = estimate_training_memory("llama-3.2-1b", checkpointing="budget:28GiB", host_bytes=gib, **kwargs)
+    assert "offload" not in device_only.choices and device_only.host_bytes == 0
+    assert "offload" in split.choices and 0 < split.host_bytes <= gib
+    assert "| host memory (offloaded inputs) |" in split.table() and "offload" in split.table()
+    assert split.notes[-1].endswith("fits") and split.peak_bytes <= 28 * gib
+    tight = estimate_training_memory("llama-3.2-1b", checkpointing="budget:20GiB", host_bytes=gib, **kwargs)
+    longest = int(re.search(r"holds is ([0-9,]+) tokens", tight.notes[-1]).group(1).replace(",", ""))
+    assert 0 < longest < 16384
+
+    def fits(tokens):
+        return estimate_training_memory("llama-3.2-1b", checkpointing="budget:20GiB", host_bytes=gib,
+                                        lora_rank=16, batch_tokens=tokens).notes[-1].endswith("fits")
+
+    assert fits(longest) and not fits(longest + 1)
+
+
+def test_budget_honours_the_process_device_memory_cap(monkeypatch):
+    """Under torch.cuda.set_per_process_memory_fraction a budget above the cap is refused before the probe, and a
+    fractional budget is a share of what the process may allocate, not of the whole device (faked 140 GiB device
+    capped at 80 GiB)."""
+    import types
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=140 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: 80 / 140, raising=False)
+    cuda = torch.device("cuda", 0)
+    assert MemoryBudget(budget="80GiB").budget_bytes(cuda) == 80 * gib
+    assert MemoryBudget(budget=0.5).budget_bytes(cuda) == 40 * gib
+    with pytest.raises(ConfigurationError, match=r"more than this process may allocate .*80.00 GiB"):
+        MemoryBudget(budget="100GiB").budget_bytes(cuda)
