@@ -9,6 +9,7 @@ import torch
 import hf_accel
 from hf_accel.fused import ops as fused_ops
 from hf_accel.errors import BackendUnavailable
+from hf_accel.patches import family_of
 from tiny_models import make
 
 
@@ -48,7 +49,7 @@ def _stand_in_binders(calls: list):
         own = type(m).forward
         m.forward = lambda *a, _m=m, **k: calls.append(_m) or own(_m, *a, **k)
 
-    return {"rms_norm": binder, "swiglu": binder, "layer_norm": binder}
+    return dict.fromkeys(("rms_norm", "rms_norm_gemma", "swiglu", "geglu", "layer_norm"), binder)
 
 
 def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
@@ -62,7 +63,7 @@ def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
     model = make("llama-gqa").train()
     before = {n: dict(m.__dict__) for n, m in model.named_modules()}
     calls = []
-    names, undo = fused_ops.bind(model, _stand_in_binders(calls))
+    names, undo = fused_ops.bind(family_of(model).fusable(model), _stand_in_binders(calls))
     assert "model.norm" in names and len(names) > 1
     _, compile_undo = compiling.apply(model, {"backend": "eager"})
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
@@ -137,7 +138,7 @@ def test_fullgraph_compiled_eval_never_traces_liger(variant):
     with torch.no_grad():
         want = model(input_ids=ids).logits
     calls = []
-    _, undo = fused_ops.bind(model, _stand_in_binders(calls))
+    _, undo = fused_ops.bind(family_of(model).fusable(model), _stand_in_binders(calls))
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         got = compiled(input_ids=ids).logits

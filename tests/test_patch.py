@@ -252,10 +252,10 @@ def test_checkpointed_layers_still_recompute(variant):
 def test_lora_grads_equal_patch_before_or_after_peft(variant):
     from peft import LoraConfig, get_peft_model
 
-    from hf_accel.patching import _family
+    from hf_accel.patches import family_of
 
     ids, mask, labels = batch("right")
-    targets = list(_family(make(variant).config.model_type).LORA_TARGETS)
+    targets = list(family_of(make(variant)).lora_targets)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
 
     def lora_grads(order):
@@ -279,18 +279,19 @@ def test_lora_grads_equal_patch_before_or_after_peft(variant):
 def test_report_predicts_the_backend_training_calls_use():
     """Attention dropout in training rules out kernels without dropout; the report must say which serves."""
     from hf_accel.attention.kernels import DeviceInfo
-    from hf_accel.patching import _family, _training_request
+    from hf_accel.kernel_choice import training_request
+    from hf_accel.patches import family_for
 
     model = make("llama-gqa")
     model.config.attention_dropout = 0.1
-    request = _training_request(model, _family("llama"), DeviceInfo("cuda", (9, 0)))
+    request = training_request(model, family_for("llama"), DeviceInfo("cuda", (9, 0)))
     assert request.dropout and request.device.capability == (9, 0)
     rw = make("falcon-rw-alibi")
     rw.config.attention_dropout = 0.1
-    assert _training_request(rw, _family("falcon"), None).dropout
+    assert training_request(rw, family_for("falcon"), None).dropout
     rotary = make("falcon-mha")
     rotary.config.attention_dropout = 0.1
-    assert not _training_request(rotary, _family("falcon"), None).dropout  # Falcon's rotary path has no dropout
+    assert not training_request(rotary, family_for("falcon"), None).dropout  # Falcon's rotary path has no dropout
 
 
 # ---- defaults: "auto" resolves to the fast path on CUDA, to today's behaviour elsewhere -------------------------
@@ -343,12 +344,13 @@ def test_fp32_master_weights_pick_the_half_precision_kernel():
     """kbit preparation / FSDP2 keep fp32 weights while attention receives bf16 (issue 20): fa4 must not be passed
     over for "cannot do dtype torch.float32"."""
     from hf_accel.attention.kernels import select
-    from hf_accel.patching import _family, _training_request
+    from hf_accel.kernel_choice import training_request
+    from hf_accel.patches import family_for
 
     model = make("llama-gqa")  # fp32 weights
-    request = _training_request(model, _family("llama"), _h200())
+    request = training_request(model, family_for("llama"), _h200())
     assert request.dtype == torch.bfloat16
     installed = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
     assert select(request, "auto", installed).backend.name == "fa4"
-    cpu = _training_request(model, _family("llama"), None)
+    cpu = training_request(model, family_for("llama"), None)
     assert cpu.dtype == torch.float32  # CPU: unchanged

@@ -330,8 +330,10 @@ CONFIGS: dict[str, BenchConfig] = {
 
 
 # ---- Unsloth and QLoRA (issue 20): packages kept apart (apart.py), models loaded from files -----------------------
-REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam == "llama"
-                                                      else f"the Unsloth configs run Llama workloads only, not {fam!r}")
+UNSLOTH_FAMILIES = ("llama",)  # model types the Unsloth configs are set up for (its FastLanguageModel's own list is longer)
+REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam in UNSLOTH_FAMILIES else
+                                                      f"the Unsloth configs run {', '.join(UNSLOTH_FAMILIES)} "
+                                                      f"workloads only, not {fam!r}")
 
 
 def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:

@@ -92,11 +92,13 @@ def _one_head_call(head: nn.Module, summed_loss: Callable[..., torch.Tensor], hi
             del head.__dict__["forward"]
 
 
-def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor) -> torch.Tensor:
+def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor,
+               softcap: float | None) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     return liger_fused_linear_cross_entropy(
-        hidden_nh, head.weight, labels_n, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum"
+        hidden_nh, head.weight, labels_n, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum",
+        softcap=softcap,
     )
 
 
@@ -132,6 +134,7 @@ def linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
     method: Method = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `lm_head(hidden_nh)` against `labels_n` (-100 ignored), never building full (N, V) logits.
 
@@ -144,6 +147,7 @@ def linear_cross_entropy(
     the logits in the backward (least memory, a fourth matmul), "liger" uses liger-kernel's fused kernel (CUDA), and
     any other head (e.g. LoRA on lm_head) takes the "module" path: the head module per chunk under checkpointing.
     `chunk_size`: tokens per chunk; None sizes chunks so one chunk's logits take about 512 MiB.
+    `softcap`: the logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2's final logit soft-capping).
     """
     if hidden_nh.dim() != 2 or labels_n.shape != hidden_nh.shape[:1]:
         raise InvalidBatch(
@@ -172,12 +176,12 @@ def linear_cross_entropy(
     def summed_loss(h_nh: torch.Tensor, y_n: torch.Tensor, head_forward: Callable) -> torch.Tensor:
         # inside the head's call: lm_head.weight is the gathered (unsharded) weight here
         if path == "liger":
-            return _liger_sum(h_nh, lm_head, y_n)
+            return _liger_sum(h_nh, lm_head, y_n, softcap)
         if path == "inline" and torch.is_grad_enabled():
-            return _GradInForwardLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size)
+            return _GradInForwardLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size, softcap)
         if path in ("inline", "recompute"):
-            return _ChunkedLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size)
-        return _module_chunked_sum(h_nh, head_forward, y_n, chunk_size)
+            return _ChunkedLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size, softcap)
+        return _module_chunked_sum(h_nh, head_forward, y_n, chunk_size, softcap)
 
     total = _one_head_call(lm_head, summed_loss, hidden_nh, labels_n)
     if num_items_in_batch is not None:
@@ -196,6 +200,7 @@ def causal_lm_loss_from_hidden(
     shift_labels: torch.Tensor | None = None,
     chunk_size: int | None = None,
     method: Method = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal-LM loss from the decoder's last hidden states (B, S, H) and unshifted labels (B, S).
 
@@ -204,6 +209,7 @@ def causal_lm_loss_from_hidden(
     target tokens, or sum / num_items_in_batch. The labels move, not the hidden states: no copy of (B, S, H).
     ``shift_labels`` (B, S), as transformers takes it: targets already aligned with the positions (position t
     predicts shift_labels[t], e.g. a sequence-parallel shard's), used as they are; ``labels`` is then not read.
+    ``softcap``: the model's final logit soft-cap (its family's ``final_logit_softcap``), None for none.
     """
     head = model.get_output_embeddings()
     if head is None:
@@ -214,20 +220,23 @@ def causal_lm_loss_from_hidden(
     else:
         labels_n = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1).to(hidden_states.device)
     return linear_cross_entropy(
-        hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, method=method
+        hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, method=method,
+        softcap=softcap,
     )
 
 
 _STOCK_FORWARD = "_hf_accel_stock_forward"
 
 
-def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: Method = "auto") -> Callable[[], None]:
+def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: Method = "auto",
+                    softcap: float | None = None) -> Callable[[], None]:
     """Bind a ``forward`` on this ``*ForCausalLM`` instance that, in training with labels, returns the loss computed
     from the decoder's hidden states by ``causal_lm_loss_from_hidden`` (no full logits; ``logits`` is None).
 
     Because the loss is computed inside the model's own forward, DDP / FSDP wrappers see it like any forward
     (gradients are reduced, root parameters gathered). Evaluation, generation and calls without labels run the stock
-    forward. Returns the action that restores the stock forward exactly.
+    forward. ``softcap``: the final logit soft-cap the stock forward applies after the head (Gemma 2), applied by
+    the fused loss the same way. Returns the action that restores the stock forward exactly.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -243,7 +252,8 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
         body = getattr(self, self.base_model_prefix)
         out = body(**kwargs)
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
-                                          shift_labels=shift_labels, chunk_size=chunk_size, method=method)
+                                          shift_labels=shift_labels, chunk_size=chunk_size, method=method,
+                                          softcap=softcap)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
 
     # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.
