@@ -80,7 +80,9 @@ def choose(model, family: Family, backend: str) -> KernelChoice:
     if len(kinds) > 1 or any(name != backend for _, name in picks.values()):
         for kind in kinds:
             selection, name = picks[kind]
-            line = f"{layers.count(kind)} layers with {kind.describe()}: {selection.backend.name}"
+            indices = [i for i, layer in enumerate(layers) if layer == kind]
+            where = f"layer {indices[0]}" if len(indices) == 1 else f"{len(indices)} layers"
+            line = f"{where} ({kind.describe()}): {selection.backend.name}"
             if name != backend:
                 line += (f" (backend {backend!r} cannot do {kind.describe()}; these layers take the fastest "
                          "backend that can)")

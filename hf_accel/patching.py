@@ -41,7 +41,7 @@ class PatchReport:
     compiled_layers: int = 0
     mlp_chunks: str = "off"  # what mlp_chunks resolved to, one line
     speedups: list[str] = field(default_factory=list)  # one line per fused_ce / fused_ops / compile: chosen, and why
-    replaced_attn_implementation: str | None = None  # the model's attn_implementation before patch ("eager", "sdpa")
+    replaced_attn_implementation: str | None = None  # the model's attn_implementation ("eager", "sdpa"): it keeps it
     attentions: str | None = None  # what runs a call asking for attention probabilities (output_attentions=True)
     notes: list[str] = field(default_factory=list)
 
@@ -53,8 +53,10 @@ class PatchReport:
             f"  LoRA targets for this family: {', '.join(self.lora_targets)}",
         ]
         if self.replaced_attn_implementation:
-            lines.append(f"  replaced attn_implementation={self.replaced_attn_implementation!r} for training and "
-                         "prefill calls (decode steps and compiled evaluation run transformers' own; unpatch() restores it)")
+            lines.append(f"  attn_implementation stays {self.replaced_attn_implementation!r} (what transformers reports "
+                         "and set_attn_implementation changes); hf_accel's kernel serves training and prefill calls, "
+                         "the reported implementation decode steps, KV-cache prefills from a padding mask and "
+                         "compiled evaluation")
         if self.attentions:
             lines.append(f"  output_attentions=True runs {self.attentions}")
         if self.checkpointing:
@@ -344,6 +346,22 @@ def unpatch(model: torch.nn.Module) -> None:
         return
     for action in reversed(state.undo):
         action()
+
+
+def pin_attention_name(model: torch.nn.Module) -> str:
+    """Make a patched model's config report hf_accel's attention name between forwards too (by default it reports the
+    user's implementation and switches for each forward only), for wrappers that intercept the attention function
+    registered under the config's name (DeepSpeed's Ulysses sequence parallelism). unpatch() restores it. Returns
+    the name."""
+    from .attention.routing import ATTN_NAME, pin_name
+
+    model_hf = base_model(model)
+    state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
+    if state is None:
+        raise ConfigurationError("pin_attention_name needs a model patched by hf_accel.patch().")
+    if model_hf.config._attn_implementation != ATTN_NAME:
+        state.undo.append(pin_name(model_hf))
+    return ATTN_NAME
 
 
 def patch_report(model: torch.nn.Module) -> PatchReport | None:

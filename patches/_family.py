@@ -80,6 +80,8 @@ class Family:
     final_logit_softcap: Callable[[Any], float | None] = _no_softcap  # config -> cap on the LM head's logits
     # stock transformers keeps packed documents apart by restarting position_ids (its eager / sdpa / flash paths)
     stock_packing: bool = True
+    # the attn_implementation to build the unpatched reference with (transformers refuses SDPA for Gemma 2)
+    reference_attention: str = "sdpa"
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the PatchReport adds for every model of the family
 
     def layer_attentions(self, config: Any) -> list[LayerAttention]:

@@ -8,7 +8,8 @@ from the collator's ``cu_seq_lens_q`` given to the model's forward, else from po
 the kernel as slopes.
 
 The original forward (transformers' own, eager or SDPA as configured) runs unchanged for every call the seam cannot
-or need not serve: decoding steps behind a KV cache and every call with a static cache, ``output_attentions``, a 4D
+or need not serve: decoding steps behind a KV cache, every call with a static cache and, outside training, a prefill
+filling a cache from a padding mask (so dynamic- and static-cache generation agree), ``output_attentions``, a 4D
 mask given by the caller (a pre-hook on ``FalconModel`` notes what mask each forward was given), and evaluation calls
 traced by ``torch.compile`` (so a compiled decode step traces with ``fullgraph=True`` as the unpatched model's does).
 A 2D mask with holes keeps its meaning: the masked keys are hidden and nothing else changes (see ``varlen``).
@@ -121,6 +122,10 @@ def _runs_stock(self: FalconAttention, layer_past, output_attentions: bool) -> b
     if layer_past is None:
         return False
     if getattr(layer_past, "is_compileable", False):  # a static cache: its length is tensor data
+        return True
+    if self.__dict__[_CALL].mask_ndim == 2 and not (self.training and torch.is_grad_enabled()):
+        # a cache filled from a padding mask (generate's prefill): stock values at padded positions too, as a static
+        # cache's prefill gets
         return True
     return layer_past.get_seq_length(self.layer_idx) > 0  # a dynamic cache's length is a Python int
 

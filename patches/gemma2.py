@@ -40,4 +40,5 @@ FAMILY = Family(
     fusable=fusable_by_class(gemma_kinds(Gemma2RMSNorm, Gemma2MLP)),
     layer_attention=gemma_layer_attention,
     final_logit_softcap=lambda config: getattr(config, "final_logit_softcapping", None) or None,
+    reference_attention="eager",
 )

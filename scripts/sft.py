@@ -66,6 +66,19 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-small": ("llama-1b", dict(_SMALL, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4)),
     "neox-small": ("neox-1.4b", dict(_SMALL, intermediate_size=4096, num_attention_heads=8)),
     "falcon-small": ("falcon-1b", dict(_SMALL, ffn_hidden_size=4096, num_attention_heads=16, num_kv_heads=16)),
+    # issue 36: the LoRA workloads' shapes (--lora-r decides whether LoRA is added) and their "-small" cuts (q/k norm,
+    # the window, soft-capping with sliding / global layers kept; Gemma 2 builds with eager: hf_accel.patches'
+    # Family.reference_attention, since transformers refuses SDPA for it)
+    "qwen3-8b": ("qwen3-8b-lora", {}),
+    "mistral-7b": ("mistral-7b-lora", {}),
+    "gemma2-9b": ("gemma2-9b-lora", {}),
+    "qwen3-small": ("qwen3-8b-lora", dict(_SMALL, intermediate_size=4096, num_attention_heads=16,
+                                          num_key_value_heads=4, head_dim=64)),
+    "mistral-small": ("mistral-7b-lora", dict(_SMALL, intermediate_size=4096, num_attention_heads=16,
+                                              num_key_value_heads=4, sliding_window=512)),
+    "gemma2-small": ("gemma2-9b-lora", dict(_SMALL, intermediate_size=4096, num_attention_heads=8,
+                                            num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128,
+                                            sliding_window=512)),
 }
 
 

@@ -146,3 +146,31 @@ def test_fullgraph_compiled_eval_never_traces_liger(variant):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for action in reversed(undo):
         action()
+
+
+@pytest.mark.parametrize("variant, kinds", [
+    ("llama-gqa", {"rms_norm": 5, "swiglu": 2}),
+    ("qwen3-qk-norm", {"rms_norm": 9, "swiglu": 2}),  # q_norm / k_norm too, as liger's Qwen3 patch binds them
+    ("mistral-window", {"rms_norm": 5, "swiglu": 2}),
+    ("gemma2-softcap", {"rms_norm_gemma": 9, "geglu": 2}),  # four (1 + w) norms a layer, GELU-tanh gate
+    ("gemma3-text", {"rms_norm_gemma": 13, "geglu": 2}),
+    ("neox-parallel", {"layer_norm": 5}),
+])
+def test_each_family_names_what_liger_fuses_and_bound_forwards_serve_training(variant, kinds):
+    """The family object says which modules liger fuses and as what (Gemma's norms with offset 1 and gemma casting,
+    its MLP as GEGLU); the bound forwards serve the training calls and the result is unchanged (stand-in kernels)."""
+    torch.manual_seed(0)
+    model = make(variant).train()
+    found = family_of(model).fusable(model)
+    got = {}
+    for _, _, kind in found:
+        got[kind] = got.get(kind, 0) + 1
+    assert got == kinds
+    ids = torch.randint(0, 64, (1, 9))
+    want = model(input_ids=ids, labels=ids).loss
+    calls = []
+    _, undo = fused_ops.bind(found, _stand_in_binders(calls))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want)
+    assert len({id(m) for m in calls}) == len(found)
+    for action in reversed(undo):
+        action()

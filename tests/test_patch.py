@@ -167,7 +167,8 @@ def test_stock_falcon_packing_leaks_and_ours_does_not():
     assert rel_err(model(input_ids=ids, position_ids=pos).logits[0], alone) < LOGITS_RTOL
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi",
+                                     "mistral-window", "gemma2-softcap", "gemma3-text"])
 def test_generate_unchanged(variant):
     model = make(variant)
     model.config.use_cache = True
@@ -354,3 +355,41 @@ def test_fp32_master_weights_pick_the_half_precision_kernel():
     assert select(request, "auto", installed).backend.name == "fa4"
     cpu = training_request(model, family_for("llama"), None)
     assert cpu.dtype == torch.float32  # CPU: unchanged
+
+
+@pytest.mark.parametrize("variant, feature", [
+    ("gemma2-softcap", dict(attn_logit_softcapping=None)),
+    ("gemma2-softcap", dict(final_logit_softcapping=None)),
+    ("mistral-window", dict(sliding_window=None)),
+    ("gemma3-text", dict(query_pre_attn_scalar=16)),
+])
+def test_the_tiny_configs_exercise_each_family_feature(variant, feature):
+    """The equivalence tests can fail: each family feature the seam or the fused loss must honour changes the tiny
+    model's logits by far more than the tests' tolerance (soft-capping barely changes random-init scores, hence the
+    configs' scale and caps)."""
+    ref = make(variant)
+    other = copy.deepcopy(ref)
+    for key, value in feature.items():
+        setattr(other.config, key, value)
+    for module in other.modules():  # attention modules copy these at construction
+        if "attn_logit_softcapping" in feature and hasattr(module, "attn_logit_softcapping"):
+            module.attn_logit_softcapping = feature["attn_logit_softcapping"]
+        if "query_pre_attn_scalar" in feature and hasattr(module, "scaling"):
+            module.scaling = feature["query_pre_attn_scalar"] ** -0.5
+    ids, mask, _ = batch("none")
+    with torch.no_grad():
+        assert rel_err(other(input_ids=ids).logits, ref(input_ids=ids).logits) > 100 * LOGITS_RTOL
+
+
+@pytest.mark.parametrize("variant", ["gemma2-softcap", "mistral-window"])
+def test_a_named_backend_that_cannot_softcap_hands_those_layers_on_and_says_so(variant):
+    """backend="sdpa" cannot soft-cap: Gemma 2's layers go to a backend that can (reference on CPU), named in the
+    report; Mistral's window sdpa can do, so nothing is handed on."""
+    model = make(variant)
+    report = hf_accel.patch(model, backend="sdpa")
+    tags = {m._hf_accel_backend for m in model.modules() if hasattr(m, "_hf_accel_backend")}
+    if variant.startswith("gemma2"):
+        assert report.backend == "reference" and tags == {"auto"}
+        assert any("backend 'sdpa' cannot do" in note and "softcap" in note for note in report.notes)
+    else:
+        assert report.backend == "sdpa" and tags == {"sdpa"} and not report.notes

@@ -174,8 +174,9 @@ class AccelMixin(CheckpointFilesMixin):
         family = _family(self.model)
         if family is not None and family.seam != "attention_interface":
             raise ConfigurationError(
-                f"sequence parallelism (sp_size > 1) wraps transformers' AttentionInterface, which {family.name}'s "
-                "attention does not call: each rank would attend only within its own shard of the sequence. Train it "
+                f"sequence parallelism (sp_size > 1) wraps transformers' AttentionInterface, which {family.name} "
+                f"attention ({family.touches}) does not call: each rank would attend only within its own shard of the "
+                "sequence. Train it "
                 "without sp_size, or a model whose family goes through the AttentionInterface (Llama, Qwen, "
                 "Mistral, Gemma, GPT-NeoX).")
         if getattr(self, "_own_collator", False):  # hf_accel.Trainer's collator (the TRL SFTTrainer brings its own)
@@ -196,6 +197,11 @@ class AccelMixin(CheckpointFilesMixin):
                 plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
                 plugin.deepspeed_config["train_batch_size"] = self.args.world_size * self.args.gradient_accumulation_steps
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        from ..patching import patch_report, pin_attention_name
+
+        if self.accel.patch and patch_report(self.model) is not None:
+            # DeepSpeed checks the config's name and wraps the function registered under it: hf_accel's own
+            attn = pin_attention_name(self.model)
         if self.accel.patch and attn is not None:
             if config.sp_handler.sp_attn_implementation not in (None, attn):
                 logger.info("hf_accel: sequence parallelism wraps hf_accel's attention (%r), not the configured %r",
