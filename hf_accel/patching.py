@@ -1,11 +1,12 @@
 """patch() / unpatch(): bind hf_accel's attention seam to one model instance, and undo it exactly.
 
 Nothing is rebound on classes: each family module in ``hf_accel.patches`` touches only this model's attention modules
-(and, for registry families, this model's attention implementation name), and hands back undo actions.
+(and, for registry families, this model's attention implementation name), and hands back undo actions. Every fact
+about the family (head shapes, what its layers ask of a kernel, what liger can fuse, the MLP width, the final logit
+soft-cap) comes from its ``Family`` object and is handed to the stage that needs it.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,11 +15,12 @@ import torch
 
 from ._compat import check_transformers_version
 from .errors import ConfigurationError, UnsupportedModel
-from .attention.kernels import AttentionRequest, DeviceInfo, select
+from .attention.kernels import DeviceInfo
+from .kernel_choice import choose, fp32_calls_note
+from .patches import family_of
 
 logger = logging.getLogger("hf_accel")
 
-FAMILY_MODULES = ("llama", "gpt_neox", "falcon")
 STATE_ATTR = "_hf_accel_state"
 
 
@@ -39,7 +41,7 @@ class PatchReport:
     compiled_layers: int = 0
     mlp_chunks: str = "off"  # what mlp_chunks resolved to, one line
     speedups: list[str] = field(default_factory=list)  # one line per fused_ce / fused_ops / compile: chosen, and why
-    replaced_attn_implementation: str | None = None  # the model's attn_implementation before patch ("eager", "sdpa")
+    replaced_attn_implementation: str | None = None  # the model's attn_implementation ("eager", "sdpa"): it keeps it
     attentions: str | None = None  # what runs a call asking for attention probabilities (output_attentions=True)
     notes: list[str] = field(default_factory=list)
 
@@ -51,8 +53,10 @@ class PatchReport:
             f"  LoRA targets for this family: {', '.join(self.lora_targets)}",
         ]
         if self.replaced_attn_implementation:
-            lines.append(f"  replaced attn_implementation={self.replaced_attn_implementation!r} for training and "
-                         "prefill calls (decode steps and compiled evaluation run transformers' own; unpatch() restores it)")
+            lines.append(f"  attn_implementation stays {self.replaced_attn_implementation!r} (what transformers reports "
+                         "and set_attn_implementation changes); hf_accel's kernel serves training and prefill calls, "
+                         "the reported implementation decode steps, KV-cache prefills from a padding mask and "
+                         "compiled evaluation")
         if self.attentions:
             lines.append(f"  output_attentions=True runs {self.attentions}")
         if self.checkpointing:
@@ -151,7 +155,7 @@ def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="au
         why = ("liger-kernel's Triton kernels run on CUDA only; this model is on " + device.type) if not on_cuda \
             else None if liger_installed else "liger-kernel is not installed (pip install 'hf_accel[liger]')"
         out["fused_ops"] = Speedup("fused_ops", why is None,
-                                   "auto: liger-kernel's fused norms / SwiGLU" if why is None else f"auto: {why}")
+                                   "auto: liger-kernel's fused norms / gated MLPs" if why is None else f"auto: {why}")
     if compile != AUTO:
         on = compile is not False and compile is not None
         out["compile"] = Speedup("compile", on, "requested" if on else "compile=False")
@@ -160,75 +164,17 @@ def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="au
         why = (f"on CUDA only; this model is on {device.type}" if not on_cuda
                else "torch.compile is not supported in this Python / torch" if not torch._dynamo.is_dynamo_supported()
                else f"{quantized}: torch.compile does not trace them cleanly" if quantized else None)
-        # Compiling costs tens of seconds once and halves the element-wise time of every later step
-        # (docs/guide/speedups-and-backends.md), so it pays back early in a fine-tune.
+        # Llama-1B shapes on the H200: ~20 s of compiling once; element-wise time per 16k-token step 46 -> 22.5 ms
+        # and no GC stalls after (BENCHMARKS.md), i.e. paid back within the first thousand steps of a fine-tune.
         out["compile"] = Speedup("compile", why is None, "auto: decoder layers' training forwards through inductor "
                                  "(~20 s once for 1B shapes)" if why is None else f"auto: {why}")
     return out
-
-
-def _family(model_type: str):
-    for name in FAMILY_MODULES:
-        module = importlib.import_module(f"hf_accel.patches.{name}")
-        if model_type in module.MODEL_TYPES:
-            return module
-    supported = ", ".join(t for n in FAMILY_MODULES for t in importlib.import_module(f"hf_accel.patches.{n}").MODEL_TYPES)
-    raise UnsupportedModel(
-        f"hf_accel has no patch for model_type={model_type!r}; supported: {supported}. "
-        "Train it unpatched, or open an issue with the model's config."
-    )
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under PEFT (or any wrapper exposing get_base_model)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
-
-
-def family_of(model: torch.nn.Module):
-    """The family (``hf_accel.patches.<family>``) of a transformers or PEFT model; ``UnsupportedModel`` otherwise."""
-    return _family(base_model(model).config.model_type)
-
-
-def attention_dtype(param_dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
-    """The dtype training calls' attention receives: the autocast dtype when autocast is on now; on CUDA, bf16 for
-    fp32 weights (fp32 master weights train under autocast or FSDP2 mixed precision: kbit preparation, FSDP2);
-    else the weights' dtype. The seam still selects per call from what it gets (see ``varlen_attention``)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    if device.type == "cuda" and param_dtype == torch.float32:
-        return torch.bfloat16
-    return param_dtype
-
-
-def _training_request(model, family, device: DeviceInfo | None) -> AttentionRequest:
-    heads_q, heads_kv, head_dim = family.head_shape(model.config)
-    param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    where = param.device if param is not None else torch.device("cpu")
-    if where.type == "meta":  # init_empty_weights / FSDP's cpu_ram_efficient_loading: weights arrive later
-        where = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = device or DeviceInfo.of(where)
-    return AttentionRequest(
-        device=dev, dtype=attention_dtype(param.dtype if param is not None else torch.float32, dev), head_dim=head_dim, num_heads_q=heads_q, num_heads_kv=heads_kv,
-        dropout=family.training_dropout(model.config) > 0, alibi=bool(getattr(model.config, "alibi", False)),
-    )
-
-
-def _fp32_calls_note(model, request: AttentionRequest, backend: str) -> str | None:
-    """With fp32 weights on CUDA the report names the backend for half-precision calls; say what fp32 calls get."""
-    param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    if param is None or param.dtype != torch.float32 or request.dtype == torch.float32:
-        return None
-    from dataclasses import replace
-
-    from .errors import BackendUnavailable
-
-    try:
-        fp32 = select(replace(request, dtype=torch.float32), backend).backend.name
-    except BackendUnavailable:
-        fp32 = "none (they raise BackendUnavailable)"
-    return (f"fp32 weights: attention is chosen per call from the dtype it receives; the backend above serves "
-            f"{request.dtype} calls (autocast, FSDP2 mixed precision), plain fp32 calls get {fp32}")
 
 
 def _no_cache_in_training(module, args, kwargs):
@@ -271,14 +217,16 @@ def patch(
     config = getattr(model_hf, "config", None)
     if config is None:
         raise UnsupportedModel(f"expected a transformers PreTrainedModel (or PEFT model), got {type(model).__name__}.")
-    family = _family(config.model_type)
-    request = _training_request(model_hf, family, None)
+    family = family_of(config)
+    from .kernel_choice import training_request
+
+    request = training_request(model_hf, family, None)
     speedups = resolve_speedups(model_hf, request.device, fused_ce=fused_ce, fused_ops=fused_ops, compile=compile)
     fused_ce, fused_ops = speedups["fused_ce"].on, speedups["fused_ops"].on
     compile_options = _compile_options(compile if compile != AUTO else speedups["compile"].on)
     from .memory import mlp_chunks as mlp_chunking
 
-    chunking = mlp_chunking.resolve(mlp_chunks, mlp_chunking.intermediate_size(config), request.dtype.itemsize)
+    chunking = mlp_chunking.resolve(mlp_chunks, family.mlp_width(config), request.dtype.itemsize)
     state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
     if state is not None:
         same = (
@@ -293,14 +241,15 @@ def patch(
             return state.report
         unpatch(model)
 
-    chosen = select(request, backend)  # raises BackendUnavailable naming what is missing
-    fp32_note = _fp32_calls_note(model_hf, request, backend)
+    choice = choose(model_hf, family, backend)  # raises BackendUnavailable naming what is missing
+    fp32_note = fp32_calls_note(model_hf, choice.request, backend)
     previous_attn = config._attn_implementation
     names, undo = family.apply(model_hf, backend)
+    _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
     try:
-        report = _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_ops,
+        report = _finish_patch(model, model_hf, family, choice, names, undo, backend, fused_ops,
                                compiled=compile_options is not None)
-        report.replaced_attn_implementation, report.attentions = previous_attn, family.ATTENTIONS
+        report.replaced_attn_implementation, report.attentions = previous_attn, family.attentions
         if compile_options is not None:
             from .fused import compiling
 
@@ -318,7 +267,7 @@ def patch(
         if fused_ce:
             from .fused.cross_entropy import bind_fused_loss
 
-            undo.append(bind_fused_loss(model_hf))
+            undo.append(bind_fused_loss(model_hf, softcap=family.final_logit_softcap(config)))
             report.fused_ce = True
         report.speedups = [s.line() for s in speedups.values()]
         if fp32_note:
@@ -342,14 +291,26 @@ def patch(
     return report
 
 
-def _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_ops, compiled: bool) -> PatchReport:
+def _tag_layer_backends(model_hf, names: list[str], layer_backends: list[str], backend: str) -> None:
+    """Attention modules of layers the requested backend cannot serve select per call ("auto"); the family's undo
+    removes the attribute."""
+    from .attention.hf_attention import BACKEND_ATTR
+
+    for name in names:
+        module = model_hf.get_submodule(name)
+        index = getattr(module, "layer_idx", None)
+        if index is not None and index < len(layer_backends) and layer_backends[index] != backend:
+            setattr(module, BACKEND_ATTR, layer_backends[index])
+
+
+def _finish_patch(model, model_hf, family, choice, names, undo, backend, fused_ops, compiled: bool) -> PatchReport:
     """Everything after the attention seam; appends its undo actions to ``undo``."""
-    notes = []
+    notes = list(family.notes) + choice.notes
     if fused_ops:
         from .fused import ops as fused
 
         # liger serves eager training calls only; traced layers, evaluation and generation run the stock forwards
-        fused_names, fused_undo = fused.apply(model_hf)
+        fused_names, fused_undo = fused.apply(model_hf, family.fusable(model_hf))
         undo += fused_undo
         if compiled:
             notes.append(f"fused_ops with compile: liger's kernels are bound to {len(fused_names)} modules and serve "
@@ -363,9 +324,9 @@ def _finish_patch(model, model_hf, family, chosen, names, undo, backend, fused_o
 
     undo += lora_casts.apply(model_hf, notes)  # notes a quantized base's LoRA layers it leaves to PEFT
     report = PatchReport(
-        model_type=model_hf.config.model_type, backend_requested=backend, backend=chosen.backend.name,
-        selection=chosen.explain(), patched_modules=names, touches=family.TOUCHES,
-        lora_targets=family.LORA_TARGETS, fused_ops=fused_ops, notes=notes,
+        model_type=model_hf.config.model_type, backend_requested=backend, backend=choice.selection.backend.name,
+        selection=choice.selection.explain(), patched_modules=names, touches=family.touches,
+        lora_targets=family.lora_targets, fused_ops=fused_ops, notes=notes,
     )
     return report
 
@@ -385,6 +346,22 @@ def unpatch(model: torch.nn.Module) -> None:
         return
     for action in reversed(state.undo):
         action()
+
+
+def pin_attention_name(model: torch.nn.Module) -> str:
+    """Make a patched model's config report hf_accel's attention name between forwards too (by default it reports the
+    user's implementation and switches for each forward only), for wrappers that intercept the attention function
+    registered under the config's name (DeepSpeed's Ulysses sequence parallelism). unpatch() restores it. Returns
+    the name."""
+    from .attention.routing import ATTN_NAME, pin_name
+
+    model_hf = base_model(model)
+    state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
+    if state is None:
+        raise ConfigurationError("pin_attention_name needs a model patched by hf_accel.patch().")
+    if model_hf.config._attn_implementation != ATTN_NAME:
+        state.undo.append(pin_name(model_hf))
+    return ATTN_NAME
 
 
 def patch_report(model: torch.nn.Module) -> PatchReport | None:

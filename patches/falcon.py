@@ -8,7 +8,8 @@ from the collator's ``cu_seq_lens_q`` given to the model's forward, else from po
 the kernel as slopes.
 
 The original forward (transformers' own, eager or SDPA as configured) runs unchanged for every call the seam cannot
-or need not serve: decoding steps behind a KV cache and every call with a static cache, ``output_attentions``, a 4D
+or need not serve: decoding steps behind a KV cache, every call with a static cache and, outside training, a prefill
+filling a cache from a padding mask (so dynamic- and static-cache generation agree), ``output_attentions``, a 4D
 mask given by the caller (a pre-hook on ``FalconModel`` notes what mask each forward was given), and evaluation calls
 traced by ``torch.compile`` (so a compiled decode step traces with ``fullgraph=True`` as the unpatched model's does).
 A 2D mask with holes keeps its meaning: the masked keys are hidden and nothing else changes (see ``varlen``).
@@ -37,10 +38,8 @@ from hf_accel.attention.hf_attention import (
 )
 from hf_accel.attention.kernels import AttnOptions
 
-MODEL_TYPES = ("falcon",)
-LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
-TOUCHES = "FalconAttention.forward (instance-bound)"
-ATTENTIONS = "the attention module's original forward for that call (transformers' own probabilities)"
+from ._family import Family, LayerAttention, LayerBytes, affine_layer_norm, fusable_by_class
+
 _ORIGINAL = "_hf_accel_original_forward"
 _CALL = "_hf_accel_model_call"
 
@@ -124,6 +123,10 @@ def _runs_stock(self: FalconAttention, layer_past, output_attentions: bool) -> b
         return False
     if getattr(layer_past, "is_compileable", False):  # a static cache: its length is tensor data
         return True
+    if self.__dict__[_CALL].mask_ndim == 2 and not (self.training and torch.is_grad_enabled()):
+        # a cache filled from a padding mask (generate's prefill): stock values at padded positions too, as a static
+        # cache's prefill gets
+        return True
     return layer_past.get_seq_length(self.layer_idx) > 0  # a dynamic cache's length is a Python int
 
 
@@ -187,3 +190,41 @@ def apply(model, backend: str):
                 undo.append(lambda m=module: [m.__dict__.pop(a, None)
                                               for a in ("forward", _ORIGINAL, _CALL, BACKEND_ATTR)])
     return names, undo
+
+
+def mlp_width(config) -> int:
+    """Falcon's MLP width: ffn_hidden_size, 4 x hidden_size by default."""
+    return getattr(config, "ffn_hidden_size", None) or 4 * config.hidden_size
+
+
+def layer_bytes(config, b: int) -> LayerBytes:
+    """One or two LayerNorms (the new architecture's two parallel ones, or the sequential layout's), the fused qkv
+    (true KV groups), attention output and log-sum-exp, the GELU MLP."""
+    h = config.hidden_size
+    heads, kv, d = head_shape(config)
+    i = mlp_width(config)
+    lse = 4 * heads
+    n_ln = 2 if (config.new_decoder_architecture and getattr(config, "num_ln_in_parallel_attn", 2) == 2) or \
+        not config.parallel_attn else 1
+    sequential = 0 if config.parallel_attn or config.new_decoder_architecture else h * b
+    none = h * b + n_ln * (8 + h * b) + sequential + (2 * heads * d + 2 * kv * d) * b + lse + 2 * i * b
+    op = h * b + ((heads + 2 * kv) * d + heads * d + h + i + h) * b + lse
+    return LayerBytes(none, op, h * b)
+
+
+FAMILY = Family(
+    name="falcon",
+    model_types=("falcon",),
+    seam="instance_forward",
+    touches="FalconAttention.forward (instance-bound)",
+    attentions="the attention module's original forward for that call (transformers' own probabilities)",
+    lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    apply=apply,
+    head_shape=head_shape,
+    mlp_width=mlp_width,
+    layer_bytes=layer_bytes,
+    fusable=fusable_by_class(affine_layer_norm),
+    training_dropout=training_dropout,
+    layer_attention=lambda config, layer_idx: LayerAttention(alibi=bool(config.alibi)),
+    stock_packing=False,  # stock Falcon builds its mask without position_ids: packed documents attend to each other
+)

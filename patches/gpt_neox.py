@@ -1,21 +1,41 @@
 """GPT-NeoX family (Pythia, ...): partial rotary, parallel or sequential residual; one seam, the attention function.
 
-Touches: the model's attention implementation (hf_accel's registered function for this instance) and one attribute on
-each ``GPTNeoXAttention``. The fused ``query_key_value`` projection, partial RoPE and both residual layouts stay
+Touches: this model's attention implementation (hf_accel's registered function for its forwards) and one attribute
+on each ``GPTNeoXAttention``. The fused ``query_key_value`` projection, partial RoPE and both residual layouts stay
 transformers' own, so LoRA on ``query_key_value`` / ``dense`` works unchanged.
 """
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
 
-from ._registry_family import ATTENTIONS, patch_registry_family, training_dropout  # noqa: F401 (family API)
-
-MODEL_TYPES = ("gpt_neox",)
-LORA_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
-TOUCHES = "GPTNeoXAttention via transformers' AttentionInterface"
-
-
-def apply(model, backend: str):
-    return patch_registry_family(model, GPTNeoXAttention, backend)
+from ._family import Family, LayerBytes, affine_layer_norm, fusable_by_class
+from ._registry_family import ATTENTIONS, patch_registry_family
 
 
 def head_shape(config) -> tuple[int, int, int]:
     return config.num_attention_heads, config.num_attention_heads, config.hidden_size // config.num_attention_heads
+
+
+def layer_bytes(config, b: int) -> LayerBytes:
+    """Two LayerNorms, the fused qkv, attention output and log-sum-exp, the GELU MLP; the sequential residual keeps
+    one more hidden-sized input."""
+    h, heads, i = config.hidden_size, config.num_attention_heads, config.intermediate_size
+    d = h // heads
+    lse = 4 * heads
+    sequential = 0 if config.use_parallel_residual else h * b + 8
+    none = (10 * h + 2 * i) * b + 16 + lse + sequential
+    op = h * b + (3 * h + heads * d + h + i + h) * b + lse  # qkv, attention, dense, mlp
+    return LayerBytes(none, op, h * b)
+
+
+FAMILY = Family(
+    name="gpt_neox",
+    model_types=("gpt_neox",),
+    seam="attention_interface",
+    touches="GPTNeoXAttention via transformers' AttentionInterface",
+    attentions=ATTENTIONS,
+    lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    apply=lambda model, backend: patch_registry_family(model, GPTNeoXAttention, backend),
+    head_shape=head_shape,
+    mlp_width=lambda config: config.intermediate_size,
+    layer_bytes=layer_bytes,
+    fusable=fusable_by_class(affine_layer_norm),
+)

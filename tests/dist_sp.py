@@ -62,7 +62,7 @@ def main() -> None:
     # what that name resolves to: hf_accel's function, or DeepSpeed's Ulysses wrapper around it
     function = ALL_ATTENTION_FUNCTIONS.get(attn)
     with open(os.path.join(args.out, f"losses.rank{os.environ.get('RANK', '0')}.json"), "w") as f:
-        json.dump({"losses": losses, "attn": attn,
+        json.dump({"losses": losses, "attn": attn, "patched": hf_accel.patch_report(model) is not None,
                    "attn_function": getattr(function, "__qualname__", type(function).__name__),
                    "offloaded": offloader.stats.unpacked if offloader is not None else None}, f)
     leave_process_group()  # sft.py's own exit under sequence parallelism is tested by its launch

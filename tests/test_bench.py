@@ -151,6 +151,22 @@ def test_script_tiny_cpu_runs_configs(tmp_path):
     assert best.startswith("ok") or "not importable" in best, results["hf_accel-best"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["qwen3-8b-lora", "mistral-7b-lora", "gemma2-9b-lora"])
+def test_script_tiny_cpu_runs_the_new_families(tmp_path, workload):
+    """Each new family's workload at its tiny shape (LoRA, checkpointing): stock padded and packed train alike (stock
+    packing is right for these families), TRL's path (attention substituted) and hf_accel best run; the Gemma shape
+    soft-caps (the fused loss too) and needs its eager reference."""
+    configs = "hf-sdpa-padded,hf-sdpa-packed,trl-fa4-packed,hf_accel-best"
+    stdout, record = _run_bench(tmp_path, "--workload", workload, "--configs", configs, "--substitute-attn", "sdpa")
+    results = {r["config"]: r for r in record["results"]}
+    for name in configs.split(","):
+        assert results[name]["status"].startswith("ok"), results[name]
+        assert results[name]["tokens_per_s"] > 0 and results[name]["loss_finite"], results[name]
+    assert results["hf-sdpa-padded"]["loss"] == pytest.approx(results["hf-sdpa-packed"]["loss"], rel=1e-4)
+    assert results["hf-sdpa-packed"]["same_computation"] is not False
+
+
 def test_steady_rate_is_the_median_steps_and_ignores_one_stall():
     from hf_accel.bench.train import Timing, summarize
 

@@ -15,7 +15,7 @@ from transformers import DynamicCache, StaticCache
 
 import hf_accel
 from hf_accel.attention import varlen
-from tiny_models import VOCAB, make
+from tiny_models import NEW_FAMILIES, VOCAB, make
 
 LOGITS_RTOL = 2e-4  # relative to the logits' scale, as in test_patch
 GRAD_RTOL = 1e-3  # relative to each gradient's scale
@@ -25,8 +25,10 @@ VARIANTS = [
     "llama-gqa", "llama-mqa",
     "neox-parallel", "neox-sequential",  # partial rotary (rotary_pct 0.25), both residual layouts
     "falcon-40b-newarch", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-mha",
+    *NEW_FAMILIES,  # qkv bias, q/k norm, sliding window, soft-capping with sliding + global layers
 ]
-ENTRY_VARIANTS = ["llama-gqa", "neox-sequential", "falcon-mha", "falcon-rw-alibi"]  # Falcon: rotary and ALiBi
+# Falcon: rotary and ALiBi; Gemma 2: soft-capping, a sliding layer and a global one
+ENTRY_VARIANTS = ["llama-gqa", "neox-sequential", "falcon-mha", "falcon-rw-alibi", "gemma2-softcap"]
 
 # Holes: zeros inside a row, not only at its ends (the issue's repro), plus plain left padding in a third row.
 HOLES = torch.tensor([[1, 1, 0, 0, 0, 1, 1], [1, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1]])
@@ -55,6 +57,8 @@ def set_implementation(model, implementation: str) -> None:
 def pair(variant: str, implementation: str | None = None, **config):
     """(unpatched reference, patched copy): same weights."""
     ref = make(variant)
+    if implementation == "sdpa" and not ref._supports_sdpa:
+        pytest.skip(f"transformers refuses SDPA for {ref.config.model_type} (its eager attention is the reference)")
     if implementation is not None:
         set_implementation(ref, implementation)
     for key, value in config.items():
@@ -146,7 +150,7 @@ def test_output_attentions_returns_probabilities(variant, implementation):
     out.loss.backward()
     assert out.attentions[0].grad is not None
     if not variant.startswith("falcon"):
-        assert model.config._attn_implementation == "hf_accel"  # switched for that call only
+        assert model.config._attn_implementation == implementation  # switched for that call only
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel"])
@@ -288,6 +292,7 @@ _SLOW = pytest.mark.slow  # each case compiles a decode step (dynamo, fullgraph)
     pytest.param("neox-parallel", "static", marks=_SLOW), pytest.param("neox-sequential", "dynamic", marks=_SLOW),
     pytest.param("falcon-40b-newarch", "static", marks=_SLOW),
     pytest.param("falcon-rw-alibi", "dynamic", marks=_SLOW),  # stock ALiBi Falcon has no static cache path
+    pytest.param("gemma2-softcap", "static", marks=_SLOW),  # soft-capping, a sliding and a global layer
 ])
 def test_compiled_decoding_traces_with_fullgraph(variant, cache, monkeypatch):
     """The whole module (forward hooks included) compiles with fullgraph=True for prefill and decode steps, and gives

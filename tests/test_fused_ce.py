@@ -51,6 +51,31 @@ def test_plain_linear_matches_full_logits(method, chunk_size, reduction, num_ite
         torch.testing.assert_close(g_got, g_want, rtol=RTOL, atol=ATOL)
 
 
+class _NotPlainLinear(nn.Linear):
+    """A head the fused loss must call as a module (its "module" path), as it calls a LoRA-wrapped head."""
+
+
+@pytest.mark.parametrize("method", ["inline", "recompute", "module"])
+def test_final_logit_softcap_matches_capped_full_logits(method):
+    """Gemma 2's final soft-cap inside the fused loss: loss and gradients as F.cross_entropy over
+    cap * tanh(logits / cap) of the full logits. Scores of several times the cap, so the cap matters."""
+    hidden, labels = _data(3)
+    hidden = (hidden * 4).requires_grad_(True)
+    head = (_NotPlainLinear if method == "module" else nn.Linear)(H, V, bias=False)
+    cap = 2.0
+    params = [hidden, *head.parameters()]
+    logits = head(hidden)
+    assert logits.abs().max() > 3 * cap
+    want = F.cross_entropy(torch.tanh(logits / cap) * cap, labels, ignore_index=-100)
+    got = linear_cross_entropy(hidden, head, labels, chunk_size=8, method="auto" if method == "module" else method,
+                               softcap=cap)
+    uncapped = linear_cross_entropy(hidden, head, labels, chunk_size=8)
+    assert (uncapped - want).abs() > 0.1  # the test can fail: capping changes the loss
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for g_got, g_want in zip(_grads(got, params), _grads(want, params)):
+        torch.testing.assert_close(g_got, g_want, rtol=RTOL, atol=ATOL)
+
+
 def test_frozen_head_only_hidden_grad():
     hidden, labels = _data(1)
     head = nn.Linear(H, V).requires_grad_(False)

@@ -9,6 +9,7 @@ import torch
 import hf_accel
 from hf_accel.fused import ops as fused_ops
 from hf_accel.errors import BackendUnavailable
+from hf_accel.patches import family_of
 from tiny_models import make
 
 
@@ -48,7 +49,7 @@ def _stand_in_binders(calls: list):
         own = type(m).forward
         m.forward = lambda *a, _m=m, **k: calls.append(_m) or own(_m, *a, **k)
 
-    return {"rms_norm": binder, "swiglu": binder, "layer_norm": binder}
+    return dict.fromkeys(("rms_norm", "rms_norm_gemma", "swiglu", "geglu", "layer_norm"), binder)
 
 
 def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
@@ -62,7 +63,7 @@ def test_inside_compiled_layers_liger_serves_only_eager_training_calls():
     model = make("llama-gqa").train()
     before = {n: dict(m.__dict__) for n, m in model.named_modules()}
     calls = []
-    names, undo = fused_ops.bind(model, _stand_in_binders(calls))
+    names, undo = fused_ops.bind(family_of(model).fusable(model), _stand_in_binders(calls))
     assert "model.norm" in names and len(names) > 1
     _, compile_undo = compiling.apply(model, {"backend": "eager"})
     inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
@@ -137,11 +138,39 @@ def test_fullgraph_compiled_eval_never_traces_liger(variant):
     with torch.no_grad():
         want = model(input_ids=ids).logits
     calls = []
-    _, undo = fused_ops.bind(model, _stand_in_binders(calls))
+    _, undo = fused_ops.bind(family_of(model).fusable(model), _stand_in_binders(calls))
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         got = compiled(input_ids=ids).logits
     assert not calls
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for action in reversed(undo):
+        action()
+
+
+@pytest.mark.parametrize("variant, kinds", [
+    ("llama-gqa", {"rms_norm": 5, "swiglu": 2}),
+    ("qwen3-qk-norm", {"rms_norm": 9, "swiglu": 2}),  # q_norm / k_norm too, as liger's Qwen3 patch binds them
+    ("mistral-window", {"rms_norm": 5, "swiglu": 2}),
+    ("gemma2-softcap", {"rms_norm_gemma": 9, "geglu": 2}),  # four (1 + w) norms a layer, GELU-tanh gate
+    ("gemma3-text", {"rms_norm_gemma": 13, "geglu": 2}),
+    ("neox-parallel", {"layer_norm": 5}),
+])
+def test_each_family_names_what_liger_fuses_and_bound_forwards_serve_training(variant, kinds):
+    """The family object says which modules liger fuses and as what (Gemma's norms with offset 1 and gemma casting,
+    its MLP as GEGLU); the bound forwards serve the training calls and the result is unchanged (stand-in kernels)."""
+    torch.manual_seed(0)
+    model = make(variant).train()
+    found = family_of(model).fusable(model)
+    got = {}
+    for _, _, kind in found:
+        got[kind] = got.get(kind, 0) + 1
+    assert got == kinds
+    ids = torch.randint(0, 64, (1, 9))
+    want = model(input_ids=ids, labels=ids).loss
+    calls = []
+    _, undo = fused_ops.bind(found, _stand_in_binders(calls))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want)
+    assert len({id(m) for m in calls}) == len(found)
     for action in reversed(undo):
         action()

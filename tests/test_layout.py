@@ -15,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ALLOWED = {
     "hf_accel.data": ("hf_accel.errors",),
     "hf_accel.attention": ("hf_accel.errors",),
-    "hf_accel.memory": ("hf_accel.errors", "hf_accel.attention.kernels"),
-    "hf_accel.fused": ("hf_accel.errors", "hf_accel.memory.targets"),
+    # the offline memory estimate starts from a config, so it asks the family registry for its formula
+    "hf_accel.memory": ("hf_accel.errors", "hf_accel.attention.kernels", "hf_accel.patches"),
+    "hf_accel.fused": ("hf_accel.errors", "hf_accel.memory.targets"),  # family facts are handed in by patch()
     "hf_accel.patches": ("hf_accel.errors", "hf_accel.attention"),
 }
 FACE_ONLY = "hf_accel.training"  # imported by nothing but the package face, itself and scripts
@@ -96,3 +97,58 @@ def test_import_reader_sees_relative_and_lazy_imports(tmp_path):
 def test_each_stage_says_what_it_owns_and_may_import(package):
     doc = ast.get_docstring(ast.parse((ROOT / "hf_accel" / package / "__init__.py").read_text())) or ""
     assert "May import" in doc, f"hf_accel/{package}/__init__.py must open with what it owns and may import"
+
+
+# ---- families: everything model-specific lives in patches/ ---------------------------------------------------------
+def _outside_patches():
+    return sorted([*(ROOT / "hf_accel").rglob("*.py"), *(ROOT / "scripts").glob("*.py")])
+
+
+def _model_type_branches(path: pathlib.Path, model_types: set[str]) -> list[str]:
+    """Comparisons that read a model_type (``x.model_type == ...``, ``model_type in ...``) or test a value against a
+    model_type string (``family == "falcon"``), and imports of transformers' per-model modules."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            reads = any(isinstance(o, ast.Attribute) and o.attr == "model_type"
+                        or isinstance(o, ast.Name) and o.id == "model_type" for o in operands)
+            names = [o.value for o in operands if isinstance(o, ast.Constant) and isinstance(o.value, str)]
+            names += [e.value for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set))
+                      for e in o.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if reads or set(names) & model_types:
+                found.append(f"line {node.lineno}: compares a model_type")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers.models."):
+            found.append(f"line {node.lineno}: imports {node.module}")
+    return found
+
+
+def test_nothing_outside_patches_branches_on_model_type():
+    """The estimate, fused ops, MLP chunking, the Trainers and the bench ask the family object (hf_accel.patches);
+    a model_type comparison or a per-model transformers import elsewhere is a family fact in the wrong place."""
+    from hf_accel.patches import supported_model_types
+
+    types = set(supported_model_types())
+    bad = [f"{p.relative_to(ROOT)} {hit}" for p in _outside_patches() for hit in _model_type_branches(p, types)]
+    assert not bad, "model-specific code belongs to the family's module in patches/:\n" + "\n".join(bad)
+
+
+def test_branch_reader_sees_model_type_comparisons(tmp_path):
+    """The checker itself: each form it must catch, and plain data it must leave alone."""
+    src = tmp_path / "x.py"
+    src.write_text("if config.model_type == 'llama': pass\nif fam in ('falcon', 'x'): pass\n"
+                   "from transformers.models.llama.modeling_llama import LlamaMLP\nfamily = 'llama'\n")
+    assert len(_model_type_branches(src, {"llama", "falcon"})) == 3
+
+
+def test_every_family_module_is_registered_and_typed():
+    """Adding a family is one file plus one line: each patches/<family>.py defines FAMILY, and the registry lists it."""
+    import importlib
+
+    from hf_accel.patches import FAMILIES, Family
+
+    modules = sorted(p.stem for p in (ROOT / "patches").glob("*.py") if not p.stem.startswith("_"))
+    families = [importlib.import_module(f"hf_accel.patches.{m}").FAMILY for m in modules]
+    assert all(isinstance(f, Family) for f in families)
+    assert {id(f) for f in families} == {id(f) for f in FAMILIES}
+    assert len({t for f in FAMILIES for t in f.model_types}) == sum(len(f.model_types) for f in FAMILIES)

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (FalconConfig, FalconForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (FalconConfig, FalconForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 import hf_accel
 from hf_accel.memory.budget import MemoryBudget
@@ -26,6 +28,8 @@ from hf_accel.memory.plan import (GradientBytes, LayerActivation, plan_checkpoin
 ACTIVATION_RTOL = 0.25
 TOKENS = 64
 
+_LLAMA_LIKE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, use_cache=False)
 CONFIGS = {
     "llama": (LlamaForCausalLM, lambda: LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -39,6 +43,15 @@ CONFIGS = {
     "falcon": (FalconForCausalLM, lambda: FalconConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, new_decoder_architecture=True,
         num_kv_heads=2, alibi=False, use_cache=False)),
+    **{name: (cls, lambda config_cls=config_cls, extra=extra: config_cls(**_LLAMA_LIKE, **extra))
+       for name, cls, config_cls, extra in [
+           ("qwen2", Qwen2ForCausalLM, Qwen2Config, {}),
+           ("qwen3", Qwen3ForCausalLM, Qwen3Config, dict(head_dim=16)),
+           ("mistral", MistralForCausalLM, MistralConfig, {}),
+           # Gemma 2 measured on eager (transformers refuses SDPA): its seq x seq probabilities are in the probe
+           ("gemma2", Gemma2ForCausalLM, Gemma2Config, dict(head_dim=16, attn_implementation="eager")),
+           ("gemma3_text", Gemma3ForCausalLM, Gemma3TextConfig, dict(head_dim=16, sliding_window=TOKENS)),
+       ]},
 }
 
 
@@ -66,7 +79,7 @@ def test_lora_parameter_count_matches_peft():
     assert estimate.params == sum(p.numel() for p in lora_model.parameters())
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_neox", "falcon"])
+@pytest.mark.parametrize("name", ["llama", "gpt_neox", "falcon", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"])
 def test_activation_estimate_close_to_saved_tensor_measurement(name):
     model = build(name)
     ids = torch.randint(0, 128, (1, TOKENS))

@@ -167,7 +167,8 @@ def test_stock_falcon_packing_leaks_and_ours_does_not():
     assert rel_err(model(input_ids=ids, position_ids=pos).logits[0], alone) < LOGITS_RTOL
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi",
+                                     "mistral-window", "gemma2-softcap", "gemma3-text"])
 def test_generate_unchanged(variant):
     model = make(variant)
     model.config.use_cache = True
@@ -252,10 +253,10 @@ def test_checkpointed_layers_still_recompute(variant):
 def test_lora_grads_equal_patch_before_or_after_peft(variant):
     from peft import LoraConfig, get_peft_model
 
-    from hf_accel.patching import _family
+    from hf_accel.patches import family_of
 
     ids, mask, labels = batch("right")
-    targets = list(_family(make(variant).config.model_type).LORA_TARGETS)
+    targets = list(family_of(make(variant)).lora_targets)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
 
     def lora_grads(order):
@@ -279,18 +280,19 @@ def test_lora_grads_equal_patch_before_or_after_peft(variant):
 def test_report_predicts_the_backend_training_calls_use():
     """Attention dropout in training rules out kernels without dropout; the report must say which serves."""
     from hf_accel.attention.kernels import DeviceInfo
-    from hf_accel.patching import _family, _training_request
+    from hf_accel.kernel_choice import training_request
+    from hf_accel.patches import family_for
 
     model = make("llama-gqa")
     model.config.attention_dropout = 0.1
-    request = _training_request(model, _family("llama"), DeviceInfo("cuda", (9, 0)))
+    request = training_request(model, family_for("llama"), DeviceInfo("cuda", (9, 0)))
     assert request.dropout and request.device.capability == (9, 0)
     rw = make("falcon-rw-alibi")
     rw.config.attention_dropout = 0.1
-    assert _training_request(rw, _family("falcon"), None).dropout
+    assert training_request(rw, family_for("falcon"), None).dropout
     rotary = make("falcon-mha")
     rotary.config.attention_dropout = 0.1
-    assert not _training_request(rotary, _family("falcon"), None).dropout  # Falcon's rotary path has no dropout
+    assert not training_request(rotary, family_for("falcon"), None).dropout  # Falcon's rotary path has no dropout
 
 
 # ---- defaults: "auto" resolves to the fast path on CUDA, to today's behaviour elsewhere -------------------------
@@ -343,12 +345,51 @@ def test_fp32_master_weights_pick_the_half_precision_kernel():
     """kbit preparation / FSDP2 keep fp32 weights while attention receives bf16 (issue 20): fa4 must not be passed
     over for "cannot do dtype torch.float32"."""
     from hf_accel.attention.kernels import select
-    from hf_accel.patching import _family, _training_request
+    from hf_accel.kernel_choice import training_request
+    from hf_accel.patches import family_for
 
     model = make("llama-gqa")  # fp32 weights
-    request = _training_request(model, _family("llama"), _h200())
+    request = training_request(model, family_for("llama"), _h200())
     assert request.dtype == torch.bfloat16
     installed = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
     assert select(request, "auto", installed).backend.name == "fa4"
-    cpu = _training_request(model, _family("llama"), None)
+    cpu = training_request(model, family_for("llama"), None)
     assert cpu.dtype == torch.float32  # CPU: unchanged
+
+
+@pytest.mark.parametrize("variant, feature", [
+    ("gemma2-softcap", dict(attn_logit_softcapping=None)),
+    ("gemma2-softcap", dict(final_logit_softcapping=None)),
+    ("mistral-window", dict(sliding_window=None)),
+    ("gemma3-text", dict(query_pre_attn_scalar=16)),
+])
+def test_the_tiny_configs_exercise_each_family_feature(variant, feature):
+    """The equivalence tests can fail: each family feature the seam or the fused loss must honour changes the tiny
+    model's logits by far more than the tests' tolerance (soft-capping barely changes random-init scores, hence the
+    configs' scale and caps)."""
+    ref = make(variant)
+    other = copy.deepcopy(ref)
+    for key, value in feature.items():
+        setattr(other.config, key, value)
+    for module in other.modules():  # attention modules copy these at construction
+        if "attn_logit_softcapping" in feature and hasattr(module, "attn_logit_softcapping"):
+            module.attn_logit_softcapping = feature["attn_logit_softcapping"]
+        if "query_pre_attn_scalar" in feature and hasattr(module, "scaling"):
+            module.scaling = feature["query_pre_attn_scalar"] ** -0.5
+    ids, mask, _ = batch("none")
+    with torch.no_grad():
+        assert rel_err(other(input_ids=ids).logits, ref(input_ids=ids).logits) > 100 * LOGITS_RTOL
+
+
+@pytest.mark.parametrize("variant", ["gemma2-softcap", "mistral-window"])
+def test_a_named_backend_that_cannot_softcap_hands_those_layers_on_and_says_so(variant):
+    """backend="sdpa" cannot soft-cap: Gemma 2's layers go to a backend that can (reference on CPU), named in the
+    report; Mistral's window sdpa can do, so nothing is handed on."""
+    model = make(variant)
+    report = hf_accel.patch(model, backend="sdpa")
+    tags = {m._hf_accel_backend for m in model.modules() if hasattr(m, "_hf_accel_backend")}
+    if variant.startswith("gemma2"):
+        assert report.backend == "reference" and tags == {"auto"}
+        assert any("backend 'sdpa' cannot do" in note and "softcap" in note for note in report.notes)
+    else:
+        assert report.backend == "sdpa" and tags == {"sdpa"} and not report.notes

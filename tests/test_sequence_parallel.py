@@ -53,7 +53,8 @@ def test_two_sequence_parallel_ranks_train_like_one_process(deepspeed_cpu, tmp_p
     launch_or_fail(zero3_cpu_launch(ROOT / "tests" / "dist_sp.py") + ["--sp", "2", "--out", str(two), *flags], tmp_path, RUN_TIMEOUT_S,
                    env={"OMP_NUM_THREADS": "1"})
     reference, ranks = _losses(one), [_losses(two, r) for r in (0, 1)]
-    assert reference["attn_function"] == "hf_accel_attention"
+    # one process: the config keeps reporting the user's implementation; hf_accel's seam serves the forwards
+    assert reference["attn"] == "sdpa" and reference["patched"], reference
     for rank in ranks:
         # DeepSpeed's wrapper runs under the patched model's own attention name, around hf_accel's function
         assert rank["attn"] == "hf_accel" and "uattn_wrapper" in rank["attn_function"], rank
@@ -123,7 +124,7 @@ def test_trainer_hands_deepspeed_hf_accels_attention_and_refuses_what_cannot_sha
     unpatched, handler, setup = _trainer_with_sp("llama", DataCollatorForPacking(pad_token_id=0), patch=False)
     setup(unpatched)
     assert handler.sp_attn_implementation == "sdpa"  # the stock model keeps the user's choice
-    with pytest.raises(ConfigurationError, match="Falcon"):
+    with pytest.raises(ConfigurationError, match="(?i)falcon"):
         setup(_trainer_with_sp("falcon", DataCollatorForPacking(pad_token_id=0))[0])
     with pytest.raises(ConfigurationError, match="packed batches"):
         setup(_trainer_with_sp("llama", DataCollatorForPadding(pad_token_id=0))[0])

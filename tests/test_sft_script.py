@@ -182,7 +182,15 @@ SMALL_SHAPES = {
     "falcon-small": ("falcon", dict(parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False,
                                     tie_word_embeddings=True)),
 }
-FULL_SHAPES = {"llama-1b": "llama-1b", "llama-8b": "llama-8b-lora", "neox-1.4b": "neox-1.4b", "falcon-1b": "falcon-1b"}
+FULL_SHAPES = {"llama-1b": "llama-1b", "llama-8b": "llama-8b-lora", "neox-1.4b": "neox-1.4b", "falcon-1b": "falcon-1b",
+               "qwen3-8b": "qwen3-8b-lora", "mistral-7b": "mistral-7b-lora", "gemma2-9b": "gemma2-9b-lora"}
+# the issue-36 families' "-small" cuts: (full shape, features that must survive)
+NEW_SMALL_SHAPES = {
+    "qwen3-small": ("qwen3-8b", dict(head_dim=64, num_key_value_heads=4)),
+    "mistral-small": ("mistral-7b", dict(sliding_window=512, num_key_value_heads=4)),
+    "gemma2-small": ("gemma2-9b", dict(head_dim=128, query_pre_attn_scalar=128, sliding_window=512,
+                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+}
 
 
 @pytest.mark.parametrize("name, workload", sorted(FULL_SHAPES.items()))
@@ -252,6 +260,28 @@ def test_small_shapes_keep_their_familys_features(sft_module, name):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     assert model.config.model_type == family and model.config._attn_implementation == "sdpa"
     assert 50e6 < sum(p.numel() for p in model.parameters()) < 150e6
+
+
+@pytest.mark.parametrize("name", sorted(NEW_SMALL_SHAPES))
+def test_new_family_small_shapes_keep_their_features(sft_module, name):
+    """4 layers of width 1024, vocabulary 32000, the family's own features (q/k norm, window, soft-caps, sliding and
+    global layers alternating), buildable with the family's reference attention."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.cli.shapes import model_shape_config
+    from hf_accel.patches import family_of
+
+    full, features = NEW_SMALL_SHAPES[name]
+    config, big = model_shape_config(name), model_shape_config(full)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (
+        big.model_type, 4, 1024, 32000)
+    assert {k: getattr(config, k) for k in features} == features
+    if getattr(big, "layer_types", None):
+        assert config.layer_types == big.layer_types[:4]
+    family = family_of(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=family.reference_attention)
+    assert 50e6 < sum(p.numel() for p in model.parameters()) < 200e6
 
 
 def test_model_shape_on_cpu_is_refused_in_one_line(sft_module, monkeypatch, capsys, tmp_path):

@@ -6,10 +6,20 @@ import torch
 from transformers import (
     FalconConfig,
     FalconForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 96
@@ -34,6 +44,22 @@ def _falcon(**kw):
     return FalconForCausalLM(FalconConfig(**cfg))
 
 
+_LLAMA_LIKE = dict(_COMMON, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=False)
+WINDOW = 4  # sliding windows shorter than the test sequences (5-17 tokens), so they change what a query sees
+# Gemma: scores large enough for soft-capping to matter (at init 0.02 and cap 50 it changes them by ~2e-7), a
+# query_pre_attn_scalar other than head_dim, a sliding layer then a global one (Gemma 3's default is 5 : 1)
+_GEMMA = dict(_LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+              layer_types=["sliding_attention", "full_attention"], initializer_range=0.2)
+
+
+def _gemma2(**kw):
+    # transformers refuses SDPA for Gemma 2 (soft-capping): eager is the stock reference
+    cfg = dict(_GEMMA, attn_implementation="eager", attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+    cfg.update(kw)
+    return Gemma2ForCausalLM(Gemma2Config(**cfg))
+
+
 VARIANTS = {
     "llama-gqa": lambda: _llama(),
     "llama-mqa": lambda: _llama(num_key_value_heads=1),
@@ -49,7 +75,13 @@ VARIANTS = {
     "falcon-40b-newarch": lambda: _falcon(new_decoder_architecture=True, num_kv_heads=2),
     "falcon-rw-alibi": lambda: _falcon(alibi=True, bias=True, parallel_attn=False),
     "falcon-mha": lambda: _falcon(),
+    "qwen2-qkv-bias": lambda: Qwen2ForCausalLM(Qwen2Config(**_LLAMA_LIKE)),
+    "qwen3-qk-norm": lambda: Qwen3ForCausalLM(Qwen3Config(**_LLAMA_LIKE, head_dim=16)),
+    "mistral-window": lambda: MistralForCausalLM(MistralConfig(**_LLAMA_LIKE, sliding_window=WINDOW)),
+    "gemma2-softcap": lambda: _gemma2(),
+    "gemma3-text": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**_GEMMA)),
 }
+NEW_FAMILIES = ["qwen2-qkv-bias", "qwen3-qk-norm", "mistral-window", "gemma2-softcap", "gemma3-text"]
 
 
 def make(name: str, seed: int = 0) -> torch.nn.Module:

@@ -1,10 +1,12 @@
 """The attention function and mask function hf_accel registers with transformers under its own name.
 
-Training and prefill calls (queries as long as keys) go through the varlen seam and the chosen kernel. Everything else
-runs transformers' own SDPA function with SDPA's own mask, i.e. exactly what the unpatched model computes: decoding
-steps behind a KV cache (queries shorter than keys), a 4D mask given by the caller, and any evaluation call traced by
-``torch.compile`` (a compiled decode step traces with ``fullgraph=True`` as the unpatched model's does; only a
-training call, module in train mode with grad enabled, crosses into the seam's eager kernels).
+A patched model's forwards select them for their duration only (``routing``: the config keeps reporting the user's
+implementation). Training and prefill calls (queries as long as keys) go through the varlen seam and the chosen
+kernel. Everything else runs the reported implementation's own function with its own mask, i.e. exactly what the
+unpatched model computes: decoding steps behind a KV cache (queries shorter than keys), a 4D mask given by the caller,
+a forward filling a KV cache from a padding mask (``routing``), and any evaluation call traced by ``torch.compile`` (a
+compiled decode step traces with ``fullgraph=True`` as the unpatched model's does; only a training call, module in
+train mode with grad enabled, crosses into the seam's eager kernels).
 """
 from __future__ import annotations
 
@@ -15,28 +17,34 @@ from typing import NamedTuple
 import torch
 import transformers.masking_utils as masking_utils
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from .kernels import AttnOptions, varlen_attention
+from .routing import ATTN_NAME, forward_padding_mask, runs_stock_forward, stock_attention, stock_mask
 from .varlen import varlen_batch
 
-# Our own name: never containing "flash" (transformers treats such names as its own flash path and fetches kernels).
-ATTN_NAME = "hf_accel"
 BACKEND_ATTR = "_hf_accel_backend"
 
 
 def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
-    """The caller's 2D padding mask, bool (B, S), or None, for the varlen seam; SDPA's own mask for the calls that run
-    transformers' SDPA function (queries shorter than keys, and anything traced by torch.compile)."""
-    if q_length != kv_length or torch.compiler.is_compiling():
-        return sdpa_mask(
+    """The caller's 2D padding mask, bool (B, S), or None, for the varlen seam; the reported implementation's own mask
+    for the calls that run its function (queries shorter than keys, a cache filled from a padding mask, anything
+    traced by torch.compile)."""
+    if q_length != kv_length or torch.compiler.is_compiling() or runs_stock_forward():
+        return stock_mask()(
             batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
             attention_mask=attention_mask, **kwargs,
         )
     # Kept even when it masks nothing: a mask given to the model is the layout (positions that merely jump do not
     # start documents then, as in transformers), and the seam reads it in the same host copy as position_ids.
-    return None if attention_mask is None else attention_mask[:, -kv_length:]
+    # The same tensor for every mask of the forward (Gemma's and Qwen's sliding and full masks, each converted by
+    # transformers on its own): the layout's memo is keyed by identity, so all layers share one host read of it.
+    given = forward_padding_mask()
+    if attention_mask is None:
+        return None
+    if given is not None and given.shape == attention_mask.shape and kv_length == given.shape[-1]:
+        return given
+    return attention_mask[:, -kv_length:]
 
 
 def runs_stock(module: torch.nn.Module) -> bool:
@@ -78,13 +86,17 @@ def seam_attention(
 # the same way.
 @torch.compiler.disable
 def _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs) -> torch.Tensor:
+    # transformers' sliding_window counts the query itself: a query sees keys q - window < k <= q
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     opts = AttnOptions(
         scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
         causal=getattr(module, "is_causal", True),
         window=(window - 1 if window else None, None),
+        softcap=float(kwargs.get("softcap") or 0.0),  # Gemma: scores -> softcap * tanh(scores / softcap)
         dropout_p=dropout,
     )
+    if window and attention_mask is not None and _holes(query, attention_mask, kwargs):
+        return _windowed_with_holes(module, query, key, value, attention_mask, scaling, dropout, window, kwargs)
     return seam_attention(
         module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         attention_mask=attention_mask, position_ids=kwargs.get("position_ids"), opts=opts,
@@ -92,15 +104,36 @@ def _hf_accel_attention_varlen(module, query, key, value, attention_mask, scalin
     )
 
 
+def _holes(query, attention_mask, kwargs) -> bool:
+    """Whether the padding mask has holes inside a row (read from the forward's layout, memoised for every layer)."""
+    batch, seq = query.shape[0], query.shape[2]
+    return varlen_batch(batch_size=batch, seq_len=seq, device=query.device, attention_mask=attention_mask,
+                        position_ids=kwargs.get("position_ids"), cu_seq_lens=kwargs.get("cu_seq_lens_q"),
+                        max_length=kwargs.get("max_length_q")).has_holes
+
+
+def _windowed_with_holes(module, query, key, value, attention_mask, scaling, dropout, window, kwargs):
+    """A sliding window over a row with holes: transformers' window counts slots, holes included, where the varlen
+    layout counts real tokens. The reported implementation serves this call, with the mask transformers builds."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    batch, seq = query.shape[0], query.shape[2]
+    mask = stock_mask()(batch_size=batch, q_length=seq, kv_length=seq, mask_function=sliding_window_causal_mask_function(
+        window), attention_mask=attention_mask.bool(), allow_is_causal_skip=False, dtype=query.dtype, device=query.device)
+    out, _ = stock_attention(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out
+
+
 def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
     stock = (
         query.shape[2] != key.shape[2]  # a decoding step behind a KV cache (or a static cache's prefill)
-        or (attention_mask is not None and attention_mask.ndim == 4)  # the caller's own 4D mask
-        or (runs_stock(module) and attention_mask is None)  # SDPA's mask, built under compile: None = causal only
+        or (attention_mask is not None and getattr(attention_mask, "ndim", None) != 2)  # a 4D (or block) mask
+        or (runs_stock(module) and attention_mask is None)  # the stock mask, built under compile: None = causal only
+        or runs_stock_forward()  # a KV cache filled from a padding mask
     )
     if stock:
-        return sdpa_attention_forward(
+        return stock_attention(module)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     return _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs), None

@@ -25,6 +25,8 @@ class VarlenBatch:
     cu_seqlens: (num_docs + 1,) int32 on the model's device, offsets into the selected (real) tokens.
     max_seqlen: longest document, a Python int (kernels need it on the host).
     indices:    (num_tokens,) int64 positions of the real tokens in the flattened B*S, or None when every slot is real.
+    has_holes:  a masked slot sits between real tokens of a row: a token's distance to another then counts the hole
+                in transformers' masks (its sliding windows count slots), not in this layout.
     """
 
     batch_size: int
@@ -32,6 +34,7 @@ class VarlenBatch:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     indices: torch.Tensor | None
+    has_holes: bool = False
 
     @property
     def num_docs(self) -> int:
@@ -114,6 +117,8 @@ def from_mask_and_positions(
             restarts |= pos_bs != prev_pos + 1
         starts_bs |= mask_bs & restarts
 
+    has_real_after = _has_real_before(mask_bs.flip(1)).flip(1)
+    has_holes = bool((~mask_bs & _has_real_before(mask_bs) & has_real_after).any())
     real_flat = mask_bs.reshape(-1)
     starts_flat = starts_bs.reshape(-1)
     indices = None
@@ -132,6 +137,7 @@ def from_mask_and_positions(
         cu_seqlens=cu.to(device, non_blocking=True),
         max_seqlen=max_seqlen,
         indices=None if indices is None else indices.to(device, non_blocking=True),
+        has_holes=has_holes,
     )
 
 

@@ -314,7 +314,15 @@ def _hf_accel_trainer(kind: str) -> Callable[..., nn.Module]:
     return run
 
 
-_FALCON_LEAK = ("falcon",)  # Falcon ignores packed position_ids under sdpa/TRL: documents attend to each other
+def _stock_packing_leaks() -> tuple[str, ...]:
+    """Model types whose stock packing lets documents attend to each other (Falcon ignores packed position_ids
+    under sdpa / TRL): ``Family.stock_packing``."""
+    from hf_accel.patches import FAMILIES
+
+    return tuple(t for family in FAMILIES if not family.stock_packing for t in family.model_types)
+
+
+_PACKING_LEAKS = _stock_packing_leaks()
 CONFIGS: dict[str, BenchConfig] = {
     c.name: c
     for c in [
@@ -323,14 +331,14 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf-fa4-padded", True, ("fa4",), _stock(FA4, packed=False),
                     "stock HF, attn_implementation=flash_attention_4, padded"),
         BenchConfig("hf-sdpa-packed", True, (), _stock("sdpa", packed=True),
-                    "stock HF, sdpa, DataCollatorWithFlattening (one row, position_ids)", wrong_for=_FALCON_LEAK),
+                    "stock HF, sdpa, DataCollatorWithFlattening (one row, position_ids)", wrong_for=_PACKING_LEAKS),
         BenchConfig("liger-sdpa-padded", True, ("cuda", "liger", "liger-family"), _liger_padded,
                     "liger_kernel on stock sdpa, padded"),
         BenchConfig("trl-fa4-packed", True, ("fa4", "trl"), _trl(liger=False),
-                    "TRL SFTTrainer packing=True (bfd, padding-free), flash_attention_4", wrong_for=_FALCON_LEAK,
+                    "TRL SFTTrainer packing=True (bfd, padding-free), flash_attention_4", wrong_for=_PACKING_LEAKS,
                     launched=_trl(liger=False)),
         BenchConfig("trl-fa4-packed-liger", True, ("fa4", "trl", "cuda", "liger", "liger-family"), _trl(liger=True),
-                    "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_FALCON_LEAK,
+                    "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_PACKING_LEAKS,
                     launched=_trl(liger=True)),
         BenchConfig("hf_accel", False, ("hf_accel",), _hf_accel(best=False),
                     "hf_accel.patch(model, fused_ce=False, fused_ops=False, compile=False, mlp_chunks=False) + "
@@ -362,8 +370,11 @@ CONFIGS: dict[str, BenchConfig] = {
 
 
 # ---- Unsloth and QLoRA (issue 20): packages kept apart (apart.py), models loaded from files -----------------------
-REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam == "llama"
-                                                      else f"the Unsloth configs run Llama workloads only, not {fam!r}")
+# model types the Unsloth configs run (FastLanguageModel's own list is longer; these are the bench's workloads)
+UNSLOTH_FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
+REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam in UNSLOTH_FAMILIES else
+                                                      f"the Unsloth configs run {', '.join(UNSLOTH_FAMILIES)} "
+                                                      f"workloads only, not {fam!r}")
 
 
 def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:

@@ -57,6 +57,9 @@ class Preset:
 _DEFAULTS_AND_BEST = ("hf_accel-defaults", "hf_accel-best")
 _LONG_CONFIGS = ("trl-fa4-packed-liger", "hf-sdpa-padded", "unsloth", "hf_accel-best")  # unsloth: where its pack is
 _MULTI_CONFIGS = ("trl-fa4-packed-liger", "hf_accel-defaults")
+# sized like llama-8b-lora (6 timed steps of 16k tokens, ~1-2 minutes a configuration on one H200); not run yet
+_FAMILY_LORA_SETTINGS = dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=560,
+                             config_timeout=170)
 _LONG_SETTINGS = dict(doc_lengths="16384,32768,65536,131072,262144", steps=2, warmup=1, best_checkpointing="offload",
                       best_compile="off", time_budget=560, config_timeout=400)
 # issue 40: past 256k the layer inputs alone (4 GiB a layer at 512k) outgrow the device, and offloading all of them
@@ -98,6 +101,15 @@ PRESETS: dict[str, Preset] = {
             dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=540,
                  config_timeout=150),
         ),
+        # issue 36: the other bases people LoRA-tune, at their published shapes: the strongest stock stacks (TRL +
+        # flash-attn-4 + Liger, Unsloth where its pack is installed) vs hf_accel defaults / best in the same run
+        *[Preset(
+            name, f"{shape} shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 + Liger (full checkpointing) vs "
+            "hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded checkpointing) "
+            "where its pack is installed",
+            name, ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "unsloth"), _FAMILY_LORA_SETTINGS,
+        ) for name, shape in (("qwen3-8b-lora", "Qwen3-8B"), ("mistral-7b-lora", "Mistral-7B-v0.1"),
+                              ("gemma2-9b-lora", "Gemma-2-9B (soft-capping, sliding / global layers)"))],
         Preset(
             "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL + "
             "flash-attn-4 + Liger vs Unsloth's QLoRA vs hf_accel defaults, where the bitsandbytes / Unsloth packs "

@@ -62,11 +62,16 @@ def synchronize(device: str) -> None:
 
 
 def build_model(settings: RunSettings, attn_implementation: str) -> nn.Module:
-    """Random-init model of the workload's shape, on the device, in settings.dtype (+ checkpointing, no LoRA yet)."""
+    """Random-init model of the workload's shape, on the device, in settings.dtype (+ checkpointing, no LoRA yet).
+    "sdpa" means the family's stock reference implementation (``Family.reference_attention``)."""
     from transformers import AutoModelForCausalLM
+
+    from hf_accel.patches import family_of
 
     torch.manual_seed(settings.seed)
     config = build_config(settings.workload, settings.tiny)
+    if attn_implementation == "sdpa":  # the stock reference: eager where transformers refuses SDPA (Gemma 2)
+        attn_implementation = family_of(config).reference_attention
     with torch.device(settings.device):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn_implementation, dtype=settings.dtype

@@ -21,7 +21,7 @@ class Workload:
     """One model shape to benchmark. `config_kwargs` builds the real shape; `tiny_kwargs` the CPU smoke shape."""
 
     name: str
-    family: str  # transformers model_type: llama, gpt_neox, falcon
+    family: str  # transformers model_type: llama, gpt_neox, falcon, qwen3, mistral, gemma2
     config_kwargs: dict[str, Any]
     tiny_kwargs: dict[str, Any]
     lora: bool = False  # LoRA r=16 on every linear layer of the decoder (peft)
@@ -46,6 +46,20 @@ _LLAMA_1B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_wo
 _LLAMA_8B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
 PROMPT_SHARE = (0.4, 0.6)  # the completion workloads: a document's prompt share, uniform in this range
 _LONG_ROPE = dict(max_position_embeddings=LONG_MAX_POSITIONS, rope_parameters=LLAMA3_ROPE)
+# issue 36: the bases most fine-tunes start from besides Llama, at their published shapes (LoRA workloads), and their
+# CPU smoke shapes (each keeps its family's feature: q/k norm, a window shorter than the tiny documents, soft-capping
+# with sliding and global layers)
+_QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960)
+_MISTRAL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, sliding_window=4096, tie_word_embeddings=False,
+                   rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768)
+_GEMMA2_9B = dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                  sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                  tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=8192)
+_GQA_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
 _LONG_ROPE_TINY = dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64))
 
 WORKLOADS: dict[str, Workload] = {
@@ -78,6 +92,27 @@ WORKLOADS: dict[str, Workload] = {
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, QLoRA: the base in bitsandbytes NF4 (bf16 compute), LoRA r=16 alpha=32 on all "
                   "decoder linears, gradient checkpointing on (the QLoRA configs quantize; others would not)",
+        ),
+        Workload(
+            "qwen3-8b-lora", "qwen3", dict(_QWEN3_8B), dict(_GQA_TINY, head_dim=16),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Qwen3-8B shapes (per-head q/k RMSNorm), LoRA r=16 alpha=32 on all decoder linears, gradient "
+                  "checkpointing on",
+        ),
+        Workload(
+            "mistral-7b-lora", "mistral", dict(_MISTRAL_7B), dict(_GQA_TINY, sliding_window=16),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Mistral-7B-v0.1 shapes (sliding window 4096 on every layer; SFT documents up to 4096 tokens "
+                  "never reach past it), LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
+        ),
+        Workload(
+            "gemma2-9b-lora", "gemma2", dict(_GEMMA2_9B),
+            dict(_GQA_TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, attn_logit_softcapping=50.0,
+                 final_logit_softcapping=30.0, tie_word_embeddings=True),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Gemma-2-9B shapes (attention soft-cap 50, final logit soft-cap 30, sliding 4096 / global layers "
+                  "alternating, head_dim 256, vocabulary 256000, tied), LoRA r=16 alpha=32 on all decoder linears, "
+                  "gradient checkpointing on",
         ),
         Workload(
             "neox-1.4b", "gpt_neox",

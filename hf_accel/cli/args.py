@@ -26,7 +26,8 @@ from ..training.run_folders import check_output_dir, checkpoints, latest_run_dir
 RUNS_ROOT = "runs"  # numbered run folders (runs/<name>-<N>) when --output-dir is not given
 # --model-shape presets (hf_accel.cli.shapes builds them); names only here, so they are checked without torch
 MODEL_SHAPE_NAMES = ("llama-1b", "llama-8b", "neox-1.4b", "falcon-1b", "llama-8b-long", "llama-1b-long",
-                     "llama-small", "neox-small", "falcon-small")
+                     "llama-small", "neox-small", "falcon-small", "qwen3-8b", "mistral-7b", "gemma2-9b", "qwen3-small",
+                     "mistral-small", "gemma2-small")
 # attention backends (hf_accel.attention.kernels.BACKENDS; tests/test_cli.py keeps the two lists equal)
 BACKEND_NAMES = ("auto", "fa4", "fa3", "fa2", "torch-fa2", "flex", "sdpa", "reference")
 DATASET_SUFFIXES = (".json", ".jsonl", ".parquet")

@@ -163,7 +163,7 @@ def add_lora(model, args: argparse.Namespace):
     from peft import LoraConfig, get_peft_model
 
     from ..errors import ConfigurationError
-    from ..patching import family_of
+    from ..patches import family_of
 
     if args.lora_targets:
         targets = [t.strip() for t in args.lora_targets.split(",")]
@@ -174,7 +174,7 @@ def add_lora(model, args: argparse.Namespace):
                                      f"{', '.join(missing)}; its linear layers include "
                                      f"{', '.join(sorted(_linear_names(model)))}.")
     else:  # the family's projection names, as its patch module declares them
-        targets = list(family_of(model).LORA_TARGETS)
+        targets = list(family_of(model).lora_targets)
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets,
                         lora_dropout=0.0, task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # PEFT reads a property transformers 5.2x deprecated: nothing a user can change

@@ -24,6 +24,18 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-small": ("llama-1b", dict(_SMALL, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4)),
     "neox-small": ("neox-1.4b", dict(_SMALL, intermediate_size=4096, num_attention_heads=8)),
     "falcon-small": ("falcon-1b", dict(_SMALL, ffn_hidden_size=4096, num_attention_heads=16, num_kv_heads=16)),
+    # the LoRA workloads' shapes of the newer families (--lora-r decides whether LoRA is added) and their "-small"
+    # cuts (q/k norm, the window, soft-capping with sliding / global layers kept)
+    "qwen3-8b": ("qwen3-8b-lora", {}),
+    "mistral-7b": ("mistral-7b-lora", {}),
+    "gemma2-9b": ("gemma2-9b-lora", {}),
+    "qwen3-small": ("qwen3-8b-lora", dict(_SMALL, intermediate_size=4096, num_attention_heads=16,
+                                          num_key_value_heads=4, head_dim=64)),
+    "mistral-small": ("mistral-7b-lora", dict(_SMALL, intermediate_size=4096, num_attention_heads=16,
+                                              num_key_value_heads=4, sliding_window=512)),
+    "gemma2-small": ("gemma2-9b-lora", dict(_SMALL, intermediate_size=4096, num_attention_heads=8,
+                                            num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128,
+                                            sliding_window=512)),
 }
 
 
@@ -37,11 +49,14 @@ def model_shape_config(name: str) -> Any:
 
 
 def build_model_shape(name: str, seed: int, device: torch.device | str) -> torch.nn.Module:
-    """--model-shape ``name``, random init from ``seed`` on ``device``, in bf16 (the same weights on every rank)."""
+    """--model-shape ``name``, random init from ``seed`` on ``device``, in bf16 (the same weights on every rank), with
+    the family's stock reference attention (sdpa; eager for Gemma 2, which transformers refuses SDPA for)."""
     from transformers import AutoModelForCausalLM
+
+    from ..patches import family_of
 
     config = model_shape_config(name)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=family_of(config).reference_attention)
     return model.to(torch.bfloat16)

@@ -2,6 +2,10 @@
 linear cross-entropy that recomputes logits in backward (`_ChunkedLinearCE`), the one that computes each chunk's
 gradients in the forward (`_GradInForwardLinearCE`), and the chunked loss through any head module under activation
 checkpointing (`_module_chunked_sum`), with the per-chunk helpers they share.
+
+Each takes an optional ``softcap``: the logits become ``softcap * tanh(logits / softcap)`` before the loss (Gemma 2's
+final logit soft-capping, applied by its ForCausalLM after the head), and the gradient through it is
+``d loss / d capped * (1 - (capped / softcap) ** 2)``.
 """
 from __future__ import annotations
 
@@ -25,21 +29,26 @@ def _chunk_ce_sum(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits_cv.float(), labels_c, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in the logits' dtype, in transformers' order; the logits if None."""
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Sum of token CE of `hidden_nh @ weight_vh.T + bias_v`; saves hidden, weight, labels and lse_n only."""
 
     @staticmethod
-    def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int):
+    def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int, softcap: float | None = None):
         ctx.compute = _compute_dtype(hidden_nh.device, weight_vh.dtype)  # the backward recomputes the same logits
         lse_n = torch.empty(hidden_nh.shape[0], dtype=torch.float32, device=hidden_nh.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden_nh.device)
         w_vh, b_v = _cast(weight_vh, ctx.compute), _cast(bias_v, ctx.compute)
         for start in _chunk_starts(hidden_nh.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
-            logits_cv = _chunk_logits(hidden_nh[sl], w_vh, b_v).float()
+            logits_cv = soft_cap(_chunk_logits(hidden_nh[sl], w_vh, b_v).float(), softcap)
             lse_n[sl] = torch.logsumexp(logits_cv, dim=-1)
             total += _chunk_ce_sum(logits_cv, labels_n[sl])
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.softcap = chunk_size, softcap
         ctx.has_bias = bias_v is not None
         ctx.save_for_backward(hidden_nh, weight_vh, bias_v, labels_n, lse_n)
         return total
@@ -55,12 +64,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for start in _chunk_starts(hidden_nh.shape[0], ctx.chunk_size):
             sl = slice(start, start + ctx.chunk_size)
             h_ch, labels_c = hidden_nh[sl], labels_n[sl]
-            logits_cv = _chunk_logits(h_ch, w_vh, b_v).float()
+            logits_cv = soft_cap(_chunk_logits(h_ch, w_vh, b_v).float(), ctx.softcap)
             # d(sum CE)/d logits = softmax - onehot(label), zero on ignored rows (no host sync)
             valid_c1 = (labels_c != IGNORE_INDEX).unsqueeze(1)
             dlogits_cv = torch.exp(logits_cv - lse_n[sl, None])
             dlogits_cv.scatter_add_(1, torch.where(valid_c1, labels_c.unsqueeze(1), 0), -valid_c1.float())
             dlogits_cv *= valid_c1 * grad_total
+            if ctx.softcap:  # through the cap: d capped / d logits = 1 - (capped / softcap)^2
+                dlogits_cv *= 1 - (logits_cv / ctx.softcap).square_()
             if grad_hidden is not None:
                 grad_hidden[sl] = (dlogits_cv.to(ctx.compute) @ w_vh).to(hidden_nh.dtype)
             if grad_weight is not None:
@@ -69,7 +80,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 grad_bias += dlogits_cv.sum(0)
         grad_weight = grad_weight.to(weight_vh.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias_v.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _compute_dtype(device: torch.device, weight_dtype: torch.dtype) -> torch.dtype:
@@ -134,7 +145,7 @@ class _GradInForwardLinearCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int):
+    def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int, softcap: float | None = None):
         device = hidden_nh.device
         ce_grad = _ce_grad_kernel(device)
         want_hidden, want_weight = hidden_nh.requires_grad, weight_vh.requires_grad
@@ -152,8 +163,13 @@ class _GradInForwardLinearCE(torch.autograd.Function):
                 sl = slice(start, start + chunk_size)
                 h_ch = h_nh[sl]
                 logits_cv = F.linear(h_ch, w_vh, b_v)
+                if softcap:  # capped in place, as transformers caps (divide, tanh, multiply in the logits' dtype)
+                    tanh_cv = logits_cv.div_(softcap).tanh_()
+                    logits_cv = tanh_cv * softcap
                 total += ce_grad(logits_cv, labels_n[sl])
                 dlogits_cv = logits_cv  # overwritten in place
+                if softcap:  # through the cap: 1 - tanh^2
+                    dlogits_cv.mul_(tanh_cv.square_().neg_().add_(1))
                 if grad_hidden is not None:
                     torch.mm(dlogits_cv, w_vh, out=grad_hidden[sl])
                 if grad_weight is not None:
@@ -170,7 +186,7 @@ class _GradInForwardLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grads = tuple(None if g is None else _scale_(g, grad_total) for g in ctx.saved_tensors)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def _scale_(grad: torch.Tensor, scale: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
@@ -185,13 +201,13 @@ def _scale_(grad: torch.Tensor, scale: torch.Tensor, block: int = 1 << 24) -> to
 
 
 def _module_chunked_sum(hidden_nh: torch.Tensor, head_forward: Callable[[torch.Tensor], torch.Tensor],
-                        labels_n: torch.Tensor, chunk_size: int) -> torch.Tensor:
+                        labels_n: torch.Tensor, chunk_size: int, softcap: float | None = None) -> torch.Tensor:
     """Run the head's forward per chunk under checkpointing: LoRA adapters get gradients, chunk logits are
     recomputed. `head_forward` is the head's own forward, not its __call__: the chunks run inside the one call of
     the head (`_one_head_call`), whose wrapper hooks must fire once."""
 
     def chunk_loss(h_ch: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
-        return _chunk_ce_sum(head_forward(h_ch), labels_c)
+        return _chunk_ce_sum(soft_cap(head_forward(h_ch), softcap), labels_c)
 
     total = hidden_nh.new_zeros((), dtype=torch.float32)
     for start in _chunk_starts(hidden_nh.shape[0], chunk_size):

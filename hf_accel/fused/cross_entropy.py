@@ -96,11 +96,13 @@ def _one_head_call(head: nn.Module, summed_loss: Callable[..., torch.Tensor], hi
             del head.__dict__["forward"]
 
 
-def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor) -> torch.Tensor:
+def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor,
+               softcap: float | None) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     return liger_fused_linear_cross_entropy(
-        hidden_nh, head.weight, labels_n, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum"
+        hidden_nh, head.weight, labels_n, bias=head.bias, ignore_index=IGNORE_INDEX, reduction="sum",
+        softcap=softcap,
     )
 
 
@@ -138,6 +140,7 @@ def linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int | None = None,
     method: Method = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `lm_head(hidden_nh)` against `labels_n` (-100 ignored), never building full (N, V) logits.
 
@@ -150,6 +153,7 @@ def linear_cross_entropy(
     the logits in the backward (least memory, a fourth matmul), "liger" uses liger-kernel's fused kernel (CUDA), and
     any other head (e.g. LoRA on lm_head) takes the "module" path: the head module per chunk under checkpointing.
     `chunk_size`: tokens per chunk; None sizes chunks so one chunk's logits take about 512 MiB.
+    `softcap`: the logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2's final logit soft-capping).
     """
     if hidden_nh.dim() != 2 or labels_n.shape != hidden_nh.shape[:1]:
         raise InvalidBatch(
@@ -178,12 +182,12 @@ def linear_cross_entropy(
     def summed_loss(h_nh: torch.Tensor, y_n: torch.Tensor, head_forward: Callable) -> torch.Tensor:
         # inside the head's call: lm_head.weight is the gathered (unsharded) weight here
         if path == "liger":
-            return _liger_sum(h_nh, lm_head, y_n)
+            return _liger_sum(h_nh, lm_head, y_n, softcap)
         if path == "inline" and torch.is_grad_enabled():
-            return _GradInForwardLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size)
+            return _GradInForwardLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size, softcap)
         if path in ("inline", "recompute"):
-            return _ChunkedLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size)
-        return _module_chunked_sum(h_nh, head_forward, y_n, chunk_size)
+            return _ChunkedLinearCE.apply(h_nh, lm_head.weight, lm_head.bias, y_n, chunk_size, softcap)
+        return _module_chunked_sum(h_nh, head_forward, y_n, chunk_size, softcap)
 
     total = _one_head_call(lm_head, summed_loss, hidden_nh, labels_n)
     if num_items_in_batch is not None:
@@ -226,6 +230,7 @@ def causal_lm_loss_from_hidden(
     target_rows: torch.Tensor | None = None,
     chunk_size: int | None = None,
     method: Method = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal-LM loss from the decoder's last hidden states (B, S, H) and unshifted labels (B, S).
 
@@ -237,6 +242,7 @@ def causal_lm_loss_from_hidden(
     ``target_rows`` (T,) int64: the flattened (B*S) positions whose target is not -100 (a superset does no harm), as
     the packing collator lists them; only those rows of hidden states go through the head. Same loss and gradients
     as every row (a masked row adds nothing to either), without the masked rows' LM-head work.
+    ``softcap``: the model's final logit soft-cap (its family's ``final_logit_softcap``), None for none.
     """
     head = model.get_output_embeddings()
     if head is None:
@@ -251,7 +257,8 @@ def causal_lm_loss_from_hidden(
         rows_t = target_rows.to(hidden_nh.device, non_blocking=True)  # the collator's list: no host read here
         hidden_nh, labels_n = hidden_nh.index_select(0, rows_t), labels_n.index_select(0, rows_t)
     return linear_cross_entropy(
-        hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, method=method
+        hidden_nh, head, labels_n, num_items_in_batch=num_items_in_batch, chunk_size=chunk_size, method=method,
+        softcap=softcap,
     )
 
 
@@ -261,7 +268,8 @@ _STOCK_FORWARD = "_hf_accel_stock_forward"
 TARGET_ROWS_KEY = "hf_accel_target_rows"
 
 
-def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: Method = "auto") -> Callable[[], None]:
+def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: Method = "auto",
+                    softcap: float | None = None) -> Callable[[], None]:
     """Bind a ``forward`` on this ``*ForCausalLM`` instance that, in training with labels, returns the loss computed
     from the decoder's hidden states by ``causal_lm_loss_from_hidden`` (no full logits; ``logits`` is None).
 
@@ -269,8 +277,9 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
     (gradients are reduced, root parameters gathered). Evaluation, generation and calls without labels run the stock
     forward. The collator's ``hf_accel_target_rows`` (the positions with a target) is taken out of every call, so it
     never reaches transformers' code; a training call with labels computes only those rows of the head (a call that
-    also brings ``shift_labels`` computes every row: the rows were listed from ``labels``). Returns the action that
-    restores the stock forward exactly.
+    also brings ``shift_labels`` computes every row: the rows were listed from ``labels``). ``softcap``: the final
+    logit soft-cap the stock forward applies after the head (Gemma 2), applied by the fused loss the same way.
+    Returns the action that restores the stock forward exactly.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -290,7 +299,7 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
         out = body(**kwargs)
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
                                           shift_labels=shift_labels, target_rows=target_rows, chunk_size=chunk_size,
-                                          method=method)
+                                          method=method, softcap=softcap)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
 
     # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.

@@ -1,7 +1,9 @@
 """Optional fused element-wise kernels (liger-kernel), bound to one model instance and undone exactly.
 
-``patch(model, fused_ops=True)`` swaps the forward of each RMSNorm / SwiGLU MLP (Llama) and LayerNorm (GPT-NeoX,
-Falcon) instance for liger-kernel's Triton implementation, through liger's own per-instance binders. Liger's public
+``patch(model, fused_ops=True)`` swaps the forward of each module the model's family names as fusable
+(``Family.fusable``: RMSNorms, Gemma's (1 + w) RMSNorms, SwiGLU and GEGLU MLPs, affine LayerNorms) for liger-kernel's
+Triton implementation, through liger's own per-instance binders, with the settings liger's own model patches use
+(Gemma: ``offset=1``, ``casting_mode="gemma"``, not in place). Liger's public
 ``apply_liger_kernel_to_*`` functions rebind classes module-wide (every model in the process) and rotary globally, so
 they are not used here. The MLP's projections are still called as modules, so LoRA keeps receiving its inputs.
 
@@ -50,22 +52,6 @@ def _transaction(module: nn.Module, change: Callable[[nn.Module], None]) -> Call
     return undo
 
 
-def fusable_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, kind) for each module liger can fuse: kind "rms_norm" (Llama RMSNorm), "swiglu" (a Llama MLP
-    with a SiLU gate) or "layer_norm" (affine nn.LayerNorm)."""
-    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
-
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, LlamaRMSNorm):
-            found.append((name, module, "rms_norm"))
-        elif isinstance(module, LlamaMLP) and module.config.hidden_act in ("silu", "swish"):
-            found.append((name, module, "swiglu"))
-        elif isinstance(module, nn.LayerNorm) and module.elementwise_affine:
-            found.append((name, module, "layer_norm"))
-    return found
-
-
 def _eager_only(module: nn.Module) -> None:
     """Keep liger's bound forward for eager training calls; the module's own forward otherwise (dynamo tracing,
     evaluation, generation)."""
@@ -80,9 +66,12 @@ def _eager_only(module: nn.Module) -> None:
     module.forward = types.MethodType(forward, module)
 
 
-def apply(model: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
-    """Bind liger's fused norms / SwiGLU to this model's modules, for eager training calls only (see the module
-    docstring). Raises BackendUnavailable when it cannot."""
+Fusable = list[tuple[str, nn.Module, str]]  # (name, module, kind) as a Family.fusable gives them
+
+
+def apply(model: nn.Module, modules: Fusable) -> tuple[list[str], list[Callable[[], None]]]:
+    """Bind liger's fused norms / gated MLPs to ``modules`` (the family's fusable modules of ``model``), for eager
+    training calls only (see the module docstring). Raises BackendUnavailable when it cannot."""
     reason = unavailable_reason(model)
     if reason:
         raise BackendUnavailable(f"fused_ops=True needs liger-kernel on CUDA: {reason}. Pass fused_ops=False.")
@@ -90,22 +79,34 @@ def apply(model: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
         from liger_kernel.transformers.monkey_patch import (
             _patch_layer_norm_module,
             _patch_rms_norm_module,
+            _patch_geglu_module,
             _patch_swiglu_module,
         )
         from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     binders = {
-        "rms_norm": lambda m: _patch_rms_norm_module(m, eps=m.variance_epsilon),
+        "rms_norm": lambda m: _patch_rms_norm_module(m, eps=_eps(m)),
+        # Gemma's (x * (1 + w)).to(dtype): what liger's Gemma 2 / 3 patches bind
+        "rms_norm_gemma": lambda m: _patch_rms_norm_module(m, eps=_eps(m), offset=1.0, casting_mode="gemma",
+                                                           in_place=False),
         "swiglu": lambda m: _patch_swiglu_module(m, LigerSwiGLUMLP),
+        "geglu": _patch_geglu_module,
         "layer_norm": lambda m: _patch_layer_norm_module(m, eps=m.eps),
     }
-    return bind(model, binders)
+    return bind(modules, binders)
 
 
-def bind(model: nn.Module, binders: dict[str, Callable[[nn.Module], None]]) -> tuple[list[str], list[Callable[[], None]]]:
+def _eps(norm: nn.Module) -> float:
+    """Llama-style norms name it variance_epsilon, Gemma's eps."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return eps if eps is not None else norm.eps
+
+
+def bind(modules: Fusable, binders: dict[str, Callable[[nn.Module], None]]
+         ) -> tuple[list[str], list[Callable[[], None]]]:
     """Apply ``binders[kind]`` to each fusable module, for its eager training calls only; names and undo actions."""
     names, undo = [], []
-    for name, module, kind in fusable_modules(model):
+    for name, module, kind in modules:
 
         def change(m, kind=kind):
             binders[kind](m)
@@ -147,7 +148,7 @@ def trace_stock_instead(original: Callable, stock: Callable) -> None:
 
 
 def keep_liger_out_of_compiled_graphs() -> None:
-    """Register the stock stand-ins for liger's norm, SwiGLU, LayerNorm and RoPE functions (once; only when liger
+    """Register the stock stand-ins for liger's norm, SwiGLU, GEGLU, LayerNorm and RoPE functions (once; only when liger
     has been imported, i.e. may be bound to a model)."""
     if "liger_kernel" not in sys.modules or _substituted:
         return
@@ -157,6 +158,7 @@ def keep_liger_out_of_compiled_graphs() -> None:
         from liger_kernel.transformers.layer_norm import LigerLayerNorm
         from liger_kernel.transformers.rms_norm import LigerRMSNorm
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        from liger_kernel.transformers.geglu import LigerGEGLUMLP
         from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     def rms_norm(self, hidden_states):
@@ -166,13 +168,15 @@ def keep_liger_out_of_compiled_graphs() -> None:
         dtype = hidden_states.dtype
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        weight = getattr(self, "offset", 0.0) + self.weight
-        if getattr(self, "casting_mode", "llama") == "llama":
-            return weight * x.to(dtype)
-        return (x * weight.float()).to(dtype)
+        if getattr(self, "casting_mode", "llama") in ("gemma", "none"):  # (x * (offset + w)) in fp32, then cast
+            return (x * (self.weight.float() + getattr(self, "offset", 0.0))).to(dtype)
+        return (getattr(self, "offset", 0.0) + self.weight) * x.to(dtype)
 
     def swiglu(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def geglu(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
     def layer_norm(self, hidden_states):
         eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-5)
@@ -188,5 +192,6 @@ def keep_liger_out_of_compiled_graphs() -> None:
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     for original, stock in ((LigerRMSNorm.forward, rms_norm), (LigerSwiGLUMLP.forward, swiglu),
-                            (LigerLayerNorm.forward, layer_norm), (liger_rotary_pos_emb, rotary)):
+                            (LigerGEGLUMLP.forward, geglu), (LigerLayerNorm.forward, layer_norm),
+                            (liger_rotary_pos_emb, rotary)):
         trace_stock_instead(original, stock)

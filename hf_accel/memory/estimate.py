@@ -1,7 +1,8 @@
 """Training memory: fixed costs (weights, gradients, optimizer states, logits/loss) and an offline estimate.
 
 - `estimate_training_memory(config_or_path, ...)`: parameters, gradients, optimizer states, activations per decoder
-  layer (a per-family formula), logits/loss and the peak, without allocating the model (accelerate's
+  layer (the family's formula: ``hf_accel.patches``' ``Family.layer_bytes``, the one import of the family registry
+  outside patch()), logits/loss and the peak, without allocating the model (accelerate's
   `init_empty_weights`) and without the hub.
 - The activation probe and the budget planner live in `checkpoint_plan` (re-exported here).
 """
@@ -133,7 +134,7 @@ def loss_bytes(tokens: int, vocab_size: int, dtype_bytes: int) -> int:
 
 # ----------------------------------------------------------------------------------------------- offline estimate
 def _known_shapes() -> dict:
-    from transformers import FalconConfig, GPTNeoXConfig, LlamaConfig
+    from transformers import FalconConfig, Gemma2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen3Config
 
     return {  # the published architectures' shapes, built in code (no hub)
         "llama-3.2-1b": lambda: LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -146,13 +147,20 @@ def _known_shapes() -> dict:
         "falcon-1b": lambda: FalconConfig(vocab_size=50304, hidden_size=2048, num_hidden_layers=24,
                                           num_attention_heads=32, alibi=True, bias=True, parallel_attn=False,
                                           multi_query=False, new_decoder_architecture=False),
+        "qwen3-8b": lambda: Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                                        head_dim=128, tie_word_embeddings=False),
+        "mistral-7b": lambda: MistralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                            sliding_window=4096),
+        "gemma-2-9b": lambda: Gemma2Config(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                                           num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                                           head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     }
 
 
-KNOWN_SHAPES = ("llama-3.2-1b", "llama-3-8b", "pythia-1.4b", "falcon-1b")
-LORA_TARGETS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
-                "falcon": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")}
+KNOWN_SHAPES = ("llama-3.2-1b", "llama-3-8b", "pythia-1.4b", "falcon-1b", "qwen3-8b", "mistral-7b", "gemma-2-9b")
 
 
 def load_config(config_or_path):
@@ -174,40 +182,18 @@ def load_config(config_or_path):
     )
 
 
-def _layer_activation(config, b: int) -> LayerActivation:
-    """Per-token bytes one decoder layer keeps (flash-style attention: no seq x seq tensor; GQA not repeated).
+def _family(config):
+    """The model family's facts (hf_accel.patches): its LoRA targets and per-layer activation formula."""
+    from ..patches import family_of
 
-    Counted from what autograd saves in transformers' Llama / GPT-NeoX / Falcon layers: norm inputs (fp32 copies
-    for half dtypes), norm outputs, q/k/v after rotary, attention output and log-sum-exp, MLP intermediates.
-    """
-    h, heads = config.hidden_size, config.num_attention_heads
-    d = getattr(config, "head_dim", None) or h // heads
-    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
-    if config.model_type == "falcon" and not config.new_decoder_architecture and config.multi_query:
-        kv = 1
-    lse = 4 * heads
-    if config.model_type == "llama":
-        i = config.intermediate_size
-        norm = 4 * h + 4 + 2 * h * b  # fp32 input copy, rsqrt, normalized, weighted
-        none = 2 * norm + (2 * heads * d + 2 * kv * d) * b + lse + 4 * i * b
-        op = h * b + (2 * heads * d + 2 * kv * d + 2 * h + 2 * i) * b + lse
-    elif config.model_type == "gpt_neox":
-        i = config.intermediate_size
-        sequential = 0 if config.use_parallel_residual else h * b + 8
-        none = (10 * h + 2 * i) * b + 16 + lse + sequential
-        op = h * b + (3 * h + heads * d + h + i + h) * b + lse  # qkv, attention, dense, mlp
-    elif config.model_type == "falcon":
-        i = getattr(config, "ffn_hidden_size", None) or 4 * h
-        n_ln = 2 if (config.new_decoder_architecture and getattr(config, "num_ln_in_parallel_attn", 2) == 2) or \
-            not config.parallel_attn else 1
-        sequential = 0 if config.parallel_attn or config.new_decoder_architecture else h * b
-        none = h * b + n_ln * (8 + h * b) + sequential + (2 * heads * d + 2 * kv * d) * b + lse + 2 * i * b
-        op = h * b + ((heads + 2 * kv) * d + heads * d + h + i + h) * b + lse
-    else:
-        raise ConfigurationError(
-            f"no activation formula for model_type {config.model_type!r}; supported: llama, gpt_neox, falcon."
-        )
-    return LayerActivation(none, op, h * b)
+    return family_of(config)
+
+
+def _layer_activation(config, b: int) -> LayerActivation:
+    """Per-token bytes one decoder layer keeps (flash-style attention: no seq x seq tensor; GQA not repeated), as the
+    family counts what autograd saves in its layers (``Family.layer_bytes``)."""
+    per_token = _family(config).layer_bytes(config, b)
+    return LayerActivation(per_token.none, per_token.op, per_token.full)
 
 
 @dataclass(frozen=True)
@@ -276,7 +262,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     if dtype not in DTYPE_BYTES:
         raise ConfigurationError(f"unknown dtype {dtype!r}; allowed: {sorted(DTYPE_BYTES)}.")
     b = DTYPE_BYTES[dtype]
-    targets = tuple(lora_targets or LORA_TARGETS.get(config.model_type, ()))
+    targets = tuple(lora_targets or _family(config).lora_targets)
     params, lora = _count_parameters(config, lora_rank, targets)
     trainable, train_bytes = (lora, 4) if lora_rank else (params, b)
     per_token = _layer_activation(config, b)
@@ -312,8 +298,10 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
 def _lora_inputs_per_layer(config, targets: Sequence[str]) -> int:
     """Sum of in_features over one layer's adapted linears (for the fp32 input copies)."""
     h = config.hidden_size
-    i = getattr(config, "intermediate_size", None) or getattr(config, "ffn_hidden_size", None) or 4 * h
-    in_features = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": h, "gate_proj": h, "up_proj": h,
+    family = _family(config)
+    i = family.mlp_width(config)
+    heads, _, head_dim = family.head_shape(config)
+    in_features = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": heads * head_dim, "gate_proj": h, "up_proj": h,
                    "down_proj": i, "query_key_value": h, "dense": h, "dense_h_to_4h": h, "dense_4h_to_h": i}
     return sum(in_features.get(t, h) for t in targets)
 

@@ -90,7 +90,8 @@ class MlpChunking:
 
 
 def resolve(setting, intermediate_size: int, element_size: int) -> MlpChunking | None:
-    """patch()'s ``mlp_chunks``: "auto", a chunk size in tokens (int > 0), or False / 0 / None (off)."""
+    """patch()'s ``mlp_chunks``: "auto", a chunk size in tokens (int > 0), or False / 0 / None (off).
+    ``intermediate_size``: the MLP's width (its family's ``mlp_width``, handed in by patch())."""
     if setting is None or setting is False or (isinstance(setting, int) and not isinstance(setting, bool)
                                                and setting == 0):
         return None
@@ -102,16 +103,6 @@ def resolve(setting, intermediate_size: int, element_size: int) -> MlpChunking |
     raise ConfigurationError(
         f"mlp_chunks must be 'auto', a chunk size in tokens (a positive int, e.g. 8192) or False; got {setting!r}."
     )
-
-
-def intermediate_size(config) -> int:
-    """The MLP's hidden width from a transformers config (Llama / GPT-NeoX: intermediate_size; Falcon:
-    ffn_hidden_size, default 4 x hidden_size)."""
-    for name in ("intermediate_size", "ffn_hidden_size"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 4 * config.hidden_size
 
 
 @torch._dynamo.disable  # a chunked call runs eagerly even inside a compiled decoder layer (see the module docstring)

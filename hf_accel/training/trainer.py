@@ -178,12 +178,14 @@ class AccelMixin(CheckpointFilesMixin):
         config = getattr(self.accelerator, "parallelism_config", None)
         if _sequence_parallel_size(self) == 1:
             return
-        model_type = getattr(getattr(self.model, "config", None), "model_type", None)
-        if model_type == "falcon":
+        family = _family(self.model)
+        if family is not None and family.seam != "attention_interface":
             raise ConfigurationError(
-                "sequence parallelism (sp_size > 1) wraps transformers' AttentionInterface, which Falcon's attention "
-                "does not call: each rank would attend only within its own shard of the sequence. Train Falcon "
-                "without sp_size, or a Llama / GPT-NeoX model with it.")
+                f"sequence parallelism (sp_size > 1) wraps transformers' AttentionInterface, which {family.name} "
+                f"attention ({family.touches}) does not call: each rank would attend only within its own shard of the "
+                "sequence. Train it "
+                "without sp_size, or a model whose family goes through the AttentionInterface (Llama, Qwen, "
+                "Mistral, Gemma, GPT-NeoX).")
         if getattr(self, "_own_collator", False):  # hf_accel.Trainer's collator (the TRL SFTTrainer brings its own)
             if not hasattr(self.data_collator, "sequence_parallel"):
                 raise ConfigurationError(
@@ -202,6 +204,11 @@ class AccelMixin(CheckpointFilesMixin):
                 plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
                 plugin.deepspeed_config["train_batch_size"] = self.args.world_size * self.args.gradient_accumulation_steps
         attn = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        from ..patching import patch_report, pin_attention_name
+
+        if self.accel.patch and patch_report(self.model) is not None:
+            # DeepSpeed checks the config's name and wraps the function registered under it: hf_accel's own
+            attn = pin_attention_name(self.model)
         if self.accel.patch and attn is not None:
             if config.sp_handler.sp_attn_implementation not in (None, attn):
                 logger.info("hf_accel: sequence parallelism wraps hf_accel's attention (%r), not the configured %r",
@@ -359,6 +366,17 @@ class AccelMixin(CheckpointFilesMixin):
             logs.update(self._meter.pop())
         super().log(logs, *args, **kwargs)
 
+def _family(model: Any) -> Any:
+    """The model's hf_accel family (hf_accel.patches.Family), None for a model hf_accel has no patch for."""
+    from ..errors import UnsupportedModel
+    from ..patches import family_of
+
+    try:
+        return family_of(model)
+    except UnsupportedModel:
+        return None
+
+
 def _example_lengths(dataset: Any) -> list[int]:
     if hasattr(dataset, "column_names") and "length" in dataset.column_names:
         return [int(n) for n in dataset["length"]]
@@ -419,10 +437,10 @@ class Trainer(AccelMixin, transformers.Trainer):
         if not accel.packing:
             return DataCollatorForPadding(pad_token_id=pad_id)
         collator = DataCollatorForPacking(pad_token_id=pad_id)
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if not accel.patch and model_type == "falcon":
-            # stock Falcon builds its mask without position_ids: packed documents would attend to each other
-            collator.use_padding("stock (unpatched) Falcon cannot keep packed documents apart")
+        family = _family(model)
+        if not accel.patch and family is not None and not family.stock_packing:
+            # e.g. stock Falcon builds its mask without position_ids: packed documents would attend to each other
+            collator.use_padding(f"stock (unpatched) {family.name} cannot keep packed documents apart")
         return collator
 
     def get_train_dataloader(self) -> DataLoader:

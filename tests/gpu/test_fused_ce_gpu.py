@@ -185,3 +185,39 @@ def test_target_rows_none_at_all():
         _Head(head), torch.randn(1, 512, H, device="cuda", dtype=torch.bfloat16), labels, torch.tensor(9, device="cuda"),
         rows)
     assert loss.item() == 0 and grad_weight.abs().max() == 0 and grad_hidden.abs().max() == 0
+
+
+@pytest.mark.parametrize("method", ["inline", "recompute", "liger"])
+def test_final_logit_softcap_within_bf16_error(method):
+    """Gemma 2's final soft-cap inside the fused loss (the Triton row kernel between the cap and its derivative):
+    against the fp32 head capped as transformers caps, held to the error of the bf16 capped head. Scores well past
+    the cap (weights std 0.2), so the cap shapes the loss."""
+    if method == "liger" and not liger_available():
+        pytest.skip("liger-kernel not installed")
+    torch.manual_seed(2)
+    cap = 30.0
+    head32 = nn.Linear(H, V, bias=False, device="cuda")
+    nn.init.normal_(head32.weight, std=0.2)
+    head16 = nn.Linear(H, V, bias=False, device="cuda", dtype=torch.bfloat16)
+    head16.weight.data.copy_(head32.weight.data)
+    hidden = torch.randn(N, H, device="cuda")
+    labels = torch.randint(0, V, (N,), device="cuda")
+    n_items = (labels != -100).sum()
+
+    def run(h0, head, fused: bool):
+        h = h0.detach().clone().requires_grad_(True)
+        head.weight.grad = None
+        if fused:
+            loss = linear_cross_entropy(h, head, labels, num_items_in_batch=n_items, method=method, softcap=cap)
+        else:
+            logits = torch.tanh(head(h) / cap) * cap
+            loss = F.cross_entropy(logits.float(), labels, reduction="sum") / n_items
+        loss.backward()
+        return loss.detach().float(), h.grad.float(), head.weight.grad.float()
+
+    want, base, got = run(hidden, head32, False), run(hidden.bfloat16(), head16, False), \
+        run(hidden.bfloat16(), head16, True)
+    assert head32(hidden[:64]).abs().max() > 3 * cap
+    assert abs(got[0] - want[0]) <= 2 * abs(base[0] - want[0]) + 1e-3
+    for g_got, g_base, g_want in zip(got[1:], base[1:], want[1:]):
+        assert _rel(g_got, g_want) <= 2 * _rel(g_base, g_want) + 1e-3, (_rel(g_got, g_want), _rel(g_base, g_want))
