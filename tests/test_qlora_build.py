@@ -90,3 +90,16 @@ def test_refuses_an_8bit_config():
 
     with pytest.raises(ValueError, match="4-bit BitsAndBytesConfig"):
         build_4bit_model(llama_config(), BitsAndBytesConfig(load_in_8bit=True), "cpu")
+
+
+def test_flop_model_counts_4bit_linears_at_their_full_size():
+    """MFU for QLoRA rows: a Linear4bit stores two weights a byte, but its matmul is in x out (the QLoRA rows'
+    MFU was half the real figure while the FLOP model counted storage)."""
+    from transformers import LlamaForCausalLM
+
+    from hf_accel.bench.flops import FlopModel
+
+    built = FlopModel.from_model(build_4bit_model(llama_config(), quant_config(), "cpu"))
+    plain = LlamaForCausalLM(llama_config())
+    plain.model.layers.requires_grad_(False)  # the quantized decoder linears are frozen; the bf16 LM head is not
+    assert built == FlopModel.from_model(plain) and built.frozen_matmul_params > 0

@@ -13,7 +13,7 @@ from .apart import (APART_PACKAGES, BNB_SITES, UNSLOTH_SITES, child_sites, missi
                     unsloth_runner)
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop,
                     run_trl)
-from .workloads import BenchData, greedy_steps, micro_batches
+from .workloads import BenchData, Workload, greedy_steps, micro_batches
 
 FA4 = "flash_attention_4"
 
@@ -45,6 +45,8 @@ class BenchConfig:
     sites: tuple[str, ...] = field(default=())  # package packs its child puts first on PYTHONPATH (see child_env)
     # how it runs under a launcher (bench.py --nproc, FSDP2); None: one process only (--nproc skips it)
     launched: Callable[[RunSettings, BenchData, Options, Timing], nn.Module] | None = None
+    # it loads its model from files it writes first (Unsloth): it cannot run workloads built on the device
+    loads_files: bool = False
 
 
 def _has(module: str) -> bool:
@@ -90,9 +92,14 @@ REQUIREMENTS: dict[str, Callable[[str, str], str | None]] = {
 }
 
 
-def missing_requirement(config: BenchConfig, device: str, family: str, options: Options) -> str | None:
+def missing_requirement(config: BenchConfig, device: str, family: str, options: Options,
+                        workload: Workload | None = None) -> str | None:
     """Why `config` cannot run here (first unmet requirement), or None. A substitute attention waives "fa4".
     Packages kept apart (APART_PACKAGES) are looked for in the config's child path: its sites, then this process's."""
+    if config.loads_files and workload is not None and workload.qlora_build == "device":
+        return (f"it loads its model from files, and {workload.name}'s bf16 weights (2 bytes a parameter: ~140 GB "
+                "for 70B shapes) fit neither this machine's disk nor its RAM; the QLoRA rows build the 4-bit base "
+                "on the GPU instead (hf_accel.bench.quantized_base)")
     for need in config.needs:
         if need == "fa4" and options.substitute_attn:
             continue
@@ -340,6 +347,24 @@ def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing:
     return model
 
 
+# The memory class of Unsloth's QLoRA on Llama-3-8B shapes (its peak in the same run, BENCHMARKS.md), with room
+# for the budget's own headroom: the row hf_accel offers at no more memory than Unsloth.
+QLORA_BUDGET = "14.5GiB"
+
+
+def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+    """The QLoRA model with its LoRA, then `hf_accel.patch(model, checkpointing=MemoryBudget(QLORA_BUDGET))`,
+    otherwise the defaults: the plan sees the adapters' states and probes a packed row of the step's size."""
+    import hf_accel
+    from hf_accel.memory.budget import MemoryBudget
+
+    model = add_lora(qlora_base(settings, "sdpa"), settings.workload)
+    budget = MemoryBudget(budget=QLORA_BUDGET, batch_tokens=data.spec.tokens_per_step, grads_freed=True)
+    timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing=budget)}")
+    run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
+    return model
+
+
 _UNSLOTH_NEEDS = ("unsloth", "cuda", "unsloth-family")  # "not installed" first: the likelier news
 CONFIGS.update({
     c.name: c
@@ -347,10 +372,11 @@ CONFIGS.update({
         BenchConfig("unsloth", True, _UNSLOTH_NEEDS, unsloth_runner(load_in_4bit=False),
                     "Unsloth FastLanguageModel (bf16): its LoRA r=16 (or full_finetuning=True), its offloaded "
                     "checkpointing where the workload checkpoints, TRL SFTTrainer packing=True (padding-free)",
-                    sites=UNSLOTH_SITES),
+                    sites=UNSLOTH_SITES, loads_files=True),
         BenchConfig("unsloth-qlora", True, ("unsloth", "bitsandbytes", "cuda", "unsloth-family"), unsloth_runner(load_in_4bit=True),
                     "Unsloth FastLanguageModel load_in_4bit=True (its NF4 QLoRA), LoRA r=16, its offloaded "
-                    "checkpointing, TRL SFTTrainer packing=True (padding-free)", sites=UNSLOTH_SITES),
+                    "checkpointing, TRL SFTTrainer packing=True (padding-free)", sites=UNSLOTH_SITES,
+                    loads_files=True),
         BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
                     "QLoRA (bitsandbytes NF4, bf16 compute, prepare_model_for_kbit_training) + PEFT LoRA r=16, TRL "
                     "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True", sites=BNB_SITES),
@@ -362,5 +388,9 @@ CONFIGS.update({
                     "the same QLoRA model with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
                     "pinned host memory, as Unsloth's offloaded checkpointing) + hf_accel's packing",
                     sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-budget", False, ("bitsandbytes", "cuda", "hf_accel"), _qlora_budget,
+                    f"the same QLoRA model with its LoRA, then hf_accel.patch(model, checkpointing="
+                    f"MemoryBudget('{QLORA_BUDGET}')) (Unsloth QLoRA's memory class; the plan may keep, recompute or "
+                    "offload each layer) + hf_accel's packing", sites=BNB_SITES),
     ]
 })

@@ -2,7 +2,8 @@
 
 Per optimizer step, with T real tokens in documents of lengths n_d:
     FLOPs = (6 * P_trainable + 4 * P_frozen) * T  +  6 * L * d_attn * sum_d n_d^2
-- P_*: weights of every matmul (each nn.Linear, so LoRA A/B and a tied lm_head count; embeddings lookups do not).
+- P_*: weights of every matmul (each nn.Linear, so LoRA A/B and a tied lm_head count; embeddings lookups do not;
+  a 4-bit Linear4bit counts its in x out weights, not its packed storage).
   A weight costs 2 FLOPs/token forward, 2 for the input gradient, and 2 more for its own gradient if trainable.
 - attention: per layer, causal QK^T and PV cost 2 * 2 * d_attn * n^2 / 2 forward, x3 for forward+backward.
   d_attn = num_attention_heads * head_dim (query width; GQA does not reduce score FLOPs).
@@ -33,10 +34,12 @@ class FlopModel:
         trainable = frozen = 0
         for module in model.modules():
             if isinstance(module, nn.Linear):
+                # the matmul's size, not its storage's: a bitsandbytes Linear4bit packs two weights a byte
+                weights = module.in_features * module.out_features
                 if module.weight.requires_grad:
-                    trainable += module.weight.numel()
+                    trainable += weights
                 else:
-                    frozen += module.weight.numel()
+                    frozen += weights
         config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
