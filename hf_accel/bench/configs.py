@@ -337,6 +337,7 @@ CONFIGS: dict[str, BenchConfig] = {
 
 
 # ---- Unsloth and QLoRA (issue 20): packages kept apart (apart.py), models loaded from files -----------------------
+# hf_accel's QLoRA rows need no CUDA of their own: bitsandbytes' CPU backend runs them in the CPU smoke run (--tiny).
 REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam == "llama"
                                                       else f"the Unsloth configs run Llama workloads only, not {fam!r}")
 
@@ -380,15 +381,15 @@ CONFIGS.update({
         BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
                     "QLoRA (bitsandbytes NF4, bf16 compute, prepare_model_for_kbit_training) + PEFT LoRA r=16, TRL "
                     "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True", sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "cuda", "hf_accel"), _patched(qlora_base),
+        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "hf_accel"), _patched(qlora_base),
                     "the same QLoRA model with hf_accel.patch(model), no arguments, + hf_accel's packing",
                     sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "cuda", "hf_accel"),
+        BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "hf_accel"),
                     _patched(qlora_base, checkpointing="offload"),
                     "the same QLoRA model with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
                     "pinned host memory, as Unsloth's offloaded checkpointing) + hf_accel's packing",
                     sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora-budget", False, ("bitsandbytes", "cuda", "hf_accel"), _qlora_budget,
+        BenchConfig("hf_accel-qlora-budget", False, ("bitsandbytes", "hf_accel"), _qlora_budget,
                     f"the same QLoRA model with its LoRA, then hf_accel.patch(model, checkpointing="
                     f"MemoryBudget('{QLORA_BUDGET}')) (Unsloth QLoRA's memory class; the plan may keep, recompute or "
                     "offload each layer) + hf_accel's packing", sites=BNB_SITES),
