@@ -91,7 +91,7 @@ PRESETS: dict[str, Preset] = {
                                "hf_accel-qlora-offload"),
             # hf_accel's rows compile their layers now (bitsandbytes 4-bit): warm-up 3 covers the first graphs and a
             # recompile at a new token range; five rows of ~100 s fit one 10-minute call (the last may be cut)
-            dict(steps=6, warmup=3, time_budget=570, config_timeout=150),
+            dict(steps=6, warmup=3, time_budget=580, config_timeout=170),
         ),
         Preset(  # issue 38d: a 16k-token step is ~6 x 70B x 16k FLOPs (estimated 30-40 s on one H200): few steps
             "llama-70b-qlora", "Llama-3-70B shapes, QLoRA (NF4 base built layer by layer on the GPU, LoRA r=16, "
