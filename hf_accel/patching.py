@@ -112,14 +112,10 @@ class Speedup:
 
 
 def _quantized(model: torch.nn.Module) -> str | None:
-    """What makes this model's layers something torch.compile does not trace cleanly (bitsandbytes / other
-    quantizers' weights), or None."""
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
-        return f"{type(model.hf_quantizer).__name__ if getattr(model, 'hf_quantizer', None) else 'quantized'} weights"
-    for module in model.modules():
-        if type(module).__module__.split(".")[0] in ("bitsandbytes", "torchao", "auto_gptq", "awq"):
-            return f"{type(module).__name__} layers"
-    return None
+    """Why compiled layers stand down on this model's quantized weights (any but bitsandbytes 4-bit), or None."""
+    from .fused.quantized import compile_stand_down
+
+    return compile_stand_down(model)
 
 
 def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="auto", fused_ops="auto",
@@ -127,7 +123,8 @@ def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="au
     """Resolve patch()'s ``fused_ce`` / ``fused_ops`` / ``compile`` for ``model`` on ``device``.
 
     "auto" is the fastest setting that keeps the computation equivalent: on CUDA the fused loss, liger's fused ops
-    (when installed) and compiled decoder layers (unless the model's weights are quantized); on every other device
+    (when installed) and compiled decoder layers (unless the model's weights are quantized other than by bitsandbytes
+    4-bit, see ``_quantized``); on every other device
     all three off (unchanged behaviour). True / False / a dict of compile options are taken as given.
     ``liger_installed`` overrides the installation check (tests fake a device).
     """
@@ -163,9 +160,9 @@ def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="au
         quantized = _quantized(model)
         why = (f"on CUDA only; this model is on {device.type}" if not on_cuda
                else "torch.compile is not supported in this Python / torch" if not torch._dynamo.is_dynamo_supported()
-               else f"{quantized}: torch.compile does not trace them cleanly" if quantized else None)
-        # Llama-1B shapes on the H200: ~20 s of compiling once; element-wise time per 16k-token step 46 -> 22.5 ms
-        # and no GC stalls after (BENCHMARKS.md), i.e. paid back within the first thousand steps of a fine-tune.
+               else quantized)
+        # The compile is paid once (seconds) and halves the element-wise time of every later step, so it is paid back
+        # early in a fine-tune (BENCHMARKS.md, "where the step time goes").
         out["compile"] = Speedup("compile", why is None, "auto: decoder layers' training forwards through inductor "
                                  "(~20 s once for 1B shapes)" if why is None else f"auto: {why}")
     return out
@@ -199,7 +196,7 @@ def patch(
     patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
     takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.memory.checkpointing).
     ``fused_ops``, ``fused_ce`` and ``compile`` default to "auto": on CUDA all three where they apply (liger installed;
-    weights not quantized), elsewhere off; ``PatchReport.speedups`` says what was chosen and why, and an explicit
+    weights not quantized, or bitsandbytes 4-bit), elsewhere off; ``PatchReport.speedups`` says what was chosen and why, and an explicit
     False turns each off (see ``resolve_speedups``).
     ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
     ``fused_ce=True`` makes training forwards with labels return the loss from a chunked linear cross-entropy

@@ -420,7 +420,7 @@ def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Option
     results = []
     for nproc in args.nproc or [None]:
         for name in args.configs:
-            reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts) or \
+            reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts, workload) or \
                 launch_unmet(args, name, nproc)
             remaining = args.time_budget - (time.perf_counter() - start)
             if reason is None and CHILDREN.stopped_by is not None:
@@ -497,7 +497,7 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
     def measure_next(name: str, gpu: int | None) -> None:
         """The config's next length (shortest first): run, or skipped with the reason."""
         length = lengths[len(done[name])]
-        reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts)
+        reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts, workload)
         remaining = args.time_budget - (time.perf_counter() - start)
         if reason is None and CHILDREN.stopped_by is not None:
             reason = f"the run was stopped ({CHILDREN.stopped_by})"

@@ -7,6 +7,11 @@ optimizer / norms+elementwise / other. Also times batch collation on the CPU alo
 
     python scripts/profile_step.py --workload llama-1b --out results/        # on a GPU
     python scripts/profile_step.py --workload llama-1b --device cpu --tiny   # smoke run
+    python scripts/profile_step.py --workload llama-8b-qlora --defaults      # the QLoRA rows' model, patch(model)
+
+QLoRA workloads (`*-qlora`) profile the QLoRA rows' model: the NF4 base as scripts/bench.py builds it, PEFT's kbit
+preparation (its checkpointing on), LoRA; `--defaults` patches it as `hf_accel.patch(model)` does with no arguments
+(the hf_accel-qlora row) instead of the explicit --fused-ops / --compile / --fused-ce choices.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.bench.configs import Options, _apply_checkpointing, _fused_loss, _hf_accel_steps  # noqa: E402
+from hf_accel.bench.apart import qlora_base  # noqa: E402
 from hf_accel.bench.profile import category  # noqa: E402
 from hf_accel.bench.train import RunSettings, Timing, add_lora, build_model, hf_loss, run_loop  # noqa: E402
 from hf_accel.bench.workloads import WORKLOADS, DataSpec, make_data  # noqa: E402
@@ -53,15 +59,20 @@ def profile(args) -> dict:
     workload = WORKLOADS[args.workload]
     settings = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=args.steps,
                            warmup=args.warmup, step_time_budget=1e9)
-    model = build_model(settings, "sdpa")
-    report = hf_accel.patch(model, fused_ops=args.fused_ops, compile=args.compile)
+    qlora = args.workload.endswith("-qlora")
+    model = qlora_base(settings, "sdpa") if qlora else build_model(settings, "sdpa")
+    if args.defaults:
+        report = hf_accel.patch(model)
+    else:
+        report = hf_accel.patch(model, fused_ops=args.fused_ops, compile=args.compile)
     model = add_lora(model, workload)  # the workload's adapters (Llama-8B LoRA), as scripts/bench.py adds them
     spec = DataSpec.tiny() if args.tiny else DataSpec()
     if args.checkpointing:
         _apply_checkpointing(model, args.checkpointing, spec.tokens_per_step, Timing())
     data = make_data(spec, model.config.vocab_size, args.warmup + args.steps + args.profile_steps + 4)
     options = Options(fused_ce=args.fused_ce)
-    loss_fn = hf_loss if args.fused_ce == "off" else _fused_loss(options)
+    # with --defaults the loss is patch()'s own (its fused_ce="auto" binds it into the forward)
+    loss_fn = hf_loss if args.fused_ce == "off" or args.defaults else _fused_loss(options)
 
     collate_start = time.perf_counter()
     batches = list(itertools.islice(_hf_accel_steps(data, 0), args.warmup + args.steps + args.profile_steps))
@@ -72,7 +83,7 @@ def profile(args) -> dict:
     steady = sorted(timing.step_seconds)[len(timing.step_seconds) // 2]  # median: robust to JIT-compile steps
 
     kernel_us: dict[str, float] = defaultdict(float)
-    top_kernels: list[tuple[str, float]] = []
+    top_kernels: list[tuple[str, float, float]] = []
     gaps: dict = {}
     if args.device.startswith("cuda") and args.profile_steps:
         from torch.profiler import ProfilerActivity
@@ -87,12 +98,14 @@ def profile(args) -> dict:
             device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
             if device_us and event.key:
                 kernel_us[category(event.key)] += device_us / args.profile_steps
-                top_kernels.append((event.key[:120], device_us / args.profile_steps / 1000))
+                top_kernels.append((event.key[:120], device_us / args.profile_steps / 1000,
+                                    event.count / args.profile_steps))  # name, ms / step, calls / step
     profiled = batches[args.warmup + args.steps:] or batches
     tokens = sum(mb["input_ids"].numel() for step in profiled for mb in step) / len(profiled)
     return {
         "workload": args.workload, "device": args.device, "fused_ce": args.fused_ce, "fused_ops": args.fused_ops,
-        "compile": args.compile, "checkpointing": args.checkpointing, "lora": workload.lora,
+        "compile": args.compile, "checkpointing": args.checkpointing, "lora": workload.lora, "qlora": qlora,
+        "defaults": args.defaults, "speedups": report.speedups, "notes": report.notes,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "params": sum(p.numel() for p in model.parameters()),
         "backend": report.backend, "steady_step_s": steady, "step_seconds": timing.step_seconds,
@@ -108,9 +121,10 @@ def table(result: dict) -> str:
     total = sum(result["kernel_ms_per_step"].values()) or float("nan")
     lines = [
         f"## {result['workload']} step profile ({result['device']}, backend {result['backend']}, "
-        f"fused_ce={result['fused_ce']}, fused_ops={result['fused_ops']}, compile={result.get('compile', False)}"
-        f"{', checkpointing=' + result['checkpointing'] if result.get('checkpointing') else ''}"
-        f"{', LoRA' if result.get('lora') else ''})",
+        + ("patch(model) defaults: " + "; ".join(result.get("speedups", [])) if result.get("defaults") else
+           f"fused_ce={result['fused_ce']}, fused_ops={result['fused_ops']}, compile={result.get('compile', False)}")
+        + f"{', checkpointing=' + result['checkpointing'] if result.get('checkpointing') else ''}"
+        f"{', QLoRA (NF4 base)' if result.get('qlora') else ', LoRA' if result.get('lora') else ''})",
         f"steady step {result['steady_step_s'] * 1000:.1f} ms for {result['tokens_per_step']:,.0f} tokens "
         f"({result['tokens_per_step'] / result['steady_step_s']:,.0f} tokens/s); collation on the CPU "
         f"{result['collate_s_per_step'] * 1000:.1f} ms/step",
@@ -121,6 +135,10 @@ def table(result: dict) -> str:
     if result["kernel_ms_per_step"]:
         idle = result["steady_step_s"] * 1000 - total
         lines.append(f"| (step time not covered by kernels: host work, launch gaps) | {idle:.1f} | - |")
+    if result.get("top_kernels_ms_per_step"):
+        lines += ["", "| kernel | ms / step | calls / step |", "|---|---:|---:|"]
+        lines += [f"| {k[0][:70]} | {k[1]:.1f} | {k[2] if len(k) > 2 else '-'} |"
+                  for k in result["top_kernels_ms_per_step"][:15]]
     gaps = result.get("kernel_gaps") or {}
     if gaps.get("sites"):
         lines += ["", f"GPU idle between kernels: {gaps['idle_ms_per_step']:.1f} ms/step; largest sites:", "",
@@ -142,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-ops", action="store_true")
     p.add_argument("--compile", action="store_true", help="patch(compile=True): inductor-compiled decoder layers")
     p.add_argument("--checkpointing", default=None, help="a checkpointing spec, as bench.py --best-checkpointing")
+    p.add_argument("--defaults", action="store_true",
+                   help="hf_accel.patch(model) with no arguments (the library's own choices), as bench's "
+                        "hf_accel-defaults / hf_accel-qlora rows; --fused-ops / --compile / --fused-ce are then unused")
     p.add_argument("--out", type=Path, default=None)
     return p
 
@@ -151,7 +172,8 @@ def main(argv=None) -> None:
     result = profile(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = (f"profile_{args.workload}_{args.fused_ce}_{'fusedops' if args.fused_ops else 'plain'}"
+        name = (f"profile_{args.workload}_defaults.json" if args.defaults else
+                f"profile_{args.workload}_{args.fused_ce}_{'fusedops' if args.fused_ops else 'plain'}"
                 f"{'_compiled' if args.compile else ''}.json")
         (args.out / name).write_text(json.dumps(result, indent=1))
     print(table(result))

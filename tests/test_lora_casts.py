@@ -121,12 +121,12 @@ def test_any_adapter_with_dropout_keeps_the_cast():
         assert not lora_casts.round_trip_only(layer, x, torch.float32)
 
 
-def _stand_in_linear4bit():
-    """A stand-in for ``peft.tuners.lora.bnb.Linear4bit`` (PEFT defines it only when bitsandbytes imports): the same
-    bases, constructor, module and name, and PEFT's forward for it (the input cast only when autocast is off)."""
+def _stand_in_quantized_lora(name: str):
+    """A stand-in for ``peft.tuners.lora.bnb.<name>`` (PEFT defines them only when bitsandbytes imports): the same
+    bases, constructor, module and name, and PEFT's forward for them (the input cast only when autocast is off)."""
     from peft.tuners.lora.layer import LoraLayer
 
-    class Linear4bit(torch.nn.Module, LoraLayer):
+    class Stand(torch.nn.Module, LoraLayer):
         def __init__(self, base_layer, adapter_name, config, r=0, lora_alpha=1, **kwargs):
             super().__init__()
             LoraLayer.__init__(self, base_layer)
@@ -148,34 +148,40 @@ def _stand_in_linear4bit():
                 result = result + (out.to(expected) if convert else out)
             return result
 
-    Linear4bit.__module__, Linear4bit.__qualname__ = "peft.tuners.lora.bnb", "Linear4bit"
-    return Linear4bit
+    Stand.__module__, Stand.__name__, Stand.__qualname__ = "peft.tuners.lora.bnb", name, name
+    return Stand
 
 
+@pytest.mark.parametrize("kind", ["Linear4bit", "Linear8bitLt"])
 @pytest.mark.parametrize("order", ["patch-then-lora", "lora-then-patch"])
-def test_quantized_base_lora_layers_are_left_to_peft_and_the_report_says_so(order):
+def test_quantized_base_lora_layers_bound_where_checked_and_left_to_peft_elsewhere(order, kind):
+    """bitsandbytes 4-bit LoRA layers get the skip (their forward casts as PEFT's Linear does; tests/test_qlora.py
+    checks it on the real layers); other quantized LoRA layers are left to PEFT and the report says so."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     base = make("llama-gqa").train()
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    config._register_custom_module({torch.nn.Linear: _stand_in_linear4bit()})  # PEFT builds the stand-ins
+    config._register_custom_module({torch.nn.Linear: _stand_in_quantized_lora(kind)})  # PEFT builds the stand-ins
     if order == "patch-then-lora":
         report = hf_accel.patch(base, backend="reference")
         model = get_peft_model(base, config)
     else:
         model = get_peft_model(base, config)
         report = hf_accel.patch(model, backend="reference")
-    stand_ins = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    stand_ins = [m for m in model.modules() if type(m).__name__ == kind]
     assert len(stand_ins) == 2 * 2  # q_proj and v_proj of both layers
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
-    loss = model(input_ids=ids, labels=ids).loss  # the pre-forward hook notes adapters added after patch()
+    loss = model(input_ids=ids, labels=ids).loss  # the pre-forward hook binds / notes adapters added after patch()
     loss.backward()
     assert all(m.lora_A["default"].weight.grad.abs().sum() > 0 for m in stand_ins)
-    assert not any("_cast_input_dtype" in m.__dict__ for m in stand_ins)  # PEFT's own forward and cast
     notes = [n for n in report.notes if n.startswith("LoRA cast skip")]
-    assert len(notes) == 1 and "4 bnb.Linear4bit LoRA layers" in notes[0], report.notes
-    assert "LoRA cast skip" in str(report)
+    if kind == "Linear4bit":
+        assert all("_cast_input_dtype" in m.__dict__ for m in stand_ins) and not notes, report.notes
+    else:
+        assert not any("_cast_input_dtype" in m.__dict__ for m in stand_ins)  # PEFT's own forward and cast
+        assert len(notes) == 1 and f"4 bnb.{kind} LoRA layers" in notes[0], report.notes
+        assert "LoRA cast skip" in str(report)
 
 
 def test_plain_lora_layers_get_no_stand_down_note():

@@ -318,13 +318,18 @@ def test_auto_speedups_on_a_faked_cuda_device():
                                                 "compile: off (compile=False)"]
 
 
-def test_auto_compile_stands_down_for_quantized_weights():
+@pytest.mark.parametrize("quantizer", ["Bnb4BitHfQuantizer", "Bnb8BitHfQuantizer", "TorchAoHfQuantizer"])
+def test_auto_compile_is_on_for_bitsandbytes_4bit_and_stands_down_for_other_quantizers(quantizer):
     from hf_accel.patching import resolve_speedups
 
     model = make("llama-gqa")
-    model.hf_quantizer = type("Bnb4BitHfQuantizer", (), {})()  # stand-in: bitsandbytes cannot run here
+    model.hf_quantizer = type(quantizer, (), {})()  # stand-in; tests/test_qlora.py runs real 4-bit layers
     got = resolve_speedups(model, _h200(), liger_installed=True)
-    assert got["fused_ce"].on and not got["compile"].on and "Bnb4BitHfQuantizer" in got["compile"].why
+    assert got["fused_ce"].on
+    if quantizer == "Bnb4BitHfQuantizer":
+        assert got["compile"].on, got["compile"]
+    else:
+        assert not got["compile"].on and quantizer in got["compile"].why and "4-bit" in got["compile"].why
 
 
 def test_auto_on_cpu_is_todays_behaviour():

@@ -25,3 +25,17 @@ def test_full_fine_tune_workload_trains_every_parameter():
     result = _run("--workload", "neox-1.4b")
     assert not result["lora"] and result["checkpointing"] is None
     assert result["trainable_params"] == result["params"]
+
+
+def test_qlora_workload_profiles_the_4bit_base_with_patch_defaults():
+    import pytest
+
+    bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+    result = _run("--workload", "llama-8b-qlora", "--defaults")
+    assert result["qlora"] and result["defaults"] and result["lora"]
+    assert 0 < result["trainable_params"] < result["params"] / 2
+    assert any(line.startswith("compile: ") for line in result["speedups"])  # patch(model)'s own choices
+    assert len(result["step_seconds"]) == 2
+    table = profile_step.table(result)
+    assert "QLoRA (NF4 base)" in table and "patch(model) defaults" in table
+    del bnb

@@ -36,13 +36,23 @@ def fake_pack(root: Path, name: str, packages: dict[str, str]) -> Path:
     return site
 
 
+@pytest.fixture
+def without_apart_packages(monkeypatch):
+    """This Python's path without the folders holding Unsloth or bitsandbytes (the dev install has bitsandbytes for
+    the QLoRA CPU tests): what an environment without them looks like to the configs' checks."""
+    hidden = [p for p in sys.path if any((Path(p) / m).exists() for m in apart.APART_PACKAGES.values())]
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in hidden])
+
+
 @pytest.mark.parametrize("name", APART)
+@pytest.mark.usefixtures("without_apart_packages")
 def test_apart_configs_say_what_is_not_installed_and_where_they_looked(name, tmp_path):
     reason = missing_requirement(CONFIGS[name], "cpu", "llama", Options(site_root=str(tmp_path)))
     module = "unsloth" if name.startswith("unsloth") else "bitsandbytes"
     assert reason.startswith(f"{module} not installed") and str(tmp_path / "site-") in reason, reason
 
 
+@pytest.mark.usefixtures("without_apart_packages")
 def test_a_pack_folder_makes_the_config_available(tmp_path, monkeypatch):
     monkeypatch.setitem(configs.REQUIREMENTS, "cuda", lambda device, fam: None)  # no GPU here
     options = Options(site_root=str(tmp_path))
@@ -83,7 +93,15 @@ def test_bench_rows_say_not_installed_and_default_configs_leave_them_out(tmp_pat
                         "--site-root", str(tmp_path))
     statuses = {r["config"]: r["status"] for r in record["results"]}
     assert statuses.keys() == set(APART)
-    assert all(s.startswith("skipped: ") and "not installed" in s for s in statuses.values()), statuses
+    import importlib.util
+
+    bnb_here = importlib.util.find_spec("bitsandbytes") is not None  # the dev install has it: TRL's row then stops
+    for name, status in statuses.items():                             # at CUDA, hf_accel's runs on the CPU backend
+        if bnb_here and name == "hf_accel-qlora":
+            assert status == "ok", statuses
+            continue
+        assert status.startswith("skipped: "), statuses
+        assert ("needs CUDA" if bnb_here and not name.startswith("unsloth") else "not installed") in status, statuses
     bench = script_module("bench")
     assert not set(APART) & set(bench.parse_args([]).configs)  # run only when named (or by a preset)
 

@@ -95,18 +95,27 @@ def nf4_config():
 
 
 def qlora_base(settings: RunSettings, attn_implementation: str) -> nn.Module:
-    """The workload's model reloaded in NF4 and prepared as PEFT's QLoRA recipe does (prepare_model_for_kbit_training:
-    norms, embeddings and the LM head in fp32; checkpointing as the workload says, non-reentrant). No LoRA yet."""
+    """The workload's model in NF4, prepared as PEFT's QLoRA recipe does (prepare_model_for_kbit_training: norms,
+    embeddings and the LM head in fp32; checkpointing as the workload says, non-reentrant). No LoRA yet. The NF4 model
+    is the random bf16 one saved and reloaded (the file route, as users load), or for workloads too large for that
+    (`qlora_build="device"`: 70B) built in NF4 on the device one weight at a time (quantized_base.build_4bit_model)."""
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
+
+    from .quantized_base import build_4bit_model
+    from .workloads import build_config
 
     if not settings.workload.lora:
         raise ValueError(f"QLoRA trains LoRA adapters on a frozen 4-bit base; workload {settings.workload.name!r} "
                          "has no LoRA. Run it on llama-8b-qlora (--preset llama-8b-qlora).")
-    with saved_random_model(settings) as folder:
-        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=nf4_config(), dtype=torch.bfloat16,
-                                                     attn_implementation=attn_implementation,
-                                                     device_map={"": settings.device})
+    if settings.workload.qlora_build == "device":
+        model = build_4bit_model(build_config(settings.workload, settings.tiny), nf4_config(), settings.device,
+                                 attn_implementation=attn_implementation, seed=settings.seed)
+    else:
+        with saved_random_model(settings) as folder:
+            model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=nf4_config(),
+                                                         dtype=torch.bfloat16, attn_implementation=attn_implementation,
+                                                         device_map={"": settings.device})
     model.config.use_cache = False
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.workload.checkpointing,
                                            gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -14,7 +14,7 @@ from .apart import (APART_PACKAGES, BNB_SITES, UNSLOTH_SITES, child_sites, missi
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop,
                     run_trl)
 from .targets import data_targets
-from .workloads import BenchData, greedy_steps, micro_batches
+from .workloads import BenchData, Workload, greedy_steps, micro_batches
 
 FA4 = "flash_attention_4"
 
@@ -46,6 +46,8 @@ class BenchConfig:
     sites: tuple[str, ...] = field(default=())  # package packs its child puts first on PYTHONPATH (see child_env)
     # how it runs under a launcher (bench.py --nproc, FSDP2); None: one process only (--nproc skips it)
     launched: Callable[[RunSettings, BenchData, Options, Timing], nn.Module] | None = None
+    # it loads its model from files it writes first (Unsloth): it cannot run workloads built on the device
+    loads_files: bool = False
 
 
 def _has(module: str) -> bool:
@@ -91,9 +93,14 @@ REQUIREMENTS: dict[str, Callable[[str, str], str | None]] = {
 }
 
 
-def missing_requirement(config: BenchConfig, device: str, family: str, options: Options) -> str | None:
+def missing_requirement(config: BenchConfig, device: str, family: str, options: Options,
+                        workload: Workload | None = None) -> str | None:
     """Why `config` cannot run here (first unmet requirement), or None. A substitute attention waives "fa4".
     Packages kept apart (APART_PACKAGES) are looked for in the config's child path: its sites, then this process's."""
+    if config.loads_files and workload is not None and workload.qlora_build == "device":
+        return (f"it loads its model from files, and {workload.name}'s bf16 weights (2 bytes a parameter: ~140 GB "
+                "for 70B shapes) fit neither this machine's disk nor its RAM; the QLoRA rows build the 4-bit base "
+                "on the GPU instead (hf_accel.bench.quantized_base)")
     for need in config.needs:
         if need == "fa4" and options.substitute_attn:
             continue
@@ -216,9 +223,9 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
     return loss_fn
 
 
-def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timing: Timing) -> None:
-    """The policy goes on after LoRA, so a memory budget counts only the adapters' gradients and optimizer states,
-    and probes a packed row of the step's real size (one micro-batch per step here)."""
+def _bench_policy(spec: str, tokens_per_step: int) -> Any:
+    """The checkpoint policy of ``spec``; a memory budget probes a packed row of the step's real size (one
+    micro-batch per step here) and counts gradients as the bench loop frees them."""
     from hf_accel.memory.budget import MemoryBudget
     from hf_accel.memory.checkpointing import policy_from_spec
 
@@ -227,6 +234,12 @@ def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timi
         policy.batch_tokens = tokens_per_step
     if isinstance(policy, MemoryBudget) and policy.grads_freed is None:
         policy.grads_freed = True  # the bench loop: one micro-batch per step, zero_grad(set_to_none=True)
+    return policy
+
+
+def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timing: Timing) -> None:
+    """The policy goes on after LoRA, so a memory budget counts only the adapters' gradients and optimizer states."""
+    policy = _bench_policy(spec, tokens_per_step)
     policy.apply(model)
     timing.notes.append(f"checkpointing: {policy.describe()}")
 
@@ -370,6 +383,7 @@ CONFIGS: dict[str, BenchConfig] = {
 
 
 # ---- Unsloth and QLoRA (issue 20): packages kept apart (apart.py), models loaded from files -----------------------
+# hf_accel's QLoRA rows need no CUDA of their own: bitsandbytes' CPU backend runs them in the CPU smoke run (--tiny).
 # model types the Unsloth configs run (FastLanguageModel's own list is longer; these are the bench's workloads)
 UNSLOTH_FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
 REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam in UNSLOTH_FAMILIES else
@@ -383,16 +397,21 @@ def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing:
     return model
 
 
+# The memory class of Unsloth's QLoRA on Llama-3-8B shapes (its peak in the same run, BENCHMARKS.md), with room
+# for the budget's own headroom: the row hf_accel offers at no more memory than Unsloth, unless --best-checkpointing
+# names another budget (the long-context QLoRA preset's, under its device cap).
+QLORA_BUDGET = "budget:14.5GiB"
+
+
 def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-    """The QLoRA model with hf_accel.patch(model) (its defaults), then --best-checkpointing (a budget plan) over the
-    adapted model: issue 40c's longest QLoRA document within a device cap."""
+    """The QLoRA model with its LoRA, then `hf_accel.patch(model, checkpointing=<budget plan>)` (--best-checkpointing,
+    else QLORA_BUDGET), otherwise the defaults: the plan sees the adapters' states and probes a packed row of the
+    step's size."""
     import hf_accel
 
-    model = qlora_base(settings, "sdpa")
-    timing.notes.append(f"patch: {hf_accel.patch(model)}")
-    model = add_lora(model, settings.workload)
-    if options.checkpointing is not None:
-        _apply_checkpointing(model, options.checkpointing, data.spec.tokens_per_step, timing)
+    model = add_lora(qlora_base(settings, "sdpa"), settings.workload)
+    policy = _bench_policy(options.checkpointing or QLORA_BUDGET, data.spec.tokens_per_step)
+    timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing=policy)}")
     run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
     return model
 
@@ -404,23 +423,25 @@ CONFIGS.update({
         BenchConfig("unsloth", True, _UNSLOTH_NEEDS, unsloth_runner(load_in_4bit=False),
                     "Unsloth FastLanguageModel (bf16): its LoRA r=16 (or full_finetuning=True), its offloaded "
                     "checkpointing where the workload checkpoints, TRL SFTTrainer packing=True (padding-free)",
-                    sites=UNSLOTH_SITES),
+                    sites=UNSLOTH_SITES, loads_files=True),
         BenchConfig("unsloth-qlora", True, ("unsloth", "bitsandbytes", "cuda", "unsloth-family"), unsloth_runner(load_in_4bit=True),
                     "Unsloth FastLanguageModel load_in_4bit=True (its NF4 QLoRA), LoRA r=16, its offloaded "
-                    "checkpointing, TRL SFTTrainer packing=True (padding-free)", sites=UNSLOTH_SITES),
+                    "checkpointing, TRL SFTTrainer packing=True (padding-free)", sites=UNSLOTH_SITES,
+                    loads_files=True),
         BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
                     "QLoRA (bitsandbytes NF4, bf16 compute, prepare_model_for_kbit_training) + PEFT LoRA r=16, TRL "
                     "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True", sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "cuda", "hf_accel"), _patched(qlora_base),
+        BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "hf_accel"), _patched(qlora_base),
                     "the same QLoRA model with hf_accel.patch(model), no arguments, + hf_accel's packing",
                     sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "cuda", "hf_accel"),
+        BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "hf_accel"),
                     _patched(qlora_base, checkpointing="offload"),
                     "the same QLoRA model with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
                     "pinned host memory, as Unsloth's offloaded checkpointing) + hf_accel's packing",
                     sites=BNB_SITES),
-        BenchConfig("hf_accel-qlora-budget", False, ("bitsandbytes", "cuda", "hf_accel"), _qlora_budget,
-                    "the same QLoRA model with hf_accel.patch(model) and --best-checkpointing (a budget plan: layer "
-                    "inputs on the device, in host memory or spaced) + hf_accel's packing", sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-budget", False, ("bitsandbytes", "hf_accel"), _qlora_budget,
+                    f"the same QLoRA model with its LoRA, then hf_accel.patch(model, checkpointing=<budget plan>) "
+                    f"(--best-checkpointing, else {QLORA_BUDGET}: Unsloth QLoRA's memory class; the plan keeps, "
+                    "recomputes, offloads or spaces each layer's input) + hf_accel's packing", sites=BNB_SITES),
     ]
 })

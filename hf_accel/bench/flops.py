@@ -4,7 +4,8 @@ Per optimizer step, with T real tokens in documents of lengths n_d, of which T_t
 is not -100 after the causal shift):
     FLOPs = (6 * P_trainable + 4 * P_frozen) * T  -  (6 * H_trainable + 4 * H_frozen) * (T - T_target)
             +  6 * L * d_attn * sum_d n_d^2
-- P_*: weights of every matmul (each nn.Linear, so LoRA A/B and a tied lm_head count; embeddings lookups do not).
+- P_*: weights of every matmul (each nn.Linear, so LoRA A/B and a tied lm_head count; embeddings lookups do not;
+  a 4-bit Linear4bit counts its in x out weights, not its packed storage).
   A weight costs 2 FLOPs/token forward, 2 for the input gradient, and 2 more for its own gradient if trainable.
 - H_*: the LM head's share of P_* (its nn.Linear layers, LoRA's included). The head is counted on target tokens
   only: a masked position (a prompt token, a document's first token) needs no logits, so its head work is not model
@@ -43,9 +44,11 @@ class FlopModel:
         in_head = {id(m) for m in head.modules()} if head is not None else set()
         for module in model.modules():
             if isinstance(module, nn.Linear):
+                # the matmul's size, not its storage's: a bitsandbytes Linear4bit packs two weights a byte
+                weights = module.in_features * module.out_features
                 count = counts[module.weight.requires_grad]
-                count[0] += module.weight.numel()
-                count[1] += module.weight.numel() if id(module) in in_head else 0
+                count[0] += weights
+                count[1] += weights if id(module) in in_head else 0
         config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -57,7 +57,7 @@ class Preset:
 _DEFAULTS_AND_BEST = ("hf_accel-defaults", "hf_accel-best")
 _LONG_CONFIGS = ("trl-fa4-packed-liger", "hf-sdpa-padded", "unsloth", "hf_accel-best")  # unsloth: where its pack is
 _MULTI_CONFIGS = ("trl-fa4-packed-liger", "hf_accel-defaults")
-# sized like llama-8b-lora (6 timed steps of 16k tokens, ~1-2 minutes a configuration on one H200); not run yet
+# sized like llama-8b-lora (6 timed steps of 16k tokens, a minute or two a configuration)
 _FAMILY_LORA_SETTINGS = dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=560,
                              config_timeout=170)
 _LONG_SETTINGS = dict(doc_lengths="16384,32768,65536,131072,262144", steps=2, warmup=1, best_checkpointing="offload",
@@ -114,8 +114,18 @@ PRESETS: dict[str, Preset] = {
             "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL + "
             "flash-attn-4 + Liger vs Unsloth's QLoRA vs hf_accel defaults, where the bitsandbytes / Unsloth packs "
             "are installed",
-            "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora", "hf_accel-qlora-offload"),
-            dict(steps=8, warmup=3, time_budget=480, config_timeout=170),
+            "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora", "hf_accel-qlora-budget",
+                               "hf_accel-qlora-offload"),
+            # hf_accel's rows compile their layers now (bitsandbytes 4-bit): warm-up 3 covers the first graphs and a
+            # recompile at a new token range; five rows of ~100 s fit one 10-minute call (the last may be cut)
+            dict(steps=6, warmup=3, time_budget=580, config_timeout=170),
+        ),
+        Preset(  # issue 38d: a 16k-token step is ~6 x 70B x 16k FLOPs (tens of seconds on one GPU): few steps
+            "llama-70b-qlora", "Llama-3-70B shapes, QLoRA (NF4 base built layer by layer on the GPU, LoRA r=16, "
+            "checkpointing): hf_accel defaults vs TRL + flash-attn-4 + Liger; Unsloth loads from files, which do "
+            "not fit (its row says so)",
+            "llama-70b-qlora", ("hf_accel-qlora", "trl-qlora", "unsloth-qlora"),
+            dict(steps=2, warmup=2, time_budget=580, config_timeout=330),
         ),
         Preset(
             "falcon-rw-1b", "Falcon-RW-1B shapes (ALiBi), full FT: HF SDPA padded (stock packing attends across "

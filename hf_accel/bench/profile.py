@@ -11,6 +11,9 @@ import torch
 
 # Kernel-name fragments, checked in order: the first match decides a kernel's category.
 CATEGORIES = (
+    # bitsandbytes' 4-bit dequantize (kDequantizeBlockwise...): QLoRA's forward, checkpoint recompute and backward each
+    # dequantize every frozen weight once; compare its calls per step with 3 x the quantized linears
+    ("dequantize", ("dequant",)),
     ("attention", ("flash", "fmha", "attention", "attn", "fwd_sm90", "bwd_sm90", "cute")),
     ("loss", ("cross_entropy", "log_softmax", "nll", "liger_cross", "softmax", "_ce_grad_rows")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
@@ -41,9 +44,21 @@ def ms_by_category(prof: Any, steps: int, cuda: bool) -> dict[str, float]:
     return out
 
 
+def top_kernels(prof: Any, steps: int, cuda: bool, n: int = 20) -> list[dict[str, Any]]:
+    """The ``n`` kernels (CPU: ops) with the most time per step: name, ms and calls per step, category."""
+    rows = []
+    for event in prof.key_averages():
+        us = (getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)) if cuda \
+            else event.self_cpu_time_total
+        if us and event.key:
+            rows.append({"kernel": event.key[:120], "ms_per_step": round(us / 1000 / steps, 3),
+                         "calls_per_step": round(event.count / steps, 1), "category": category(event.key)})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:n]
+
+
 class StepProfiler:
     """torch.profiler over ``steps`` consecutive steps: ``begin()`` at the first step's start, ``end()`` after the
-    last; ``result`` then holds ``{"steps": N, "ms_per_step": {category: ms}}``."""
+    last; ``result`` then holds ``{"steps": N, "ms_per_step": {category: ms}, "top_kernels": [...]}``."""
 
     def __init__(self, steps: int, cuda: bool) -> None:
         self.steps, self.cuda = steps, cuda
@@ -65,5 +80,6 @@ class StepProfiler:
             torch.cuda.synchronize()
         self._prof.stop()
         steps = steps or self.steps
-        self.result = {"steps": steps, "ms_per_step": ms_by_category(self._prof, steps, self.cuda)}
+        self.result = {"steps": steps, "ms_per_step": ms_by_category(self._prof, steps, self.cuda),
+                       "top_kernels": top_kernels(self._prof, steps, self.cuda)}
         self._prof = None

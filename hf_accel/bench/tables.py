@@ -22,6 +22,7 @@ WORKLOAD_TITLES = {
     "neox-1.4b": "GPT-NeoX 1.4B shapes, full FT",
     "llama-8b-lora": "Llama-3-8B shapes, LoRA r=16 + checkpointing",
     "llama-8b-qlora": "Llama-3-8B shapes, QLoRA (NF4 base) r=16 + checkpointing",
+    "llama-70b-qlora": "Llama-3-70B shapes, QLoRA (NF4 base built on the GPU) r=16 + checkpointing",
     "falcon-1b": "Falcon ~1B, full FT",
     "falcon-rw-1b": "Falcon-RW-1B shapes (ALiBi), full FT",
 }
@@ -43,6 +44,7 @@ CONFIG_LABELS = {
     "hf_accel-offload": "`hf_accel.patch(model, checkpointing=\"offload\")`",
     "hf_accel-offload-mlp4k": "`hf_accel.patch(model, checkpointing=\"offload\", mlp_chunks=4096)`",
     "hf_accel-qlora-offload": "QLoRA, `hf_accel.patch(model, checkpointing=\"offload\")`",
+    "hf_accel-qlora-budget": "QLoRA, `hf_accel.patch(model, checkpointing=\"budget:14.5GiB\")`",
 }
 ROLE_LABELS = {"stock": "stock anchor", "defaults": "hf_accel defaults", "best": "hf_accel best",
                "plain": "hf_accel, fast paths off", "hf_accel": "hf_accel"}

@@ -29,6 +29,9 @@ class Workload:
     lora_targets: tuple[str, ...] = ()
     notes: str = ""
     prompt_share: tuple[float, float] | None = None  # completion workloads: each document's masked prompt share range
+    # QLoRA configs: "files" = the random bf16 model saved, then loaded in 4-bit (from_pretrained, as users load);
+    # "device" = built in 4-bit on the device one weight at a time (bench.quantized_base): bf16 too large for disk / RAM
+    qlora_build: str = "files"
 
 
 # Llama-3.1's rope scaling (what its long-context checkpoints ship); positions up to 256k for the longest runs
@@ -42,6 +45,8 @@ _LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, nu
                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rms_norm_eps=1e-5)
 _LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5)
+_LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5)
 _LLAMA_1B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True)
 _LLAMA_8B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
 PROMPT_SHARE = (0.4, 0.6)  # the completion workloads: a document's prompt share, uniform in this range
@@ -92,6 +97,14 @@ WORKLOADS: dict[str, Workload] = {
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, QLoRA: the base in bitsandbytes NF4 (bf16 compute), LoRA r=16 alpha=32 on all "
                   "decoder linears, gradient checkpointing on (the QLoRA configs quantize; others would not)",
+        ),
+        Workload(  # issue 38d: bf16 weights ~140 GB, past the GPU machine's disk and RAM: built in 4-bit on the GPU
+            "llama-70b-qlora", "llama",
+            dict(_LLAMA_70B, rope_theta=500000.0, max_position_embeddings=8192),
+            dict(_LLAMA_8B_TINY),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS, qlora_build="device",
+            notes="Llama-3-70B shapes, QLoRA: the base built in bitsandbytes NF4 on the GPU one weight at a time "
+                  "(bf16 compute), LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
         Workload(
             "qwen3-8b-lora", "qwen3", dict(_QWEN3_8B), dict(_GQA_TINY, head_dim=16),

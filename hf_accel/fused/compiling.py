@@ -24,11 +24,17 @@ automatic full (oldest-generation) collections; young generations are still coll
 a deleted model included: patched models hold reference cycles, which only the collector frees.) ``unpatch`` of the
 last compiled model restores the collector's threshold.
 
-The binding is the layer's ``_compiled_call_impl`` slot (what ``nn.Module.compile`` sets), so transformers'
-checkpointing wrapper around ``__call__`` keeps working and ``unpatch`` restores the slot exactly.
+The binding is the layer's ``_compiled_call_impl`` slot (what ``nn.Module.compile`` sets), so ``unpatch`` restores
+the slot exactly. Where transformers checkpoints a layer matters: up to 5.22 its checkpointing wraps ``__call__``, so
+the checkpoint runs outside the slot and calls the compiled layer (forward and recompute). From 5.23 it wraps the
+class's ``forward``, i.e. inside the slot: dynamo would have to trace ``torch.utils.checkpoint`` around a body with a
+graph break (the attention), cannot, and ran the whole layer eagerly, with no error. There a checkpointed training
+call runs the layer's own call eagerly up to the checkpoint and hands the checkpoint a compiled body (the unwrapped
+forward), so the forward and the backward's recompute both run compiled, with the layer's hooks still outside.
 """
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -86,12 +92,31 @@ def _release(key: int) -> None:
         gc.set_threshold(thresholds[0], thresholds[1], _saved_threshold.pop())
 
 
+_CHECKPOINT_FUNC = "_gradient_checkpointing_func"
+
+
+def checkpointed_body(layer: nn.Module) -> Callable | None:
+    """The forward that transformers' checkpointing wrapper runs inside the checkpoint, where that wrapper is the
+    class's ``forward`` (transformers >= 5.23), unwrapped; None where checkpointing wraps ``__call__`` (5.17-5.22)."""
+    forward, body = type(layer).forward, None
+    while getattr(getattr(forward, "__code__", None), "co_name", None) == "forward_with_checkpointing":
+        forward = body = forward.__wrapped__  # an FSDP2 subclass wraps it once more; only the outermost checkpoints
+    return body
+
+
 class TrainingCompiled:
     """A decoder layer's call: compiled for training calls, the layer's own eager call for everything else."""
 
     def __init__(self, layer: nn.Module, options: dict[str, Any]):
         self.layer = layer
         self.compiled = torch.compile(layer._call_impl, **options)
+        body = checkpointed_body(layer)
+        self.compiled_body = None
+        if body is not None:
+            def run_body(*args, **kwargs):
+                return body(layer, *args, **kwargs)
+
+            self.compiled_body = torch.compile(run_body, **options)
 
     def takes_compiled_path(self, kwargs: dict[str, Any]) -> bool:
         layer = self.layer
@@ -101,7 +126,7 @@ class TrainingCompiled:
             return False
         if kwargs.get("use_cache"):
             return False
-        func = getattr(layer, "_gradient_checkpointing_func", None)
+        func = getattr(layer, _CHECKPOINT_FUNC, None)
         op_level = bool(getattr(layer, "gradient_checkpointing", False) and getattr(func, OP_LEVEL_ATTR, False))
         return not op_level
 
@@ -116,10 +141,34 @@ class TrainingCompiled:
 
         keep_liger_out_of_compiled_graphs()  # before tracing: liger bound by transformers / TRL stays eager-only
         before = graphs_compiled()
-        out = self.compiled(*args, **kwargs)
+        if self.compiled_body is not None and getattr(self.layer, "gradient_checkpointing", False):
+            out = self._checkpointed(args, kwargs)
+        else:
+            out = self.compiled(*args, **kwargs)
         if graphs_compiled() != before:
             quiet_full_collections()
         return out
+
+    def _checkpointed(self, args: tuple, kwargs: dict[str, Any]):
+        """The layer's own call (its hooks, transformers' checkpointing wrapper) with the checkpoint's body compiled
+        (see the module docstring): the layer's checkpoint function is wrapped for this call only."""
+        layer, body = self.layer, self.compiled_body
+        had_own = _CHECKPOINT_FUNC in layer.__dict__
+        checkpoint = getattr(layer, _CHECKPOINT_FUNC)
+
+        def checkpoint_compiled_body(forward, *checkpoint_args, **checkpoint_kwargs):
+            # forward: functools.partial(<the class's forward>, layer, **kwargs), as transformers' wrapper builds it
+            compiled = functools.partial(body, *forward.args[1:], **forward.keywords)
+            return checkpoint(compiled, *checkpoint_args, **checkpoint_kwargs)
+
+        layer.__dict__[_CHECKPOINT_FUNC] = checkpoint_compiled_body
+        try:
+            return layer._call_impl(*args, **kwargs)
+        finally:
+            if had_own:
+                layer.__dict__[_CHECKPOINT_FUNC] = checkpoint
+            else:
+                layer.__dict__.pop(_CHECKPOINT_FUNC, None)
 
     def __deepcopy__(self, memo):
         # A copied model (a reference model, EMA) gets the eager call; compile it again with patch() if wanted.

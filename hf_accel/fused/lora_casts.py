@@ -14,10 +14,16 @@ else PEFT's own method runs. The skip is bound per layer instance (an instance a
 LoRA layers present at ``patch()`` and on those PEFT adds later (checked at each forward of the patched model);
 ``unpatch`` removes it.
 
-LoRA layers on quantized bases (QLoRA: ``peft.tuners.lora.bnb.Linear4bit`` / ``Linear8bitLt``, and PEFT's other
-quantized backends) are different classes, left to PEFT's own forward, and the patch report says so: under autocast
-PEFT's bitsandbytes layers cast nothing (they cast the input only when autocast is off, where the cast is no round
-trip), so there is nothing to skip. They are recognised by class module and name: bitsandbytes is never imported.
+LoRA layers on bitsandbytes 4-bit bases (QLoRA: ``peft.tuners.lora.bnb.Linear4bit``) get the same skip: their forward
+calls ``_cast_input_dtype`` only when CUDA autocast is off (``torch.is_autocast_enabled()`` without a device), then
+feeds the cast input to ``lora_A`` alone, so where the check above holds (CPU autocast, say) the cast is the same round
+trip. Under CUDA autocast they call it never: the casts a 4-bit LoRA layer makes there are bitsandbytes' (the input to
+the compute dtype for the 4-bit matmul, the output back to the input's dtype), autocast's own copy of the input for
+``lora_A`` and PEFT's defensive ``clone`` of the base output; none is a round trip the skip may drop without changing
+a gradient's rounding (sharing the two input casts would sum the two input gradients in bf16), and compiled layers
+fuse them into their neighbours instead. PEFT's other quantized LoRA layers (8-bit, GPTQ, AWQ, ...) are left to PEFT's
+own forward, and the patch report says so. They are recognised by class module and name: bitsandbytes is never
+imported.
 """
 from __future__ import annotations
 
@@ -47,10 +53,20 @@ def _lora_layer_cls() -> type | None:
     return LoraLayer
 
 
+# PEFT LoRA layers on quantized bases whose forward casts as ``peft.tuners.lora.layer.Linear`` does (module, name):
+# peft defines them only when bitsandbytes imports, so they are recognised by name, not by import
+_QUANTIZED_BOUND = (("peft.tuners.lora.bnb", "Linear4bit"),)
+
+
+def _takes_skip(module: nn.Module, linear: type, lora_layer: type | None) -> bool:
+    cls = type(module)
+    return isinstance(module, linear) or (
+        lora_layer is not None and isinstance(module, lora_layer) and (cls.__module__, cls.__name__) in _QUANTIZED_BOUND)
+
+
 def left_to_peft(model: nn.Module) -> dict[str, int]:
-    """LoRA layers the skip is not bound to, by kind ("bnb.Linear4bit": count): PEFT LoRA layers on quantized bases
-    (classes from ``peft.tuners.lora.<backend>`` other than ``layer``; peft defines the bitsandbytes ones only when
-    bitsandbytes imports, so they are found by name, not by import)."""
+    """LoRA layers the skip is not bound to, by kind ("bnb.Linear8bitLt": count): PEFT LoRA layers on quantized bases
+    (classes from ``peft.tuners.lora.<backend>`` other than ``layer``) but bitsandbytes 4-bit ones."""
     lora_layer = _lora_layer_cls()
     if lora_layer is None:
         return {}
@@ -58,7 +74,8 @@ def left_to_peft(model: nn.Module) -> dict[str, int]:
     for module in model.modules():
         cls = type(module)
         backend = cls.__module__.removeprefix("peft.tuners.lora.")
-        if isinstance(module, lora_layer) and backend != cls.__module__ and backend != "layer":
+        if (isinstance(module, lora_layer) and backend != cls.__module__ and backend != "layer"
+                and (cls.__module__, cls.__name__) not in _QUANTIZED_BOUND):
             key = f"{backend}.{cls.__name__}"
             found[key] = found.get(key, 0) + 1
     return found
@@ -70,8 +87,8 @@ def stand_down_note(model: nn.Module) -> str | None:
     if not kinds:
         return None
     what = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
-    return (f"LoRA cast skip: not bound to {what} LoRA layers (quantized base layers): PEFT's own forward runs there; "
-            "under autocast it casts nothing on bitsandbytes layers, so no round trip is left to skip")
+    return (f"LoRA cast skip: not bound to {what} LoRA layers (quantized base layers the skip is not checked on): "
+            "PEFT's own forward and casts run there")
 
 
 def round_trip_only(layer: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -100,13 +117,14 @@ def _cast_input_dtype(self, x, dtype: torch.dtype):
 
 
 def bind(model: nn.Module) -> int:
-    """Bind the skip to every PEFT LoRA Linear of ``model`` that lacks it; returns how many were bound."""
-    cls = _lora_linear_cls()
+    """Bind the skip to every PEFT LoRA Linear (and bitsandbytes 4-bit LoRA layer) of ``model`` that lacks it;
+    returns how many were bound."""
+    cls, lora_layer = _lora_linear_cls(), _lora_layer_cls()
     if cls is None:
         return 0
     bound = 0
     for module in model.modules():
-        if isinstance(module, cls) and _ATTR not in module.__dict__:
+        if _takes_skip(module, cls, lora_layer) and _ATTR not in module.__dict__:
             module.__dict__[_ATTR] = types.MethodType(_cast_input_dtype, module)
             bound += 1
     return bound

@@ -1,0 +1,40 @@
+"""Quantized bases (QLoRA): which quantized layers hf_accel's compiled layers are checked on.
+
+bitsandbytes' 4-bit ``Linear4bit`` (NF4 / FP4, plain or nested statistics) is: its forward matmul
+(``bitsandbytes::gemm_4bit``) and the backward's dequantize (``bitsandbytes::dequantize_4bit``, with
+``dequantize_blockwise`` for nested statistics) are ``torch.library`` custom ops with fake kernels, so dynamo traces
+``Linear4bit.forward`` and bitsandbytes' autograd function around them and keeps the two ops opaque in the layer's
+graph; inductor compiles what is around them (the input cast to the compute dtype, the cast of the output back, PEFT's
+defensive clone and the adapter's add). tests/test_qlora.py checks compiled against eager training steps on such a
+base. Every other quantizer's layers (bitsandbytes 8-bit, torchao, GPTQ, AWQ, HQQ, quanto, ...) is not checked, and
+``compile="auto"`` stands down on them with that reason. Nothing here imports a quantization library: layers are
+recognised by the package and name of their classes.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+QUANTIZER_PACKAGES = ("bitsandbytes", "torchao", "auto_gptq", "gptqmodel", "awq", "hqq", "optimum", "quanto")
+COMPILE_CHECKED_LAYERS = (("bitsandbytes", "Linear4bit"),)  # (package, class name), subclasses included
+COMPILE_CHECKED_QUANTIZERS = ("Bnb4BitHfQuantizer",)  # transformers' quantizer of BitsAndBytesConfig(load_in_4bit=True)
+_CHECKED = "compiled layers are checked on bitsandbytes 4-bit (Linear4bit) only"
+
+
+def compile_checked(cls: type) -> bool:
+    """Whether a quantized layer class is one compiled layers are checked on (or a subclass of one)."""
+    return any((c.__module__.split(".")[0], c.__name__) in COMPILE_CHECKED_LAYERS for c in cls.__mro__)
+
+
+def compile_stand_down(model: nn.Module) -> str | None:
+    """Why compiled layers should stand down on this model's quantized weights (one line), or None: no quantized
+    layers, or bitsandbytes 4-bit ones only."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and type(quantizer).__name__ not in COMPILE_CHECKED_QUANTIZERS:
+        return f"{type(quantizer).__name__} weights: {_CHECKED}"
+    if quantizer is None and getattr(model, "is_quantized", False):
+        return f"quantized weights: {_CHECKED}"
+    for module in model.modules():
+        cls = type(module)
+        if cls.__module__.split(".")[0] in QUANTIZER_PACKAGES and not compile_checked(cls):
+            return f"{cls.__name__} layers: {_CHECKED}"
+    return None

@@ -1,0 +1,169 @@
+"""QLoRA on bitsandbytes' CPU backend: a tiny random Llama saved and reloaded as bitsandbytes 4-bit
+(`BitsAndBytesConfig`), PEFT's recipe (prepare_model_for_kbit_training with its gradient checkpointing, LoRA on every
+linear), then hf_accel.patch. Against live references built from the same files and adapters: the unpatched PEFT
+QLoRA model (fp32 compute: losses and LoRA gradients), the patched eager model (compiled layers, bf16 autocast), and
+PEFT's own input cast (the LoRA cast skip, bit-identical). The GPU test (tests/gpu/test_qlora_gpu.py) trains 20 steps
+in bf16 against PEFT's QLoRA on CUDA."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import hf_accel
+from hf_accel.fused import lora_casts
+from hf_accel.fused.compiling import compiled_layers
+
+bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+peft = pytest.importorskip("peft")
+
+VOCAB = 128
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+AOT_EAGER = {"backend": "aot_eager"}  # dynamo + AOTAutograd, the graphs inductor would get, without code generation
+STEPS = ([5, 9, 3], [7, 11, 4, 6])  # new token and document counts: the second step reuses the dynamic graphs
+VARIANTS = {"nf4": dict(bnb_4bit_quant_type="nf4"), "nf4-nested": dict(bnb_4bit_quant_type="nf4",
+                                                                          bnb_4bit_use_double_quant=True),
+            "fp4": dict(bnb_4bit_quant_type="fp4")}
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("qlora-llama")
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def qlora(folder, variant: str = "nf4", compute: torch.dtype = torch.bfloat16, kbit: bool = True):
+    """The 4-bit base from `folder`, PEFT's kbit preparation (fp32 norms / embeddings / head, non-reentrant
+    checkpointing) unless `kbit` is False, LoRA r=4 on every linear with random B (seeded, so every copy is equal)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute, **VARIANTS[variant])
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa", device_map={"": "cpu"})
+    model.config.use_cache = False
+    if kbit:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, init_lora_weights=False)
+    return get_peft_model(model, config).train()
+
+
+def packed(lengths: list[int], seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
+
+
+def step(model, batch, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_steps(ours, ref, autocast: bool, loss_rtol: float, grad_rtol: float) -> None:
+    for seed, lengths in enumerate(STEPS):
+        loss, grads = step(ours, packed(lengths, seed), autocast)
+        ref_loss, ref_grads = step(ref, packed(lengths, seed), autocast)
+        assert abs(loss - ref_loss) <= loss_rtol * abs(ref_loss), (seed, loss, ref_loss)
+        assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads) and len(grads) == 2 * 2 * 7
+        for name, g in ref_grads.items():
+            err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+            assert err <= grad_rtol, (seed, name, err)
+
+
+def test_the_cpu_backend_quantizes_and_peft_wraps_every_linear(saved_llama):
+    model = qlora(saved_llama)
+    base = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    lora = [m for m in model.modules() if type(m).__module__ == "peft.tuners.lora.bnb"]
+    assert len(base) == len(lora) == 2 * len(TARGETS)
+    assert all(m.weight.dtype == torch.uint8 and m.weight.quant_state.quant_type == "nf4" for m in base)
+
+
+@pytest.mark.parametrize("variant", ["nf4", pytest.param("nf4-nested", marks=pytest.mark.slow),
+                                     pytest.param("fp4", marks=pytest.mark.slow)])
+def test_compiled_patched_qlora_matches_unpatched_peft(saved_llama, variant):
+    """fp32 compute, so only summation order separates the patched, compiled model (hf_accel's reference attention,
+    checkpointed layers through compiled bodies) from PEFT's QLoRA model on transformers' sdpa."""
+    ref = qlora(saved_llama, variant, compute=torch.float32)
+    ours = qlora(saved_llama, variant, compute=torch.float32)
+    report = hf_accel.patch(ours, backend="reference", compile=AOT_EAGER)
+    assert report.compiled_layers == 2 and all(layer.gradient_checkpointing for layer in compiled_layers(ours))
+    assert_close_steps(ours, ref, autocast=False, loss_rtol=1e-5, grad_rtol=1e-4)
+    # the layers ran through captured graphs, broken at the attention seam only: bitsandbytes' matmul and
+    # dequantize stayed ops inside them
+    assert counters["stats"]["unique_graphs"] > 0
+    assert counters["graph_break"] and all("hf_accel_attention" in r for r in counters["graph_break"])
+
+
+def test_compiled_matches_eager_under_bf16_autocast_and_unpatch_restores_the_model(saved_llama):
+    eager = qlora(saved_llama)
+    compiled = qlora(saved_llama)
+    before = {n: p.data.clone() for n, p in compiled.named_parameters()}
+    hf_accel.patch(eager, backend="reference", compile=False)
+    hf_accel.patch(compiled, backend="reference", compile=AOT_EAGER)
+    assert_close_steps(compiled, eager, autocast=True, loss_rtol=1e-6, grad_rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] > 0
+    assert not compiled_layers(copy.deepcopy(compiled))  # a copy (reference model, EMA) gets eager layers
+    hf_accel.unpatch(compiled)
+    assert not compiled_layers(compiled) and not any("_cast_input_dtype" in m.__dict__ for m in compiled.modules())
+    frozen = [n for n, p in compiled.named_parameters() if not p.requires_grad]
+    assert frozen and all(torch.equal(compiled.get_parameter(n).data, before[n]) for n in frozen)
+
+
+@pytest.mark.parametrize("kbit", [True, False])
+def test_lora_cast_skip_on_4bit_layers_is_bit_identical(saved_llama, kbit):
+    """Under CPU autocast PEFT's 4-bit LoRA layers cast their input to the fp32 adapter's dtype (their forward checks
+    CUDA autocast only): a round trip the skip drops. Without kbit preparation the layers' inputs are bf16 and the
+    skip saves copies; with it they are fp32 and there is nothing to skip. Either way: the same bits."""
+    model = qlora(saved_llama, kbit=kbit)
+    report = hf_accel.patch(model, backend="reference")
+    layers = [m for m in model.modules() if type(m).__module__ == "peft.tuners.lora.bnb"]
+    assert layers and all("_cast_input_dtype" in m.__dict__ for m in layers)
+    assert not any(n.startswith("LoRA cast skip") for n in report.notes), report.notes
+    from test_lora_casts import Fp32Copies
+
+    results = []
+    for bound in (True, False):
+        if not bound:
+            lora_casts.unbind(model.get_base_model())
+        counter = Fp32Copies()
+        with counter:
+            results.append((*step(model, packed([6, 9, 4], 0), autocast=True), counter.count))
+    (loss, grads, copies), (ref_loss, ref_grads, ref_copies) = results
+    assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    assert copies < ref_copies if not kbit else copies <= ref_copies
+
+
+def test_auto_speedups_with_a_4bit_base_and_stand_down_on_8bit(saved_llama):
+    from hf_accel.attention.kernels import DeviceInfo
+    from hf_accel.patching import resolve_speedups
+
+    h200 = DeviceInfo("cuda", (9, 0))
+    model = qlora(saved_llama).get_base_model()
+    got = resolve_speedups(model, h200, liger_installed=True)
+    assert all(s.on for s in got.values()), got  # fused loss, fused ops, compiled layers
+    model.model.layers[0].mlp.down_proj = bnb.nn.Linear8bitLt(128, 64, has_fp16_weights=False)
+    compile_ = resolve_speedups(model, h200, liger_installed=True)["compile"]
+    assert not compile_.on and "Linear8bitLt layers" in compile_.why and "4-bit" in compile_.why

@@ -1,0 +1,70 @@
+"""The QLoRA bench rows on the CPU (tiny shapes, bitsandbytes' CPU backend): each builds its 4-bit base by its
+workload's route (the file route for llama-8b-qlora, the on-device builder for llama-70b-qlora), trains its timed
+steps with finite losses, and its patch report says what ran (compiled layers are CUDA-only under "auto", so the rows
+that rely on the defaults are checked for the defaults' choices on a faked CUDA device in tests/test_qlora.py).
+Unsloth's rows skip the 70B workload with the reason."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+
+from hf_accel.bench import configs  # noqa: E402
+from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
+from hf_accel.bench.presets import get_preset  # noqa: E402
+from hf_accel.bench.train import RunSettings, Timing  # noqa: E402
+from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
+
+
+def run(config: str, workload: str, options: Options = Options()) -> tuple[Timing, object]:
+    settings = RunSettings(WORKLOADS[workload], "cpu", True, steps=2, warmup=1, step_time_budget=60.0)
+    data = make_data(DataSpec.tiny(), build_config(settings.workload, tiny=True).vocab_size, steps=3)
+    timing = Timing()
+    model = CONFIGS[config].run(settings, data, options, timing)
+    return timing, model
+
+
+@pytest.mark.parametrize("workload", ["llama-8b-qlora", "llama-70b-qlora"])
+@pytest.mark.parametrize("config", ["hf_accel-qlora", "hf_accel-qlora-budget"])
+def test_hf_accel_qlora_rows_train_on_a_4bit_base(config, workload):
+    import bitsandbytes as bnb
+
+    timing, model = run(config, workload)
+    assert len(timing.losses) == 2 and all(math.isfinite(x) for x in timing.losses)
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 2 * 7
+    report = next(n for n in timing.notes if n.startswith("patch: "))
+    assert "LoRA cast skip: not bound" not in report  # PEFT's 4-bit LoRA layers take the skip
+    if config == "hf_accel-qlora-budget":
+        assert f"checkpointing: memory budget {configs.QLORA_BUDGET.removeprefix('budget:').lower()}: per layer" in report, report
+
+
+def test_trl_qlora_row_builds_and_trains_through_trl(monkeypatch):
+    """TRL's row with sdpa for flash-attn-4 and without Liger (its Triton kernels need CUDA): the model it trains is
+    the 4-bit base with PEFT's LoRA."""
+    run_trl = configs.run_trl
+    monkeypatch.setattr(configs, "run_trl", lambda *a, liger, **k: run_trl(*a, liger=False, **k))
+    timing, model = run("trl-qlora", "llama-70b-qlora", Options(substitute_attn="sdpa"))
+    assert timing.losses and all(math.isfinite(x) for x in timing.losses)
+    assert sum(type(m).__module__ == "peft.tuners.lora.bnb" for m in model.modules()) == 2 * 7
+
+
+def test_unsloth_rows_skip_workloads_built_on_the_device():
+    options = Options()
+    for name in ("unsloth", "unsloth-qlora"):
+        reason = missing_requirement(CONFIGS[name], "cuda", "llama", options, WORKLOADS["llama-70b-qlora"])
+        assert reason and "loads its model from files" in reason and "disk" in reason, reason
+        assert "loads its model" not in (missing_requirement(CONFIGS[name], "cuda", "llama", options,
+                                                             WORKLOADS["llama-8b-qlora"]) or "")
+
+
+def test_qlora_presets_name_the_target_rows():
+    eight = get_preset("llama-8b-qlora")
+    assert {"trl-qlora", "unsloth-qlora", "hf_accel-qlora", "hf_accel-qlora-budget"} <= set(eight.configs)
+    seventy = get_preset("llama-70b-qlora")
+    assert seventy.workload == "llama-70b-qlora" and WORKLOADS[seventy.workload].qlora_build == "device"
+    assert seventy.configs[0] == "hf_accel-qlora"  # the headline row first, before the time budget runs out
+    config = build_config(WORKLOADS["llama-70b-qlora"])
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (8192, 28672, 80)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (64, 8, 128256)
