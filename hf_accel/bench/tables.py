@@ -25,6 +25,11 @@ WORKLOAD_TITLES = {
     "llama-70b-qlora": "Llama-3-70B shapes, QLoRA (NF4 base built on the GPU) r=16 + checkpointing",
     "falcon-1b": "Falcon ~1B, full FT",
     "falcon-rw-1b": "Falcon-RW-1B shapes (ALiBi), full FT",
+    "qwen3-8b-lora": "Qwen3-8B shapes, LoRA r=16 + checkpointing",
+    "mistral-7b-lora": "Mistral-7B shapes, LoRA r=16 + checkpointing",
+    "gemma2-9b-lora": "Gemma-2-9B shapes, LoRA r=16 + checkpointing",
+    "llama-1b-completion": "Llama-3.2-1B shapes, full FT, prompt-masked SFT data",
+    "llama-8b-lora-completion": "Llama-3-8B shapes, LoRA r=16 + checkpointing, prompt-masked SFT data",
 }
 CONFIG_LABELS = {
     "hf-sdpa-padded": "HF, SDPA, padded batches of 8",

@@ -73,10 +73,14 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     tail_peak = [0]
 
     class SaveableOutputs(TorchDispatchMode):
+        # Higher-order operators (FlexAttention's flex_attention, the flex backend's kernel) pass through here too
+        # and run as themselves, their outputs counted like an op's; without this the mode refused them.
+        supports_higher_order_operators = True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            if counter.layer is not None and func.overloadpacket in save_ops:
+            if counter.layer is not None and getattr(func, "overloadpacket", func) in save_ops:
                 op_out[counter.layer] += sum(_storage_key(t)[1] for t in tensors)
             if counter.layer is None and left[0] == len(layers):
                 for t in tensors:

@@ -195,7 +195,7 @@ def test_final_logit_softcap_within_bf16_error(method):
     if method == "liger" and not liger_available():
         pytest.skip("liger-kernel not installed")
     torch.manual_seed(2)
-    cap = 30.0
+    cap = 15.0  # random scores reach ~54 at std 0.2: at least 3x the cap, so the cap shapes the loss
     head32 = nn.Linear(H, V, bias=False, device="cuda")
     nn.init.normal_(head32.weight, std=0.2)
     head16 = nn.Linear(H, V, bias=False, device="cuda", dtype=torch.bfloat16)
