@@ -54,7 +54,7 @@ def test_config_reports_the_users_implementation(variant):
         assert eager.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("variant", REGISTRY)
+@pytest.mark.parametrize("variant", REGISTRY + ["gemma2-softcap"])
 def test_config_output_attentions_on_a_patched_eager_model(variant):
     """transformers' test_attention_outputs sets config.output_attentions = True on a model built with eager: allowed,
     and the probabilities are eager's."""
@@ -124,7 +124,7 @@ def test_cached_forward_with_and_without_a_full_mask(variant):
     torch.testing.assert_close(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("variant", REGISTRY + ["falcon-mha"])
+@pytest.mark.parametrize("variant", REGISTRY + ["falcon-mha", "gemma2-softcap", "mistral-window"])
 def test_right_padded_generation_is_the_same_with_dynamic_and_static_caches(variant):
     """Llama's test_generate_with_static_cache, deterministically: a right-padded row's next token comes from its
     padded last position; a prefill filling a cache from a padding mask runs stock, so the dynamic cache's prefill

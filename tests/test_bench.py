@@ -152,19 +152,23 @@ def test_script_tiny_cpu_runs_configs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workload", ["qwen3-8b-lora", "mistral-7b-lora", "gemma2-9b-lora"])
-def test_script_tiny_cpu_runs_the_new_families(tmp_path, workload):
-    """Each new family's workload at its tiny shape (LoRA, checkpointing): stock padded and packed train alike (stock
-    packing is right for these families), TRL's path (attention substituted) and hf_accel best run; the Gemma shape
-    soft-caps (the fused loss too) and needs its eager reference."""
-    configs = "hf-sdpa-padded,hf-sdpa-packed,trl-fa4-packed,hf_accel-best"
+@pytest.mark.parametrize("workload, configs", [
+    ("gemma2-9b-lora", "hf-sdpa-padded,hf-sdpa-packed,trl-fa4-packed,hf_accel-best"),
+    ("qwen3-8b-lora", "trl-fa4-packed,hf_accel-best"),
+    ("mistral-7b-lora", "trl-fa4-packed,hf_accel-best"),
+])
+def test_script_tiny_cpu_runs_the_new_families(tmp_path, workload, configs):
+    """Each new family's workload at its tiny shape (LoRA, checkpointing): TRL's path (attention substituted) and
+    hf_accel best run; for Gemma 2 (soft-capping in attention and in the fused loss, built with its eager reference)
+    stock padded and packed also train alike (stock packing is right for it). Each config is a process (~7 s)."""
     stdout, record = _run_bench(tmp_path, "--workload", workload, "--configs", configs, "--substitute-attn", "sdpa")
     results = {r["config"]: r for r in record["results"]}
     for name in configs.split(","):
         assert results[name]["status"].startswith("ok"), results[name]
         assert results[name]["tokens_per_s"] > 0 and results[name]["loss_finite"], results[name]
-    assert results["hf-sdpa-padded"]["loss"] == pytest.approx(results["hf-sdpa-packed"]["loss"], rel=1e-4)
-    assert results["hf-sdpa-packed"]["same_computation"] is not False
+        assert results[name].get("same_computation", True), results[name]
+    if "hf-sdpa-packed" in results:
+        assert results["hf-sdpa-padded"]["loss"] == pytest.approx(results["hf-sdpa-packed"]["loss"], rel=1e-4)
 
 
 def test_steady_rate_is_the_median_steps_and_ignores_one_stall():

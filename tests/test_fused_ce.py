@@ -172,8 +172,9 @@ def test_all_ignored_mean_is_zero_not_nan():
 
 
 # ---- patch(fused_ce=True): the loss inside the model's own forward ------------------------------------------------
-@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "gemma2-softcap"])
 def test_patch_fused_ce_equals_stock_loss_and_grads(variant):
+    """gemma2-softcap: the final logit soft-cap (2.0 in the tiny config) applied inside the fused loss."""
     import copy
     import sys
     from pathlib import Path

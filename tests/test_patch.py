@@ -12,7 +12,7 @@ import torch
 
 import hf_accel
 from hf_accel.errors import BackendUnavailable, UnsupportedModel
-from tiny_models import VARIANTS, VOCAB, make
+from tiny_models import NEW_FAMILIES, VARIANTS, VOCAB, make
 
 LOGITS_RTOL = 2e-4  # relative to the logits' scale (issue 2's bar)
 GRAD_RTOL = 1e-3  # relative to each gradient's scale
@@ -180,7 +180,7 @@ def test_generate_unchanged(variant):
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "neox-sequential", "falcon-7b-mqa"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-sequential", "falcon-7b-mqa", *NEW_FAMILIES])
 def test_unpatch_restores_bit_identical(variant):
     model = make(variant)
     ids, mask, _ = batch("right")
@@ -235,7 +235,7 @@ def _attention_calls(model):
     return calls
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-mha", "neox-parallel"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-mha", "neox-parallel", "gemma2-softcap"])
 def test_checkpointed_layers_still_recompute(variant):
     model = make(variant).train()
     hf_accel.patch(model)
@@ -249,7 +249,7 @@ def test_checkpointed_layers_still_recompute(variant):
     assert len(calls) == 2 * model.config.num_hidden_layers  # each layer's attention ran again in backward
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-40b-newarch", "neox-parallel"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-40b-newarch", "neox-parallel", *NEW_FAMILIES])
 def test_lora_grads_equal_patch_before_or_after_peft(variant):
     from peft import LoraConfig, get_peft_model
 

@@ -59,7 +59,10 @@ def test_a_pack_folder_makes_the_config_available(tmp_path, monkeypatch):
     assert "not installed" in missing_requirement(CONFIGS["unsloth"], "cuda", "llama", options)
     fake_pack(tmp_path, "unsloth", {"unsloth": "2026.10.9"})
     assert missing_requirement(CONFIGS["unsloth"], "cuda", "llama", options) is None
-    assert "Llama workloads only" in missing_requirement(CONFIGS["unsloth"], "cuda", "gpt_neox", options)
+    for family in ("qwen3", "mistral", "gemma2"):  # the issue-36 workloads' families
+        assert missing_requirement(CONFIGS["unsloth"], "cuda", family, options) is None
+    assert "Unsloth configs run" in missing_requirement(CONFIGS["unsloth"], "cuda", "falcon", options)
+    assert "workloads only" in missing_requirement(CONFIGS["unsloth"], "cuda", "gpt_neox", options)
     assert "bitsandbytes not installed" in missing_requirement(CONFIGS["unsloth-qlora"], "cuda", "llama", options)
 
 
@@ -137,7 +140,7 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
     monkeypatch.setattr(apart, "saved_random_model", lambda settings: _folder("/model"))
     monkeypatch.setattr(apart, "run_trl", lambda model, data, settings, timing, **kw: calls.update(trl=(model, kw)))
     data = types.SimpleNamespace(spec=DataSpec.tiny())
-    for workload in ("llama-8b-lora", "llama-1b"):
+    for workload in ("llama-8b-lora", "llama-1b", "gemma2-9b-lora"):  # the issue-36 families load the same way
         settings = RunSettings(WORKLOADS[workload], "cuda", True, steps=1, warmup=1, step_time_budget=1.0)
         calls.clear()
         CONFIGS["unsloth"].run(settings, data, Options(), Timing())
@@ -146,7 +149,7 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
         load = calls["load"]
         assert load["model_name"] == "/model" and load["max_seq_length"] == DataSpec.tiny().max_len
         assert load["load_in_4bit"] is False and load["full_finetuning"] is (workload == "llama-1b")
-        if workload == "llama-8b-lora":
+        if WORKLOADS[workload].lora:
             assert load["use_gradient_checkpointing"] == "unsloth" == calls["lora"]["use_gradient_checkpointing"]
             assert calls["lora"]["r"] == 16 and calls["lora"]["lora_alpha"] == 32
             assert set(calls["lora"]["target_modules"]) == set(WORKLOADS[workload].lora_targets)

@@ -211,6 +211,8 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
     from hf_accel.data.collators import TARGET_ROWS_KEY
     from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
 
+    from hf_accel.patches import family_of
+
     def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
         lm = causal_lm(model)
         decoder = getattr(lm, lm.base_model_prefix)
@@ -218,7 +220,8 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
         hidden = call_filtered(decoder, {**inputs, "use_cache": False}).last_hidden_state
         return causal_lm_loss_from_hidden(model, hidden, batch["labels"], num_items_in_batch=step_targets,
                                           target_rows=batch.get(TARGET_ROWS_KEY), chunk_size=options.ce_chunk_size,
-                                          method=options.fused_ce)
+                                          method=options.fused_ce,
+                                          softcap=family_of(lm).final_logit_softcap(lm.config))  # Gemma 2's cap
 
     return loss_fn
 
