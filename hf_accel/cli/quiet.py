@@ -1,9 +1,11 @@
 """Quiet by default: what a run prints is what a user can act on.
 
-DeepSpeed, where installed, is imported by accelerate (``unwrap_model`` checks for its engine) even in runs that do
-not use it, and warns on import that it "was unable to detect" a GPU on a machine that has none. Where torch sees no
-CUDA device and no accelerator was named, DeepSpeed is told the CPU up front (``DS_ACCELERATOR=cpu``, what its own
-detection falls back to), which it takes without a warning.
+DeepSpeed, where installed, is imported by accelerate in runs that do not use it (``unwrap_model`` looks for its
+engine class): 3 s of start-up and a warning that it "was unable to detect" a GPU. Outside a DeepSpeed launch no such
+engine can exist, so the command tells accelerate's unwrap that DeepSpeed is absent there; inside one, where torch sees
+no CUDA device, DeepSpeed is told the CPU up front (``DS_ACCELERATOR=cpu``, what its own detection falls back to).
+bitsandbytes' CPU backend (installed for QLoRA) logs on import that an optional inference kernel from the hub is
+missing: nothing a training run uses, so that one message is dropped.
 
 Progress bars of the libraries below us (datasets' ``map``, tokenizing) draw only on a terminal; in a log file tqdm's
 carriage-return chains are noise, and hf_accel's own progress prints one line per logging interval there instead.
@@ -11,6 +13,7 @@ carriage-return chains are noise, and hf_accel's own progress prints one line pe
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 
@@ -19,9 +22,28 @@ def on_terminal() -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
+def deepspeed_launch() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in str(record.msg)
+
+
 def quiet_libraries() -> None:
-    """DeepSpeed's accelerator named where it would fall back to the CPU anyway; datasets' and transformers'
-    progress bars off unless stderr is a terminal."""
+    """DeepSpeed kept out of runs that do not use it (and told the CPU where it would fall back to it), bitsandbytes'
+    missing-inference-kernel message dropped; datasets' and transformers' progress bars off unless stderr is a
+    terminal."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessage("gemm_4bit_forward from kernels"))
+    if not deepspeed_launch():
+        import accelerate.utils.other
+
+        accelerate.utils.other.is_deepspeed_available = lambda: False  # unwrap_model's engine check: no engine here
     if "DS_ACCELERATOR" not in os.environ and importlib.util.find_spec("deepspeed") is not None:
         import torch
 
