@@ -194,7 +194,13 @@ def test_rebuilt_inputs_replay_rng_and_autocast():
 
 def test_spaced_layer_whose_input_is_not_its_spans_output_keeps_it():
     """When something changes the hidden states between two layers, the spaced layer cannot rebuild its input from
-    the layer below: it keeps it, as full checkpointing would, and gradients stay right."""
+    the layer below: it keeps it, as full checkpointing would, and gradients stay right. (Before transformers 5.23
+    the layer's checkpoint wraps its ``__call__``, so a forward pre-hook runs inside it, on the layer below's output:
+    the span is rebuilt through the hook and spacing holds.)"""
+    import transformers
+    from packaging.version import Version
+
+    hooks_inside_checkpoint = Version(transformers.__version__).release < (5, 23)
     model, reference = tiny_llama(), tiny_llama()
     layers = decoder_layers(model)
     layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))  # a new tensor, not layer 0's output
@@ -202,7 +208,8 @@ def test_spaced_layer_whose_input_is_not_its_spans_output_keeps_it():
     policy = PerLayer(choices=["full", "spaced", "full", "full"])
     policy.apply(model)
     (loss, g), (loss_ref, g_ref) = step(model, packed_batch()), step(reference, packed_batch())
-    assert policy.spacer.stats.kept == 1 and policy.spacer.stats.spaced == 0
+    kept, spaced = (0, 1) if hooks_inside_checkpoint else (1, 0)
+    assert (policy.spacer.stats.kept, policy.spacer.stats.spaced) == (kept, spaced)
     torch.testing.assert_close(loss, loss_ref)
     for name, grad in g_ref.items():
         torch.testing.assert_close(g[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
