@@ -26,7 +26,7 @@ README's tables by scripts/bench_tables.py.
 Precision: bf16 weights (no fp32 master copy) and torch.optim.AdamW(fused=True) for every configuration (fp32 in
 --tiny CPU runs). Token budget: ~16k real tokens per optimizer step for every configuration (padded: micro-batches of
 8 padded to longest with gradient accumulation; packed: one row; TRL: 4 bfd rows of 4096). MFU: see
-hf_accel/bench/flops.py (6*trainable + 4*frozen matmul params per token + causal attention, real tokens only; the
+hf_accel/training/flops.py (6*trainable + 4*frozen matmul params per token + causal attention, real tokens only; the
 LM head on tokens with a target only). Prompt-masked workloads (`*-completion`): every configuration trains the same
 masks (TRL through completion_mask + completion_only_loss=True, the others through labels -100 on the prompt); each
 record counts the data set's targets as the config's own data path labels them, and the table says whether they agree.
@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 from hf_accel.errors import BudgetExceeded  # noqa: E402
 
-from hf_accel.bench import flops  # noqa: E402
+from hf_accel.training import flops  # noqa: E402
 from hf_accel.bench.apart import child_env  # noqa: E402
 from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
 from hf_accel.bench.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch, peak_flops
+from hf_accel.training.flops import FlopModel, doc_lengths_from_batch, peak_flops
 from hf_accel.bench.report import add_ratios, markdown_table
 from hf_accel.bench.workloads import (DataSpec, _local_sft_lengths, greedy_steps, make_data, micro_batches,
                                       sft_lengths)

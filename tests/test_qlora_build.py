@@ -97,7 +97,7 @@ def test_flop_model_counts_4bit_linears_at_their_full_size():
     MFU was half the real figure while the FLOP model counted storage)."""
     from transformers import LlamaForCausalLM
 
-    from hf_accel.bench.flops import FlopModel
+    from hf_accel.training.flops import FlopModel
 
     built = FlopModel.from_model(build_4bit_model(llama_config(), quant_config(), "cpu"))
     plain = LlamaForCausalLM(llama_config())

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from .flops import FlopModel, doc_lengths_from_batch
+from hf_accel.training.flops import FlopModel, doc_lengths_from_batch
 from .targets import target_count, targets_where_they_are, trainer_data_targets
 from .workloads import BenchData, Workload, build_config
 
