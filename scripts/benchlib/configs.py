@@ -100,7 +100,7 @@ def missing_requirement(config: BenchConfig, device: str, family: str, options: 
     if config.loads_files and workload is not None and workload.qlora_build == "device":
         return (f"it loads its model from files, and {workload.name}'s bf16 weights (2 bytes a parameter: ~140 GB "
                 "for 70B shapes) fit neither this machine's disk nor its RAM; the QLoRA rows build the 4-bit base "
-                "on the GPU instead (hf_accel.bench.quantized_base)")
+                "on the GPU instead (benchlib.quantized_base)")
     for need in config.needs:
         if need == "fa4" and options.substitute_attn:
             continue

@@ -32,7 +32,7 @@ class Workload:
     notes: str = ""
     prompt_share: tuple[float, float] | None = None  # completion workloads: each document's masked prompt share range
     # QLoRA configs: "files" = the random bf16 model saved, then loaded in 4-bit (from_pretrained, as users load);
-    # "device" = built in 4-bit on the device one weight at a time (bench.quantized_base): bf16 too large for disk / RAM
+    # "device" = built in 4-bit on the device one weight at a time (benchlib.quantized_base): bf16 too large for disk / RAM
     qlora_build: str = "files"
 
 
