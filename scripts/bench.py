@@ -26,7 +26,7 @@ README's tables by scripts/bench_tables.py.
 Precision: bf16 weights (no fp32 master copy) and torch.optim.AdamW(fused=True) for every configuration (fp32 in
 --tiny CPU runs). Token budget: ~16k real tokens per optimizer step for every configuration (padded: micro-batches of
 8 padded to longest with gradient accumulation; packed: one row; TRL: 4 bfd rows of 4096). MFU: see
-hf_accel/bench/flops.py (6*trainable + 4*frozen matmul params per token + causal attention, real tokens only; the
+hf_accel/training/flops.py (6*trainable + 4*frozen matmul params per token + causal attention, real tokens only; the
 LM head on tokens with a target only). Prompt-masked workloads (`*-completion`): every configuration trains the same
 masks (TRL through completion_mask + completion_only_loss=True, the others through labels -100 on the prompt); each
 record counts the data set's targets as the config's own data path labels them, and the table says whether they agree.
@@ -58,24 +58,24 @@ import torch  # noqa: E402
 
 from hf_accel.errors import BudgetExceeded  # noqa: E402
 
-from hf_accel.bench import flops  # noqa: E402
-from hf_accel.bench.apart import child_env  # noqa: E402
-from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
-from hf_accel.bench.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402
-from hf_accel.bench.presets import PresetUnavailable, describe, get_preset  # noqa: E402
-from hf_accel.bench.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
+from hf_accel.training import flops  # noqa: E402
+from benchlib.apart import child_env  # noqa: E402
+from benchlib.configs import CONFIGS, Options, missing_requirement  # noqa: E402
+from benchlib.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402
+from benchlib.presets import PresetUnavailable, describe, get_preset  # noqa: E402
+from benchlib.report import (add_ratios, add_ratios_per_nproc, markdown_table, profile_table,  # noqa: E402
                                    repeat_command, repo_relative, scaling_table, targets_line, versions,
                                    write_outputs)
-from hf_accel.bench.memory_report import memory_summary  # noqa: E402
-from hf_accel.bench.train import RunSettings, Timing, summarize  # noqa: E402
-from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data, with_positions  # noqa: E402
+from benchlib.memory_report import memory_summary  # noqa: E402
+from benchlib.train import RunSettings, Timing, summarize  # noqa: E402
+from benchlib.workloads import WORKLOADS, DataSpec, build_config, make_data, with_positions  # noqa: E402
 
 MIN_CONFIG_SECONDS = {False: 45.0, True: 5.0}  # do not start a configuration with less time left than this
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default=None, help="a named run of hf_accel.bench.presets (see --list-presets); "
+    p.add_argument("--preset", default=None, help="a named run of benchlib.presets (see --list-presets); "
                                                    "other flags override its settings")
     p.add_argument("--list-presets", action="store_true", help="print the presets and exit")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="llama-1b")
@@ -483,7 +483,7 @@ def launch_unmet(args: argparse.Namespace, name: str, nproc: int | None) -> str 
 def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts: Options, start: float) -> int:
     """Every (config, length) in its own process, shortest length first; a config's first failure (OOM, timeout,
     error) skips its longer lengths. Table: tokens/s and MFU per length, each config's longest length that trained."""
-    from hf_accel.bench.report import long_context_table
+    from benchlib.report import long_context_table
 
     lengths = sorted(int(n) for n in args.doc_lengths.split(","))
     if args.sweep_gpus > 1 and args.device.startswith("cuda") and torch.cuda.device_count() < args.sweep_gpus:

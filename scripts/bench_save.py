@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from hf_accel.bench.workloads import WORKLOADS  # noqa: E402
+from benchlib.workloads import WORKLOADS  # noqa: E402
 from hf_accel.training.snapshot import proc_bytes  # noqa: E402
 from hf_accel.training.trainer import AccelArguments, Trainer  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
-# (config kwargs, LoRA, tokens per step): the bench workloads' shapes (hf_accel.bench.workloads)
+# (config kwargs, LoRA, tokens per step): the bench workloads' shapes (benchlib.workloads)
 SHAPES = {"tiny": (TINY, False, 64), "llama-1b": (WORKLOADS["llama-1b"].config_kwargs, False, 4096),
           "llama-8b-lora": (WORKLOADS["llama-8b-lora"].config_kwargs, True, 4096)}
 

@@ -29,8 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hf_accel.bench.distributed import launch_argv, run_group  # noqa: E402
-from hf_accel.bench.report import repeat_command, repo_relative, versions, write_outputs  # noqa: E402
+from benchlib.distributed import launch_argv, run_group  # noqa: E402
+from benchlib.report import repeat_command, repo_relative, versions, write_outputs  # noqa: E402
 
 DEFAULT_SFT_ARGS = "--model-shape llama-8b-long --lora-r 16 --checkpointing full"
 

@@ -7,8 +7,8 @@ in BENCHMARKS.md, README.md and benchmarks/HISTORY.md (the regions between `<!--
     python scripts/bench_tables.py --check    # exit 1 if the index or a generated table is stale (CI)
     python scripts/bench_tables.py --chart    # also draw benchmarks/chart.png (needs matplotlib)
 
-Never edit a generated table by hand: change the data (a new run) and regenerate. See hf_accel/bench/index.py for
-which run is "current" per workload and hf_accel/bench/tables.py for the region kinds.
+Never edit a generated table by hand: change the data (a new run) and regenerate. See scripts/benchlib/index.py for
+which run is "current" per workload and scripts/benchlib/tables.py for the region kinds.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from hf_accel.bench.index import build_index, dumps  # noqa: E402
-from hf_accel.bench.tables import StaleOrBroken, regenerate, write_chart  # noqa: E402
+from benchlib.index import build_index, dumps  # noqa: E402
+from benchlib.tables import StaleOrBroken, regenerate, write_chart  # noqa: E402
 
 DOCUMENTS = ("BENCHMARKS.md", "README.md", "benchmarks/HISTORY.md")
 INDEX = Path("benchmarks/index.json")

@@ -129,7 +129,8 @@ run_bench() {  # run_bench [PRESET ...]: scripts/bench.py --preset P, its time b
         printf '\n## bench preset %s\n\n' "$preset" >>"$summary"
         start=$SECONDS
         # bench.py stops starting configs at its --time-budget and still writes its JSON; the timeout is the backstop
-        budget=$(python -c "from hf_accel.bench.presets import PRESETS as P; print(P['$preset'].settings.get(
+        # (the preset's own budget, read in scripts/ where the harness package benchlib lives)
+        budget=$(cd scripts && python -c "from benchlib.presets import PRESETS as P; print(P['$preset'].settings.get(
             'time_budget', 540))" 2>/dev/null || echo 540)
         extra=()
         ((limit - 40 < budget)) && extra=(--time-budget "$((limit - 40))")

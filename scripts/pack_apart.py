@@ -7,7 +7,7 @@ with the second set-up call of the GPU machine (`.gpu/b` + this + the repo under
     source .gpu/b/activate.sh && source .gpu/apart/install.sh && python scripts/bench.py --preset llama-8b-qlora
 
 install.sh installs bitsandbytes into /tmp/site-bnb and the rest into /tmp/site-unsloth, the folders the configs
-that need them put first on their child's PYTHONPATH (hf_accel/bench/apart.py). The wheels are fetched without
+that need them put first on their child's PYTHONPATH (scripts/benchlib/apart.py). The wheels are fetched without
 dependencies (the GPU image has torch, transformers, peft, accelerate, numpy, requests, pillow, ...) and slimmed by
 dropping members nothing here imports: Unsloth's `studio/` web app (26 of its 28 MB) and bitsandbytes' libraries
 for other CUDA versions, ROCm and XPU (the image's torch is built for CUDA 13.0). Their RECORD lines go too.

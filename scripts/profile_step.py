@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import hf_accel  # noqa: E402
-from hf_accel.bench.configs import Options, _apply_checkpointing, _fused_loss, _hf_accel_steps  # noqa: E402
-from hf_accel.bench.apart import qlora_base  # noqa: E402
-from hf_accel.bench.profile import category  # noqa: E402
-from hf_accel.bench.train import RunSettings, Timing, add_lora, build_model, hf_loss, run_loop  # noqa: E402
-from hf_accel.bench.workloads import WORKLOADS, DataSpec, make_data  # noqa: E402
+from benchlib.configs import Options, _apply_checkpointing, _fused_loss, _hf_accel_steps  # noqa: E402
+from benchlib.apart import qlora_base  # noqa: E402
+from benchlib.profile import category  # noqa: E402
+from benchlib.train import RunSettings, Timing, add_lora, build_model, hf_loss, run_loop  # noqa: E402
+from benchlib.workloads import WORKLOADS, DataSpec, make_data  # noqa: E402
 
 def kernel_gaps(events, steps: int, top: int = 12) -> dict:
     """Idle time between consecutive GPU kernels, grouped by the kernels on either side: where the GPU waits for

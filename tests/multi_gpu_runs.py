@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_accel.bench.distributed import launch_argv
+from benchlib.distributed import launch_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "accelerate"

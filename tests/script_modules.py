@@ -1,4 +1,7 @@
-"""The repository's scripts as modules for tests (scripts/ is not a package): imported once, then cached."""
+"""The repository's scripts as modules for tests (scripts/ is not a package): imported once, then cached.
+
+The harness package the scripts share, scripts/benchlib, imports directly (``from benchlib.workloads import ...``):
+setup.cfg's pytest ``pythonpath`` puts scripts/ on the tests' path, as running a script puts it on the script's."""
 import importlib
 import sys
 from pathlib import Path

@@ -13,9 +13,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch, peak_flops
-from hf_accel.bench.report import add_ratios, markdown_table
-from hf_accel.bench.workloads import (DataSpec, _local_sft_lengths, greedy_steps, make_data, micro_batches,
+from hf_accel.training.flops import FlopModel, doc_lengths_from_batch, peak_flops
+from benchlib.report import add_ratios, markdown_table
+from benchlib.workloads import (DataSpec, _local_sft_lengths, greedy_steps, make_data, micro_batches,
                                       sft_lengths)
 from script_modules import script_module
 
@@ -172,7 +172,7 @@ def test_script_tiny_cpu_runs_the_new_families(tmp_path, workload, configs):
 
 
 def test_steady_rate_is_the_median_steps_and_ignores_one_stall():
-    from hf_accel.bench.train import Timing, summarize
+    from benchlib.train import Timing, summarize
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -189,7 +189,7 @@ def test_steady_rate_is_the_median_steps_and_ignores_one_stall():
 
 def test_table_compares_losses_at_a_step_every_config_reached():
     """A config stopped early by the step-time budget must not have its loss compared with another's later step."""
-    from hf_accel.bench.report import markdown_table
+    from benchlib.report import markdown_table
 
     results = [
         {"config": "a", "status": "ok", "tokens_per_s": 1.0, "losses": [3.0, 2.0, 1.0], "loss": 1.0},
@@ -208,8 +208,8 @@ def test_run_loop_times_every_timed_step_and_reads_losses_after(warmup):
     and the losses are those of a plain step-by-step loop from the same init."""
     import copy
 
-    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
-    from hf_accel.bench.workloads import WORKLOADS
+    from benchlib.train import RunSettings, Timing, hf_loss, run_loop
+    from benchlib.workloads import WORKLOADS
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -241,9 +241,9 @@ def test_host_events_name_what_stalled_a_step():
     and the table's slowest-step cell names what happened in it."""
     import gc
 
-    from hf_accel.bench.report import _slowest
-    from hf_accel.bench.train import RunSettings, Timing, run_loop
-    from hf_accel.bench.workloads import WORKLOADS
+    from benchlib.report import _slowest
+    from benchlib.train import RunSettings, Timing, run_loop
+    from benchlib.workloads import WORKLOADS
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -275,9 +275,9 @@ def test_host_events_name_what_stalled_a_step():
 
 
 def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly():
-    from hf_accel.bench.configs import CONFIGS
-    from hf_accel.bench.presets import PRESETS, PresetUnavailable, get_preset
-    from hf_accel.bench.workloads import WORKLOADS
+    from benchlib.configs import CONFIGS
+    from benchlib.presets import PRESETS, PresetUnavailable, get_preset
+    from benchlib.workloads import WORKLOADS
 
     assert {"llama-1b", "neox-1.4b", "falcon-1b", "llama-8b-lora", "long-context", "multi-gpu"} <= set(PRESETS)
     for preset in PRESETS.values():
@@ -301,7 +301,7 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
 
 
 def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(monkeypatch):
-    from hf_accel.bench import presets
+    from benchlib import presets
 
     bench = script_module("bench")
     args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
@@ -328,9 +328,9 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(mon
 ])
 def test_hf_accel_configs_pass_exactly_their_flags(monkeypatch, name, want):
     import hf_accel
-    from hf_accel.bench import configs
-    from hf_accel.bench.train import RunSettings, Timing
-    from hf_accel.bench.workloads import WORKLOADS
+    from benchlib import configs
+    from benchlib.train import RunSettings, Timing
+    from benchlib.workloads import WORKLOADS
 
     calls = []
     monkeypatch.setattr(hf_accel, "patch", lambda model, **kwargs: calls.append(kwargs) or "report")
@@ -386,7 +386,7 @@ def test_multi_gpu_preset_and_nproc_flags():
 
 
 def test_scaling_and_ratios_per_process_count():
-    from hf_accel.bench.report import add_ratios_per_nproc, scaling, scaling_table
+    from benchlib.report import add_ratios_per_nproc, scaling, scaling_table
 
     def ok(config, nproc, steady):
         return {"config": config, "nproc": nproc, "status": "ok", "tokens_per_s": steady, "steady_tokens_per_s": steady}
@@ -404,7 +404,7 @@ def test_scaling_and_ratios_per_process_count():
 
 
 def test_multi_gpu_records_are_indexed_but_never_current(tmp_path):
-    from hf_accel.bench.index import build_index
+    from benchlib.index import build_index
 
     def record(date, nproc):
         rows = [{"config": c, "status": "ok", "tokens_per_s": 1.0, **({"nproc": nproc} if nproc else {})}
@@ -472,8 +472,8 @@ def test_script_nproc_runs_ranks_under_a_launcher_and_sums_their_tokens(tmp_path
 def test_run_loop_trains_in_training_mode():
     """A model loaded with from_pretrained comes in eval mode, where HF's gradient checkpointing stands down (the
     QLoRA bench row ran out of memory on the H200 that way): run_loop trains in training mode."""
-    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
-    from hf_accel.bench.workloads import WORKLOADS
+    from benchlib.train import RunSettings, Timing, hf_loss, run_loop
+    from benchlib.workloads import WORKLOADS
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
@@ -489,10 +489,10 @@ def test_run_loop_trains_in_training_mode():
 def test_profile_steps_record_kernel_time_by_category():
     """RunSettings.profile_steps (bench.py --profile-steps): the first N timed steps run under torch.profiler, and the
     run records ms per step by category (on CPU: self CPU time of the ops) that the report puts side by side."""
-    from hf_accel.bench.profile import CATEGORIES, category
-    from hf_accel.bench.report import profile_table
-    from hf_accel.bench.train import RunSettings, Timing, hf_loss, run_loop
-    from hf_accel.bench.workloads import WORKLOADS
+    from benchlib.profile import CATEGORIES, category
+    from benchlib.report import profile_table
+    from benchlib.train import RunSettings, Timing, hf_loss, run_loop
+    from benchlib.workloads import WORKLOADS
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
@@ -514,8 +514,8 @@ def test_profile_steps_record_kernel_time_by_category():
 
 def test_gathered_timing_keeps_rank_zeros_profile():
     """bench.py --nproc with --profile-steps: the merged timing carries the profile (rank 0's) into the result."""
-    from hf_accel.bench.distributed import gather_ranks
-    from hf_accel.bench.train import Timing
+    from benchlib.distributed import gather_ranks
+    from benchlib.train import Timing
 
     profile = {"steps": 1, "ms_per_step": {"total": 1.0}}
     merged, ranks = gather_ranks(Timing(step_seconds=[0.5], step_docs=[[3, 4]], losses=[2.0], profile=profile), "cpu")
@@ -525,7 +525,7 @@ def test_gathered_timing_keeps_rank_zeros_profile():
 def test_versions_name_the_commit_and_a_dirty_tree():
     """The recorded commit is HEAD's short hash, with "-dirty" when the working tree differs from it (the GPU
     machine's copy kept the session's first HEAD: the 07:47 runs of 2026-11-30 recorded a commit older than the code)."""
-    from hf_accel.bench.report import versions
+    from benchlib.report import versions
 
     head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, cwd=REPO)
     if head.returncode != 0:
@@ -538,7 +538,7 @@ def test_versions_name_the_commit_and_a_dirty_tree():
 def test_records_name_files_relative_to_the_repository():
     """A traceback or log tail kept in a result record names the checkout's files relative to it, not where the machine
     that ran it kept the checkout (records are committed)."""
-    from hf_accel.bench.report import REPO, repo_relative
+    from benchlib.report import REPO, repo_relative
 
     text = f'File "{REPO}/scripts/sft.py", line 3\n  cwd {REPO}\n  File "/usr/lib/python3/x.py"'
     assert repo_relative(text) == 'File "scripts/sft.py", line 3\n  cwd .\n  File "/usr/lib/python3/x.py"'
@@ -548,7 +548,7 @@ def test_records_name_files_relative_to_the_repository():
 
 # ------------------------------------------------------------------------------------ prompt-masked data (issue 39b)
 def test_completion_data_masks_40_to_60_percent_of_every_document():
-    from hf_accel.bench.workloads import PROMPT_SHARE, WORKLOADS
+    from benchlib.workloads import PROMPT_SHARE, WORKLOADS
 
     spec = DataSpec(prompt_share=PROMPT_SHARE)
     data = make_data(spec, vocab_size=1000, steps=4)
@@ -571,7 +571,7 @@ def test_completion_data_masks_40_to_60_percent_of_every_document():
 
 
 def test_targets_line_says_whether_every_config_trains_the_same_targets():
-    from hf_accel.bench.report import targets_line
+    from benchlib.report import targets_line
 
     def ok(config, data_targets, fraction):
         return {"config": config, "status": "ok", "tokens_per_s": 1.0, "expected_target_tokens": 500,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_accel.bench.index import build_index, reconstructed_command
-from hf_accel.bench.tables import NOT_MEASURED, StaleOrBroken, regenerate
+from benchlib.index import build_index, reconstructed_command
+from benchlib.tables import NOT_MEASURED, StaleOrBroken, regenerate
 from script_modules import script_module
 
 REPO = Path(__file__).resolve().parents[1]
@@ -190,7 +190,7 @@ def test_multi_gpu_region_renders_the_newest_nproc_run_and_its_scaling(tree):
 
 
 def test_runs_log_names_each_long_context_rows_length(tmp_path):
-    from hf_accel.bench.tables import runs_log
+    from benchlib.tables import runs_log
 
     _write(tmp_path, "long.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
         _result("hf_accel-best", 2882.0, 42.7, doc_length=131072), _result("hf_accel-best", 1609.0, 41.9,
@@ -200,7 +200,7 @@ def test_runs_log_names_each_long_context_rows_length(tmp_path):
 
 
 def test_long_context_region_takes_each_config_from_its_newest_run(tmp_path):
-    from hf_accel.bench.tables import long_context_region
+    from benchlib.tables import long_context_region
 
     _write(tmp_path, "l1.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
         _result("trl", 100.0, 40.0, doc_length=64), _result("trl", None, status="OOM", doc_length=128),
@@ -217,7 +217,7 @@ def test_long_context_region_takes_each_config_from_its_newest_run(tmp_path):
 
 def test_long_context_cell_a_later_run_had_no_time_for_keeps_its_earlier_result(tmp_path):
     """2026-11-30: a sweep whose time ran out before hf_accel's 128k row would have hidden the 256k measured earlier."""
-    from hf_accel.bench.tables import long_context_region
+    from benchlib.tables import long_context_region
 
     _write(tmp_path, "l1.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
         _result("hf_accel-best", 30.0, 42.0, doc_length=128), _result("hf_accel-best", 16.0, 41.0, doc_length=256)]))
@@ -245,7 +245,7 @@ def test_a_timeout_the_time_budget_shortened_reads_as_skipped_not_failed(tmp_pat
     budget left, was cut, and was recorded as "error: timeout after 123s" with --config-timeout 400): the index reads a
     timeout shorter than the run's --config-timeout as the budget's cut, so an earlier result of that length stays and
     the cell is no failure; a timeout at the full --config-timeout stays an error."""
-    from hf_accel.bench.tables import long_context_region
+    from benchlib.tables import long_context_region
 
     _write(tmp_path, "l1.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
         _result("unsloth", 30.0, 40.0, doc_length=128)]))

@@ -178,7 +178,7 @@ def test_installed_command_and_module_entry_run(tmp_path):
 def test_sft_under_accelerate_launch_two_processes(tmp_path):
     """`accelerate launch --config_file examples/accelerate/ddp_cpu.yaml -m hf_accel.cli sft ...` (2 CPU processes,
     gloo DDP): exits 0, rank 0 writes the model and metrics.json, rank 1 its metrics.rank1.json."""
-    from hf_accel.bench.distributed import launch_argv
+    from benchlib.distributed import launch_argv
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")

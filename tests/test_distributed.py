@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 import hf_accel
 from hf_accel.memory.checkpointing import decoder_layers, policy_from_spec
-from hf_accel.bench.distributed import free_port, launch_argv
+from benchlib.distributed import free_port, launch_argv
 from hf_accel.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

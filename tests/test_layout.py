@@ -33,8 +33,8 @@ def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
     return ".".join(parts)
 
 
-def _imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> set[str]:
-    """Absolute names of everything from hf_accel this file imports (``from .a import b`` gives ``pkg.a.b``)."""
+def _imports(path: pathlib.Path, root: pathlib.Path = ROOT, prefix: str = "hf_accel") -> set[str]:
+    """Absolute names of everything from ``prefix`` this file imports (``from .a import b`` gives ``pkg.a.b``)."""
     name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
@@ -49,7 +49,7 @@ def _imports(path: pathlib.Path, root: pathlib.Path = ROOT) -> set[str]:
             found |= {f"{target}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
-    return {t for t in found if t.startswith("hf_accel")}
+    return {t for t in found if t.startswith(prefix)}
 
 
 def _sources():
@@ -97,6 +97,73 @@ def test_import_reader_sees_relative_and_lazy_imports(tmp_path):
 def test_each_stage_says_what_it_owns_and_may_import(package):
     doc = ast.get_docstring(ast.parse((ROOT / "hf_accel" / package / "__init__.py").read_text())) or ""
     assert "May import" in doc, f"hf_accel/{package}/__init__.py must open with what it owns and may import"
+
+
+# ---- the benchmark harness (scripts/benchlib) depends on the library, never the reverse --------------------------
+HARNESS = ROOT / "scripts" / "benchlib"
+
+
+def test_nothing_in_the_library_imports_the_harness():
+    """The installed package runs without scripts/: no module of hf_accel/ or patches/ imports the harness (the FLOP
+    model and the model shapes the library needs live in it: training/flops.py, cli/shapes.py)."""
+    bad = [f"{p.relative_to(ROOT)} imports {t}" for p in _sources()
+           for t in _imports(p, prefix="benchlib") | _imports(p, prefix="hf_accel.bench")]
+    assert not bad, "hf_accel/ must not import the benchmark harness (scripts/benchlib):\n" + "\n".join(bad)
+    assert not list((ROOT / "hf_accel" / "bench").glob("*.py")), "the harness lives in scripts/benchlib/"
+
+
+def test_the_installed_packages_are_the_library_only():
+    """setup.cfg ships every package of hf_accel/ (and patches/), and nothing else: not the harness."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    shipped = set(cfg["options"]["packages"].split())
+    on_disk = {_module_name(p) for p in (ROOT / "hf_accel").rglob("__init__.py")}
+    assert shipped == on_disk | {"hf_accel.patches"}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module -> modules it imports) as a path [a, b, ..., a], or [] if none."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = "done"
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return []
+
+
+def test_the_harness_has_no_import_cycle():
+    """Every import between the harness's modules counts (inside functions and under TYPE_CHECKING too): the
+    configurations import their helpers (apart, train, distributed, ...), never the other way round."""
+    scripts = ROOT / "scripts"
+    modules = {_module_name(p, scripts) for p in HARNESS.glob("*.py")}
+
+    def module_of(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {_module_name(p, scripts): {m for t in _imports(p, scripts, prefix="benchlib")
+                                        if (m := module_of(t)) and m != _module_name(p, scripts) and m != "benchlib"}
+             for p in HARNESS.glob("*.py")}
+    assert len(modules) > 5 and graph["benchlib.configs"], "the reader must see the harness's imports"
+    assert not _cycle(graph), f"import cycle in scripts/benchlib: {' -> '.join(_cycle(graph))}"
+
+
+def test_cycle_reader_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
 # ---- families: everything model-specific lives in patches/ ---------------------------------------------------------

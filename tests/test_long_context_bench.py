@@ -57,7 +57,7 @@ def test_a_length_the_budget_plan_refuses_names_the_longest_and_stops_the_config
 def test_device_memory_cap_and_positions_for_long_documents():
     """--device-memory-cap-gib reaches every child and is recorded (applied on CUDA only); a sweep's documents get
     positions enough (Llama-3 rope scaling does not read the field)."""
-    from hf_accel.bench.workloads import WORKLOADS, build_config, with_positions
+    from benchlib.workloads import WORKLOADS, build_config, with_positions
 
     bench = script_module("bench")
     args = bench.parse_args(["--preset", "long-context-qlora", "--device", "cpu"])
@@ -188,7 +188,7 @@ def test_sigterm_stops_the_run_kills_the_child_and_writes_the_record(monkeypatch
     import threading
     import time
 
-    from hf_accel.bench.distributed import CHILDREN
+    from benchlib.distributed import CHILDREN
 
     bench = script_module("bench")
     monkeypatch.setattr(bench, "CONFIGS", {n: dataclasses.replace(bench.CONFIGS["hf_accel-best"], name=n)

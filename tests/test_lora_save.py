@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_accel.bench.distributed import free_port
+from benchlib.distributed import free_port
 from hf_accel.errors import CheckpointError
 from hf_accel.training import adapters
 

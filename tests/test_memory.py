@@ -449,7 +449,7 @@ def _state_bytes_reports(tmp_path: Path, engine: str, lora: bool) -> list[dict]:
     """tests/dist_state_bytes.py on 2 gloo processes: each rank's report."""
     import json
 
-    from hf_accel.bench.distributed import free_port
+    from benchlib.distributed import free_port
     from tests.multi_gpu_runs import ROOT, launch_or_fail
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),

@@ -248,7 +248,7 @@ def test_bench_best_flag_reaches_the_child_and_patch(monkeypatch):
     --best-mlp-chunks overrides it, and the plain hf_accel config keeps it off."""
     from pathlib import Path
 
-    from hf_accel.bench import configs
+    from benchlib import configs
 
     bench = script_module("bench")
     assert bench.options(bench.parse_args(["--preset", "long-context"])).mlp_chunks == "auto"

@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
 
-from hf_accel.bench import configs  # noqa: E402
-from hf_accel.bench.configs import CONFIGS, Options, missing_requirement  # noqa: E402
-from hf_accel.bench.presets import get_preset  # noqa: E402
-from hf_accel.bench.train import RunSettings, Timing  # noqa: E402
-from hf_accel.bench.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
+from benchlib import configs  # noqa: E402
+from benchlib.configs import CONFIGS, Options, missing_requirement  # noqa: E402
+from benchlib.presets import get_preset  # noqa: E402
+from benchlib.train import RunSettings, Timing  # noqa: E402
+from benchlib.workloads import WORKLOADS, DataSpec, build_config, make_data  # noqa: E402
 
 
 def run(config: str, workload: str, options: Options = Options()) -> tuple[Timing, object]:

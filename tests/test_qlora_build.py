@@ -1,4 +1,4 @@
-"""hf_accel.bench.quantized_base: the 4-bit model built one weight at a time on the device (the 70B QLoRA bench's
+"""benchlib.quantized_base: the 4-bit model built one weight at a time on the device (the 70B QLoRA bench's
 route, where a bf16 copy fits neither disk nor RAM) against the file route on the same weights (save_pretrained, then
 from_pretrained with a BitsAndBytesConfig): the same quantized data and states, the same logits, the same marks of a
 4-bit model; and it trains through PEFT's recipe and hf_accel.patch. On bitsandbytes' CPU backend, tiny shapes."""
@@ -11,7 +11,7 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
 
-from hf_accel.bench.quantized_base import build_4bit_model  # noqa: E402
+from benchlib.quantized_base import build_4bit_model  # noqa: E402
 
 VOCAB = 128
 
@@ -97,7 +97,7 @@ def test_flop_model_counts_4bit_linears_at_their_full_size():
     MFU was half the real figure while the FLOP model counted storage)."""
     from transformers import LlamaForCausalLM
 
-    from hf_accel.bench.flops import FlopModel
+    from hf_accel.training.flops import FlopModel
 
     built = FlopModel.from_model(build_4bit_model(llama_config(), quant_config(), "cpu"))
     plain = LlamaForCausalLM(llama_config())

@@ -196,7 +196,7 @@ NEW_SMALL_SHAPES = {
 @pytest.mark.parametrize("name, workload", sorted(FULL_SHAPES.items()))
 def test_full_model_shapes_are_the_benchmark_workloads(sft_module, name, workload):
     """One definition: --model-shape builds exactly the workload's config (the bench's shapes)."""
-    from hf_accel.bench.workloads import WORKLOADS, build_config
+    from benchlib.workloads import WORKLOADS, build_config
     from hf_accel.cli.shapes import model_shape_config
 
     assert model_shape_config(name).to_dict() == build_config(WORKLOADS[workload]).to_dict()
@@ -206,7 +206,7 @@ def test_full_model_shapes_are_the_benchmark_workloads(sft_module, name, workloa
 def test_long_shapes_are_the_long_context_workloads_with_more_positions(sft_module, name, workload):
     """The long-context bench's shapes (Llama-3 rope scaling included), with positions past one GPU's 256k for
     sequence-parallel runs."""
-    from hf_accel.bench.workloads import WORKLOADS, build_config
+    from benchlib.workloads import WORKLOADS, build_config
 
     from hf_accel.cli.shapes import model_shape_config
 

@@ -325,7 +325,7 @@ def test_mfu_counts_the_lm_head_on_target_tokens_only():
     trainable head's weight gradient) counts the same head FLOPs."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hf_accel.bench.flops import FlopModel
+    from hf_accel.training.flops import FlopModel
 
     model = make("llama-gqa")
     fm = FlopModel.from_model(model)
@@ -351,7 +351,7 @@ def test_mfu_counts_the_lm_head_on_target_tokens_only():
 
 def test_the_trainers_meter_counts_the_head_on_target_tokens(batch):
     """ThroughputMeter (the Trainer's MFU) takes the batch's targets from its labels, as the bench's FLOP model does."""
-    from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch
+    from hf_accel.training.flops import FlopModel, doc_lengths_from_batch
     from hf_accel.training.metrics import ThroughputMeter
 
     model = make("llama-gqa")

@@ -276,7 +276,7 @@ def test_compiled_layers_train_like_the_stock_trainer(tmp_path):
 def test_throughput_counts_match_the_document_lengths_without_reading_them_back():
     """The meter's per-batch counts (kept as tensors where the batch lives, read back at logging) equal the FLOP
     model applied to the batch's document lengths, for padded, cu_seq_lens and position_ids batches."""
-    from hf_accel.bench.flops import FlopModel, doc_lengths_from_batch
+    from hf_accel.training.flops import FlopModel, doc_lengths_from_batch
     from hf_accel.training.metrics import batch_counts
 
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hf_accel.bench import apart, configs
-from hf_accel.bench.apart import child_env
-from hf_accel.bench.configs import CONFIGS, Options, missing_requirement
-from hf_accel.bench.train import RunSettings, Timing
-from hf_accel.bench.workloads import WORKLOADS, DataSpec
+from benchlib import apart, configs
+from benchlib.apart import child_env
+from benchlib.configs import CONFIGS, Options, missing_requirement
+from benchlib.train import RunSettings, Timing
+from benchlib.workloads import WORKLOADS, DataSpec
 from script_modules import script_module
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ class _folder:
 
 
 def test_tables_label_unsloth_rows_with_the_versions_their_child_imported():
-    from hf_accel.bench import index, tables
+    from benchlib import index, tables
 
     row = index._row({"config": "unsloth", "status": "ok", "tokens_per_s": 1.0,
                       "versions": {"unsloth": "2026.10.9", "trl": "1.15.0", "torch": "2.11.0", "peft": None}})

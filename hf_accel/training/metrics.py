@@ -3,7 +3,7 @@ The end summary gives the whole run and its steady part (from the end of the fir
 CUDA start-up, kernel JIT and torch.compile), both global over ranks.
 
 Counted on the batches the training loop actually ran (every micro-batch), in the training process itself (a
-collator's own counters live in DataLoader workers when ``num_workers > 0``). FLOPs follow ``hf_accel.bench.flops``:
+collator's own counters live in DataLoader workers when ``num_workers > 0``). FLOPs follow ``hf_accel.training.flops``:
 6 * trainable + 4 * frozen matmul weights per real token (the LM head's per token with a target only: a masked
 position needs no logits), plus causal attention per document.
 """
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..bench.flops import FlopModel, peak_flops
+from .flops import FlopModel, peak_flops
 from ..data.collators import REAL_TOKENS_KEY
 
 

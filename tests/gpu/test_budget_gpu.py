@@ -81,8 +81,8 @@ def test_infeasible_budget_raises_before_the_first_step():
 def test_budget_holds_for_llama_8b_lora(budget_gib, capsys):
     """Issue 18b's second workload: Llama-3-8B shapes (random init, bf16), PEFT LoRA r=16 on every decoder linear,
     then `patch(peft_model, checkpointing=budget)` with the fast defaults; bf16 autocast as Trainer runs LoRA."""
-    from hf_accel.bench.train import add_lora
-    from hf_accel.bench.workloads import WORKLOADS, build_config
+    from benchlib.train import add_lora
+    from benchlib.workloads import WORKLOADS, build_config
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def test_budget_holds_under_a_sharding_launcher(config, nproc, tmp_path):
     import json
     import sys
 
-    from hf_accel.bench.distributed import launch_argv
+    from benchlib.distributed import launch_argv
     from multi_gpu_runs import CONFIGS, ROOT, launch_or_fail
 
     if torch.cuda.device_count() < nproc:

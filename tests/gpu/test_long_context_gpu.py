@@ -292,8 +292,8 @@ def test_budget_split_with_spacing_holds_for_llama_8b_lora(capsys):
     them and spaces the rest; it prints that split, and two training steps peak within the budget."""
     from transformers import AutoModelForCausalLM
 
-    from hf_accel.bench.train import add_lora
-    from hf_accel.bench.workloads import WORKLOADS, build_config
+    from benchlib.train import add_lora
+    from benchlib.workloads import WORKLOADS, build_config
     from hf_accel.memory.budget import MemoryBudget
 
     tokens, budget_gib, host_gib = 65536, 36, 2

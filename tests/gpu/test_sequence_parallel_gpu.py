@@ -17,7 +17,7 @@ import torch
 from multi_gpu_runs import (CONFIGS, LAUNCH_TIMEOUT_S, LOSS_RTOL, ROOT, STEP1_RTOL, assert_resumed_like_uninterrupted,
                             launch_command, launch_killed_in_save, launch_or_fail)
 
-from hf_accel.bench.distributed import launch_argv
+from benchlib.distributed import launch_argv
 
 DOC = 16384
 STEPS = 6

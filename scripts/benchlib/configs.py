@@ -3,51 +3,29 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+import hf_accel
+from hf_accel.data.collators import TARGET_ROWS_KEY, DataCollatorForPacking
+from hf_accel.data.prepare import dataloader_kwargs
+from hf_accel.data.sampling import TokenBudgetBatchSampler
+from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
+from hf_accel.fused.ops import unavailable_reason
+from hf_accel.patches import FAMILIES, family_of
+
 from .apart import (APART_PACKAGES, BNB_SITES, UNSLOTH_SITES, child_sites, missing_apart, qlora_base,
                     unsloth_runner)
+from .distributed import run_accel_trainer
+from .options import BenchConfig, Options
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop,
                     run_trl)
 from .targets import data_targets
 from .workloads import BenchData, Workload, greedy_steps, micro_batches
 
 FA4 = "flash_attention_4"
-
-
-@dataclass(frozen=True)
-class Options:
-    """Knobs of the `hf_accel-best` configuration (and the attention substitute for CPU smoke runs)."""
-
-    fused_ce: str = "auto"  # auto (patch(fused_ce=True): the inline path) | inline | recompute | liger | off
-    backend: str = "auto"  # passed to hf_accel.patch
-    checkpointing: str | None = None  # passed to hf_accel.patch when set
-    ce_chunk_size: int | None = None  # None: about 512 MiB of logits per chunk
-    substitute_attn: str | None = None  # e.g. "sdpa": run FA4 configs with it (CPU smoke of the TRL path)
-    fused_ops: str = "auto"  # auto | on | off: hf_accel.patch(fused_ops=...) (liger norms / SwiGLU)
-    compile: bool = False  # hf_accel.patch(compile=True): decoder layers' training forwards through inductor
-    mlp_chunks: str | int = "auto"  # hf_accel.patch(mlp_chunks=...): auto | a chunk size in tokens | 0 (off)
-    extra_sites: tuple[str, ...] = ()  # bench.py --extra-site: more package folders first on every child's path
-    site_root: str = "/tmp"  # where pack-wheels' install.sh puts a pack NAME: <site_root>/site-NAME
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    name: str
-    stock: bool  # a baseline others are compared against (everything not hf_accel)
-    needs: tuple[str, ...]  # requirement names, see REQUIREMENTS
-    run: Callable[[RunSettings, BenchData, Options, Timing], nn.Module]
-    description: str
-    wrong_for: tuple[str, ...] = field(default=())  # families where this config computes something else
-    sites: tuple[str, ...] = field(default=())  # package packs its child puts first on PYTHONPATH (see child_env)
-    # how it runs under a launcher (bench.py --nproc, FSDP2); None: one process only (--nproc skips it)
-    launched: Callable[[RunSettings, BenchData, Options, Timing], nn.Module] | None = None
-    # it loads its model from files it writes first (Unsloth): it cannot run workloads built on the device
-    loads_files: bool = False
 
 
 def _has(module: str) -> bool:
@@ -100,7 +78,7 @@ def missing_requirement(config: BenchConfig, device: str, family: str, options: 
     if config.loads_files and workload is not None and workload.qlora_build == "device":
         return (f"it loads its model from files, and {workload.name}'s bf16 weights (2 bytes a parameter: ~140 GB "
                 "for 70B shapes) fit neither this machine's disk nor its RAM; the QLoRA rows build the 4-bit base "
-                "on the GPU instead (hf_accel.bench.quantized_base)")
+                "on the GPU instead (benchlib.quantized_base)")
     for need in config.needs:
         if need == "fa4" and options.substitute_attn:
             continue
@@ -162,10 +140,6 @@ def _hf_accel_steps(data: BenchData, seed: int, target_rows: bool = False,
     ``target_rows``: the collator lists the positions with a target, for a model whose loss is the fused loss."""
     from torch.utils.data import DataLoader
 
-    from hf_accel.data.collators import DataCollatorForPacking
-    from hf_accel.data.prepare import dataloader_kwargs
-    from hf_accel.data.sampling import TokenBudgetBatchSampler
-
     sampler = TokenBudgetBatchSampler(data.lengths, max_tokens=data.spec.tokens_per_step, shuffle=True, seed=seed)
     collator = DataCollatorForPacking(pad_token_id=0, max_tokens=None, target_rows=target_rows)
     features = data.features()
@@ -208,11 +182,6 @@ def _trl(liger: bool) -> Callable[..., nn.Module]:
 
 
 def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
-    from hf_accel.data.collators import TARGET_ROWS_KEY
-    from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
-
-    from hf_accel.patches import family_of
-
     def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
         lm = causal_lm(model)
         decoder = getattr(lm, lm.base_model_prefix)
@@ -255,8 +224,6 @@ def _patched(base: Callable[[RunSettings, str], nn.Module] | None = None, all_ro
     collator lists the target rows, as hf_accel.Trainer does (``all_rows``: it does not, the loss takes every row)."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-        import hf_accel
-
         model = (base or build_model)(settings, "sdpa")
         report = hf_accel.patch(model, **patch_kwargs)
         timing.notes.append(f"patch: {report}")
@@ -272,15 +239,11 @@ def _patched(base: Callable[[RunSettings, str], nn.Module] | None = None, all_ro
 
 def _hf_accel(best: bool) -> Callable[..., nn.Module]:
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-        import hf_accel
-
         model = build_model(settings, "sdpa")
         # every fast path is named explicitly, so `hf_accel` stays "attention + packing only" whatever the defaults
         kwargs: dict[str, Any] = {"backend": options.backend if best else "auto", "fused_ops": False,
                                   "mlp_chunks": options.mlp_chunks if best else False}
         if best and options.fused_ops != "off":
-            from hf_accel.fused.ops import unavailable_reason
-
             kwargs["fused_ops"] = options.fused_ops == "on" or unavailable_reason(model) is None
         # fused_ce "auto" is the user's path: patch(fused_ce=True) computes the loss inside the model's forward
         # (its "inline" method); "inline" / "recompute" / "liger" force one method, computed from outside the model.
@@ -309,17 +272,13 @@ def _hf_accel_trainer(kind: str) -> Callable[..., nn.Module]:
     path off) or "best" (the --best-* options, as hf_accel-best)."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-        from hf_accel import AccelArguments
-
-        from .distributed import run_accel_trainer
+        from hf_accel import AccelArguments  # the Trainer's module loads transformers' Trainer: only where launched
 
         model = add_lora(build_model(settings, "sdpa"), settings.workload)
         accel = AccelArguments(max_tokens_per_batch=data.spec.tokens_per_step)
         if kind == "plain":
             accel.fused_ce = accel.fused_ops = accel.compile = accel.mlp_chunks = False
         elif kind == "best":
-            from hf_accel.fused.ops import unavailable_reason
-
             accel.backend, accel.checkpointing, accel.fused_ce = options.backend, options.checkpointing, True
             accel.fused_ops = options.fused_ops == "on" or (options.fused_ops == "auto"
                                                             and unavailable_reason(causal_lm(model)) is None)
@@ -333,8 +292,6 @@ def _hf_accel_trainer(kind: str) -> Callable[..., nn.Module]:
 def _stock_packing_leaks() -> tuple[str, ...]:
     """Model types whose stock packing lets documents attend to each other (Falcon ignores packed position_ids
     under sdpa / TRL): ``Family.stock_packing``."""
-    from hf_accel.patches import FAMILIES
-
     return tuple(t for family in FAMILIES if not family.stock_packing for t in family.model_types)
 
 
@@ -410,8 +367,6 @@ def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timi
     """The QLoRA model with its LoRA, then `hf_accel.patch(model, checkpointing=<budget plan>)` (--best-checkpointing,
     else QLORA_BUDGET), otherwise the defaults: the plan sees the adapters' states and probes a packed row of the
     step's size."""
-    import hf_accel
-
     model = add_lora(qlora_base(settings, "sdpa"), settings.workload)
     policy = _bench_policy(options.checkpointing or QLORA_BUDGET, data.spec.tokens_per_step)
     timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing=policy)}")

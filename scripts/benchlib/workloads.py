@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hf_accel.cli.shapes import BASES, LLAMA3_ROPE, ModelShape, shape_config
+
 # Shapes shared by every tiny (CPU smoke) variant; only the family changes.
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)
 
@@ -30,96 +32,76 @@ class Workload:
     notes: str = ""
     prompt_share: tuple[float, float] | None = None  # completion workloads: each document's masked prompt share range
     # QLoRA configs: "files" = the random bf16 model saved, then loaded in 4-bit (from_pretrained, as users load);
-    # "device" = built in 4-bit on the device one weight at a time (bench.quantized_base): bf16 too large for disk / RAM
+    # "device" = built in 4-bit on the device one weight at a time (benchlib.quantized_base): bf16 too large for disk / RAM
     qlora_build: str = "files"
 
 
-# Llama-3.1's rope scaling (what its long-context checkpoints ship); positions up to 256k for the longest runs
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
-LONG_MAX_POSITIONS = 262144
 _LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FUSED_TARGETS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
-# Llama-3.2-1B and Llama-3-8B shapes (each workload adds its positions / rope), and their CPU smoke shapes
-_LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rms_norm_eps=1e-5)
-_LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5)
-_LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                  num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5)
+# the CPU smoke shapes of the Llama workloads
 _LLAMA_1B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True)
 _LLAMA_8B_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
 PROMPT_SHARE = (0.4, 0.6)  # the completion workloads: a document's prompt share, uniform in this range
-_LONG_ROPE = dict(max_position_embeddings=LONG_MAX_POSITIONS, rope_parameters=LLAMA3_ROPE)
-# issue 36: the bases most fine-tunes start from besides Llama, at their published shapes (LoRA workloads), and their
-# CPU smoke shapes (each keeps its family's feature: q/k norm, a window shorter than the tiny documents, soft-capping
-# with sliding and global layers)
-_QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-                 rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960)
-_MISTRAL_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                   num_attention_heads=32, num_key_value_heads=8, sliding_window=4096, tie_word_embeddings=False,
-                   rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768)
-_GEMMA2_9B = dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
-                  sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                  tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=8192)
+# the other families' CPU smoke shapes (each keeps its family's feature: q/k norm, a window shorter than the tiny
+# documents, soft-capping with sliding and global layers)
 _GQA_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
 _LONG_ROPE_TINY = dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64))
+
+
+def _base(name: str) -> tuple[str, dict[str, Any]]:
+    """(family, config kwargs) of the published shape ``name`` (hf_accel.cli.shapes.BASES), the kwargs a copy."""
+    family, kwargs = BASES[name]
+    return family, dict(kwargs)
+
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
         Workload(
-            "llama-1b", "llama",
-            dict(_LLAMA_1B, rope_theta=500000.0, max_position_embeddings=131072),
+            "llama-1b", *_base("llama-1b"),
             dict(_LLAMA_1B_TINY),
             notes="Llama-3.2-1B shapes (rope scaling omitted: it does not change cost)",
         ),
         Workload(
-            "llama-8b-lora", "llama",
-            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            "llama-8b-lora", *_base("llama-8b"),
             dict(_LLAMA_8B_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
         Workload(  # issue 19: multi-GPU only (preset multi-gpu-8b); FSDP2's own activation checkpointing
-            "llama-8b", "llama",
-            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            "llama-8b", *_base("llama-8b"),
             dict(_LLAMA_8B_TINY),
             notes="Llama-3-8B shapes, full FT, no checkpointing of its own: for bench.py --nproc with "
                   "fsdp2_checkpointing.yaml (FSDP2 checkpoints every decoder layer)",
         ),
         Workload(
-            "llama-8b-qlora", "llama",
-            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            "llama-8b-qlora", *_base("llama-8b"),
             dict(_LLAMA_8B_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, QLoRA: the base in bitsandbytes NF4 (bf16 compute), LoRA r=16 alpha=32 on all "
                   "decoder linears, gradient checkpointing on (the QLoRA configs quantize; others would not)",
         ),
         Workload(  # issue 38d: bf16 weights ~140 GB, past the GPU machine's disk and RAM: built in 4-bit on the GPU
-            "llama-70b-qlora", "llama",
-            dict(_LLAMA_70B, rope_theta=500000.0, max_position_embeddings=8192),
+            "llama-70b-qlora", *_base("llama-70b"),
             dict(_LLAMA_8B_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS, qlora_build="device",
             notes="Llama-3-70B shapes, QLoRA: the base built in bitsandbytes NF4 on the GPU one weight at a time "
                   "(bf16 compute), LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
         Workload(
-            "qwen3-8b-lora", "qwen3", dict(_QWEN3_8B), dict(_GQA_TINY, head_dim=16),
+            "qwen3-8b-lora", *_base("qwen3-8b"), dict(_GQA_TINY, head_dim=16),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Qwen3-8B shapes (per-head q/k RMSNorm), LoRA r=16 alpha=32 on all decoder linears, gradient "
                   "checkpointing on",
         ),
         Workload(
-            "mistral-7b-lora", "mistral", dict(_MISTRAL_7B), dict(_GQA_TINY, sliding_window=16),
+            "mistral-7b-lora", *_base("mistral-7b"), dict(_GQA_TINY, sliding_window=16),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Mistral-7B-v0.1 shapes (sliding window 4096 on every layer; SFT documents up to 4096 tokens "
                   "never reach past it), LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
         Workload(
-            "gemma2-9b-lora", "gemma2", dict(_GEMMA2_9B),
+            "gemma2-9b-lora", *_base("gemma2-9b"),
             dict(_GQA_TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, attn_logit_softcapping=50.0,
                  final_logit_softcapping=30.0, tie_word_embeddings=True),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
@@ -128,28 +110,18 @@ WORKLOADS: dict[str, Workload] = {
                   "gradient checkpointing on",
         ),
         Workload(
-            "neox-1.4b", "gpt_neox",
-            dict(vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                 num_attention_heads=16, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False,
-                 max_position_embeddings=4096),
+            "neox-1.4b", *_base("neox-1.4b"),
             dict(TINY, intermediate_size=256, rotary_pct=0.25, use_parallel_residual=True),
             notes="Pythia-1.4B shapes (max_position_embeddings raised to 4096 for the 4096-token tail)",
         ),
         Workload(
-            "falcon-1b", "falcon",
-            dict(vocab_size=50304, hidden_size=2048, ffn_hidden_size=8192, num_hidden_layers=24,
-                 num_attention_heads=32, num_kv_heads=32, new_decoder_architecture=False, multi_query=False,
-                 alibi=False, parallel_attn=True, bias=False, tie_word_embeddings=True,
-                 max_position_embeddings=4096),
+            "falcon-1b", *_base("falcon-1b"),
             dict(TINY, ffn_hidden_size=256, num_kv_heads=4, new_decoder_architecture=False, multi_query=False,
                  alibi=False, parallel_attn=True, bias=False),
             notes="Falcon ~1.3B: hidden 2048, 24 layers, 32 heads MHA, rotary, parallel attn, vocab 50304, tied",
         ),
         Workload(  # issue 22d: ALiBi on a flash path
-            "falcon-rw-1b", "falcon",
-            dict(vocab_size=50304, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
-                 new_decoder_architecture=False, multi_query=False, alibi=True, parallel_attn=False, bias=True,
-                 tie_word_embeddings=True, max_position_embeddings=4096),
+            "falcon-rw-1b", *_base("falcon-rw-1b"),
             dict(TINY, new_decoder_architecture=False, multi_query=False, alibi=True, parallel_attn=False,
                  bias=True),
             notes="Falcon-RW-1B shapes: hidden 2048, 24 layers, 32 heads MHA, ALiBi (no rotary), sequential "
@@ -157,16 +129,14 @@ WORKLOADS: dict[str, Workload] = {
         ),
         # issue 39: prompt-masked SFT data (prompt + completion documents, the prompt masked)
         Workload(
-            "llama-1b-completion", "llama",
-            dict(_LLAMA_1B, rope_theta=500000.0, max_position_embeddings=131072),
+            "llama-1b-completion", *_base("llama-1b"),
             dict(_LLAMA_1B_TINY),
             prompt_share=PROMPT_SHARE,
             notes="Llama-3.2-1B shapes, full FT, prompt-completion documents: each document's first 40-60% "
                   "(uniform) is its prompt, masked (-100); only completion tokens are targets",
         ),
         Workload(
-            "llama-8b-lora-completion", "llama",
-            dict(_LLAMA_8B, rope_theta=500000.0, max_position_embeddings=8192),
+            "llama-8b-lora-completion", *_base("llama-8b"),
             dict(_LLAMA_8B_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS, prompt_share=PROMPT_SHARE,
             notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on, "
@@ -174,24 +144,21 @@ WORKLOADS: dict[str, Workload] = {
         ),
         # issue 22: single long documents (the long-context preset), Llama-3 rope scaling as the real checkpoints
         Workload(
-            "llama-8b-lora-long", "llama",
-            dict(_LLAMA_8B, **_LONG_ROPE),
+            "llama-8b-lora-long", *_base("llama-8b-long"),
             dict(_LLAMA_8B_TINY, **_LONG_ROPE_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3.1-8B shapes with its rope scaling, LoRA r=16 alpha=32 on all decoder linears, gradient "
                   "checkpointing on; one document per step",
         ),
         Workload(  # issue 40c: the longest QLoRA document within an 80 GiB device cap
-            "llama-8b-qlora-long", "llama",
-            dict(_LLAMA_8B, **_LONG_ROPE),
+            "llama-8b-qlora-long", *_base("llama-8b-long"),
             dict(_LLAMA_8B_TINY, **_LONG_ROPE_TINY),
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3.1-8B shapes with its rope scaling, QLoRA: the base in bitsandbytes NF4 (bf16 compute), "
                   "LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on; one document per step",
         ),
         Workload(
-            "llama-1b-long", "llama",
-            dict(_LLAMA_1B, **_LONG_ROPE),
+            "llama-1b-long", *_base("llama-1b-long"),
             dict(_LLAMA_1B_TINY, **_LONG_ROPE_TINY),
             checkpointing=True,
             notes="Llama-3.2-1B shapes with Llama-3 rope scaling, full FT, gradient checkpointing on; one document "
@@ -213,12 +180,7 @@ def with_positions(workload: Workload, length: int, tiny: bool = False) -> Workl
 
 def build_config(workload: Workload, tiny: bool = False):
     """The transformers config for `workload` (tiny: same family, CPU-sized)."""
-    from transformers import AutoConfig
-
-    kwargs = workload.tiny_kwargs if tiny else workload.config_kwargs
-    config = AutoConfig.for_model(workload.family, **kwargs)
-    config.use_cache = False  # packed batches are honoured by eager/sdpa only without a KV cache
-    return config
+    return shape_config(ModelShape(workload.family, workload.tiny_kwargs if tiny else workload.config_kwargs))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ took 5.3 minutes and `multi-gpu-8b` 2.8 (BENCHMARKS.md, "Multi-GPU"); `multi-gpu
 only: its fp32 master weights and AdamW states (~128 GB) leave one 141 GB GPU no room.
 
 The completion presets (issue 39) train prompt-masked documents (each document's first 40-60% masked, see
-hf_accel.bench.workloads): TRL + flash-attn-4 + Liger through its prompt-completion form (`completion_mask`,
+benchlib.workloads): TRL + flash-attn-4 + Liger through its prompt-completion form (`completion_mask`,
 `completion_only_loss=True`) against hf_accel defaults (the fused loss over the target rows only), the same defaults
 over every row (what the target rows save) and hf_accel best. Each is sized to fit one 10-minute device call (the
 8B one takes most of it).

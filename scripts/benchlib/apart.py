@@ -10,16 +10,14 @@ import contextlib
 import importlib.machinery
 import os
 import sys
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from .options import BenchConfig, Options
 from .train import RunSettings, Timing, build_model, run_trl
 from .workloads import BenchData
-
-if TYPE_CHECKING:
-    from .configs import BenchConfig, Options
 
 APART_PACKAGES: dict[str, str] = {"unsloth": "unsloth", "bitsandbytes": "bitsandbytes"}  # requirement -> module
 UNSLOTH_SITES = ("unsloth", "bnb")  # pack names: unsloth + unsloth_zoo + their pins; bitsandbytes (4-bit)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from .flops import FlopModel, doc_lengths_from_batch
+from hf_accel.training.flops import FlopModel, doc_lengths_from_batch
 from .targets import target_count, targets_where_they_are, trainer_data_targets
 from .workloads import BenchData, Workload, build_config
 
@@ -213,7 +213,7 @@ class StepClock:
                 self.profiler.end()
 
     def finish_profile(self) -> dict[str, Any] | None:
-        """After the run: the profiled steps' kernel time by category (hf_accel.bench.profile); a profiler the run
+        """After the run: the profiled steps' kernel time by category (benchlib.profile); a profiler the run
         stopped before its last profiled step is stopped here, over the steps that ran."""
         if self.profiler is not None and self.profiler.result is None:
             self.profiler.end(max(1, self.steps))  # the run stopped before the last profiled step: what ran
