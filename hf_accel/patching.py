@@ -189,6 +189,7 @@ def patch(
     fused_ce: bool | str = AUTO,
     compile: bool | dict | str = AUTO,
     mlp_chunks: int | bool | str = AUTO,
+    context=None,
 ) -> PatchReport:
     """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
 
@@ -274,9 +275,7 @@ def patch(
             from .memory.checkpointing import policy_from_spec
 
             policy = policy_from_spec(checkpointing)
-            if hasattr(policy, "compiled"):  # a memory budget prices op-level layers as leaving the compiled path
-                policy.compiled = compile_options is not None
-            policy.apply(model)
+            policy.apply(model, _run_context(context, model_hf, compiled=compile_options is not None))
             undo.append(lambda: policy.remove(model))
             report.checkpointing = _describe(checkpointing)
     except Exception:  # leave the model exactly as it was
@@ -326,6 +325,19 @@ def _finish_patch(model, model_hf, family, choice, names, undo, backend, fused_o
         lora_targets=family.lora_targets, fused_ops=fused_ops, notes=notes,
     )
     return report
+
+
+def _run_context(context, model_hf, compiled: bool):
+    """The run a checkpoint policy is applied for: the caller's (a Trainer's), else what patch() can see (the autocast
+    in effect now), with whether the decoder layers run compiled."""
+    from dataclasses import replace
+
+    from .memory.context import RunContext, autocast_dtype
+
+    if context is None:
+        param = next((p for p in model_hf.parameters()), None)
+        context = RunContext(autocast=autocast_dtype(param.device.type if param is not None else "cpu"))
+    return replace(context, compiled=compiled)
 
 
 def _describe(checkpointing) -> str | None:

@@ -134,14 +134,16 @@ class AccelMixin(CheckpointFilesMixin):
         self.patch_report = None
         self._accel_check_explicit()
         self._accel_applied_policy = self._accel_policy()
+        policy = self._accel_applied_policy
+        context = self._accel_run_context() if policy is not None and policy.needs_run_context else None
         if self.accel.patch:
             self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self._accel_applied_policy,
                                       fused_ops=self.accel.fused_ops, fused_ce=self._accel_fused_ce(),
-                                      compile=self._accel_compile(), mlp_chunks=self.accel.mlp_chunks)
+                                      compile=self._accel_compile(), mlp_chunks=self.accel.mlp_chunks, context=context)
             explain_stand_down(self.patch_report, self._accel_compile_stands_down())
             logger.info("%s", self.patch_report)
         elif self._accel_applied_policy is not None:
-            self._accel_applied_policy.apply(self.model)
+            self._accel_applied_policy.apply(self.model, context)
         if self.patch_report is not None and self.patch_report.fused_ce and getattr(self, "_own_collator", False) \
                 and hasattr(self.data_collator, "target_rows"):
             # the fused loss consumes the collator's target rows (and takes them out of the batch): no LM-head work
@@ -252,25 +254,25 @@ class AccelMixin(CheckpointFilesMixin):
         return None
 
     def _accel_policy(self) -> Any:
-        """The checkpoint policy; a memory budget probes a micro-batch of the size this run will train on."""
+        """The checkpoint policy (None: the model's checkpointing is left alone)."""
         if self.accel.checkpointing is None:
             return None
-        from ..memory.budget import MemoryBudget
         from ..memory.checkpointing import policy_from_spec
 
-        policy = policy_from_spec(self.accel.checkpointing)
-        if isinstance(policy, MemoryBudget) and policy.sample_batch is None and policy.batch_tokens is None:
-            tokens = self._micro_batch_tokens()
-            if tokens:
-                policy.batch_tokens = tokens
-        if isinstance(policy, MemoryBudget) and policy.sharding is None:
-            policy.sharding = self._accel_sharding()
-        if isinstance(policy, MemoryBudget) and policy.grads_freed is None:
-            # transformers' loop frees the gradients after each optimizer step (model.zero_grad(), set_to_none);
-            # with one micro-batch per step none exist during a forward. DeepSpeed keeps its own gradient buffers.
-            policy.grads_freed = (self.args.gradient_accumulation_steps == 1
-                                  and not getattr(self, "is_deepspeed_enabled", False))
-        return policy
+        return policy_from_spec(self.accel.checkpointing)
+
+    def _accel_run_context(self) -> Any:
+        """The run the checkpoint policy is applied for (``memory.context.RunContext``): a micro-batch of the size this
+        run trains on, the sharding, whether gradients are freed before each forward (transformers' loop frees them
+        after each optimizer step, set_to_none; DeepSpeed keeps its own buffers), and the autocast accelerate runs
+        the forwards under."""
+        from ..memory.context import autocast_dtype, run_context
+
+        return run_context(batch_tokens=self._micro_batch_tokens(),
+                           accumulation_steps=self.args.gradient_accumulation_steps,
+                           engine_keeps_grads=getattr(self, "is_deepspeed_enabled", False),
+                           sharding=self._accel_sharding(),
+                           autocast=autocast_dtype(self.args.device.type, self.accelerator.autocast()))
 
     def _accel_sharding(self) -> Any:
         """How this process will hold the training state (``memory.estimate.Sharding``): under FSDP2 and DeepSpeed
