@@ -231,3 +231,33 @@ def test_isinstance_reader_sees_budget_checks(tmp_path):
     src = tmp_path / "x.py"
     src.write_text("isinstance(p, MemoryBudget)\nisinstance(p, (int, budget.MemoryBudget))\nisinstance(p, int)\n")
     assert _isinstance_of(src, "MemoryBudget") == [1, 2]
+
+
+# ---- patch(): a short pipeline ------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 60  # STYLE.md: a function past ~60 lines is asking to be split
+
+
+def _long_functions(path: pathlib.Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions of ``path`` whose code (the docstring not counted) runs over ``limit`` lines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = node.body[1].lineno if ast.get_docstring(node) and len(node.body) > 1 else node.lineno
+            lines = node.end_lineno - start + 1
+            if lines > limit:
+                found.append(f"{node.name} ({lines} lines)")
+    return found
+
+
+@pytest.mark.parametrize("module", ["patching.py", "patch_options.py", "kernel_choice.py"])
+def test_patch_pipeline_functions_are_short(module):
+    """patch() reads as a pipeline (options, decisions, kernel choice, binding, report), each step a short function."""
+    long = _long_functions(ROOT / "hf_accel" / module)
+    assert not long, f"hf_accel/{module}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_function_length_reader_skips_docstrings(tmp_path):
+    src = tmp_path / "x.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    src.write_text(f'def long():\n{body}\n\ndef documented():\n    """{"doc" + chr(10) * 80}"""\n    return 1\n')
+    assert _long_functions(src) == ["long (62 lines)"]

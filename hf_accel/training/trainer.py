@@ -23,7 +23,8 @@ from . import checkpoint_io
 from .snapshot import SnapshotBuffers
 from ..data.collators import REAL_TOKENS_KEY, DataCollatorForPacking, DataCollatorForPadding
 from ..errors import ConfigurationError
-from ..patching import Speedup, patch
+from ..patch_options import PatchOptions
+from ..patching import patch
 from ..data.sampling import TokenBudgetBatchSampler
 from .checkpoint_hooks import CheckpointFilesMixin, ReserveSnapshotAhead, RestoreLossWindow
 from .metrics import ThroughputMeter, format_summary
@@ -83,13 +84,12 @@ class AccelArguments:
     print_summary: bool = True
     non_blocking: bool = True
 
-
-def explain_stand_down(report, reason: str | None) -> None:
-    """The report's compile line says why the Trainer turned "auto" compile off, not just "compile=False"."""
-    if reason and report is not None:
-        off = Speedup("compile", False, "compile=False").line()  # the line patch() wrote for the Trainer's False
-        report.speedups = [Speedup("compile", False, f"auto: {reason}").line() if line == off else line
-                           for line in report.speedups]
+    def patch_options(self, **decided: Any) -> PatchOptions:
+        """These arguments as ``patch()``'s options (validated here: a bad value raises ConfigurationError), with
+        what the Trainer ``decided`` for its run (fused_ce, compile and why "auto" compile stands down)."""
+        given = dict(backend=self.backend, checkpointing=self.checkpointing, fused_ops=self.fused_ops,
+                     fused_ce=self.fused_ce, compile=self.compile, mlp_chunks=self.mlp_chunks)
+        return PatchOptions(**{**given, **decided})
 
 
 def _skip_first_batches_with_ulysses(stock):
@@ -133,17 +133,15 @@ class AccelMixin(CheckpointFilesMixin):
         self.accel = accel or AccelArguments()
         self.patch_report = None
         self._accel_check_explicit()
-        self._accel_applied_policy = self._accel_policy()
-        policy = self._accel_applied_policy
+        options = self.accel.patch_options(fused_ce=self._accel_fused_ce(), compile=self._accel_compile(),
+                                           compile_stand_down=self._accel_compile_stands_down())
+        policy = self._accel_applied_policy = options.policy
         context = self._accel_run_context() if policy is not None and policy.needs_run_context else None
         if self.accel.patch:
-            self.patch_report = patch(self.model, backend=self.accel.backend, checkpointing=self._accel_applied_policy,
-                                      fused_ops=self.accel.fused_ops, fused_ce=self._accel_fused_ce(),
-                                      compile=self._accel_compile(), mlp_chunks=self.accel.mlp_chunks, context=context)
-            explain_stand_down(self.patch_report, self._accel_compile_stands_down())
+            self.patch_report = patch(self.model, options=options, context=context)
             logger.info("%s", self.patch_report)
-        elif self._accel_applied_policy is not None:
-            self._accel_applied_policy.apply(self.model, context)
+        elif policy is not None:
+            policy.apply(self.model, context)
         if self.patch_report is not None and self.patch_report.fused_ce and getattr(self, "_own_collator", False) \
                 and hasattr(self.data_collator, "target_rows"):
             # the fused loss consumes the collator's target rows (and takes them out of the batch): no LM-head work
@@ -252,14 +250,6 @@ class AccelMixin(CheckpointFilesMixin):
         if getattr(self, "is_deepspeed_enabled", False):
             return "stands down under DeepSpeed (measured slower there than eager; FSDP2 keeps it)"
         return None
-
-    def _accel_policy(self) -> Any:
-        """The checkpoint policy (None: the model's checkpointing is left alone)."""
-        if self.accel.checkpointing is None:
-            return None
-        from ..memory.checkpointing import policy_from_spec
-
-        return policy_from_spec(self.accel.checkpointing)
 
     def _accel_run_context(self) -> Any:
         """The run the checkpoint policy is applied for (``memory.context.RunContext``): a micro-batch of the size this
