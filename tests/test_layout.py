@@ -261,3 +261,18 @@ def test_function_length_reader_skips_docstrings(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(61))
     src.write_text(f'def long():\n{body}\n\ndef documented():\n    """{"doc" + chr(10) * 80}"""\n    return 1\n')
     assert _long_functions(src) == ["long (62 lines)"]
+
+
+# ---- the Trainer: classes and loop hooks in trainer.py, each concern in its own module -----------------------------
+TRAINER_CONCERNS = ("sequence_parallel", "compile_rules", "data_loading", "run_context")
+
+
+@pytest.mark.parametrize("module", ["trainer", *TRAINER_CONCERNS])
+def test_trainer_concerns_are_small_modules_that_do_not_reach_back(module):
+    """AccelMixin names its concerns; the modules that hold them (DeepSpeed / sequence-parallel wiring, compile rules,
+    data loading, the run a policy is applied for) stay small and never import the Trainer module back."""
+    path = ROOT / "hf_accel" / "training" / f"{module}.py"
+    assert len(path.read_text().splitlines()) <= 400
+    assert not _long_functions(path), _long_functions(path)
+    if module != "trainer":
+        assert not any(_within(t, "hf_accel.training.trainer") for t in _imports(path))
