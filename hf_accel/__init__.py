@@ -24,10 +24,10 @@ __version__ = "0.1.0"
 
 _LAZY = {  # public name -> module that defines it
     "format_backends": ".attention.kernels", "list_backends": ".attention.kernels",
-    "PatchReport": ".patching", "patch": ".patching", "patch_report": ".patching", "unpatch": ".patching",
+    "PatchOptions": ".patch_options", "PatchReport": ".patching", "patch": ".patching", "patch_report": ".patching", "unpatch": ".patching",
     "DataCollatorForPacking": ".data.collators", "DataCollatorForPadding": ".data.collators",
     "LengthGroupedBatchSampler": ".data.sampling", "TokenBudgetBatchSampler": ".data.sampling",
-    "policy_from_spec": ".memory.checkpointing",
+    "policy_from_spec": ".memory.checkpointing", "RunContext": ".memory.context",
     "FlashMHA": ".attention.flash_mha",
     "AccelArguments": ".training.trainer", "Trainer": ".training.trainer",
     "SFTTrainer": ".training.trl_trainer",  # TRL is optional: imported only when asked for

@@ -4,6 +4,11 @@ Nothing is rebound on classes: each family module in ``hf_accel.patches`` touche
 (and, for registry families, this model's attention implementation name), and hands back undo actions. Every fact
 about the family (head shapes, what its layers ask of a kernel, what liger can fuse, the MLP width, the final logit
 soft-cap) comes from its ``Family`` object and is handed to the stage that needs it.
+
+patch() is a short pipeline: its settings become one validated ``PatchOptions`` (``patch_options``); ``_decide``
+resolves them for this model (speed-ups on or off and why, compile options, MLP chunking); ``choose`` picks each
+layer's kernel; ``_apply`` binds each stage in order, collecting undo actions; ``_report`` builds the PatchReport
+from the decisions and what was applied.
 """
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ import torch
 
 from ._compat import check_transformers_version
 from .errors import ConfigurationError, UnsupportedModel
-from .attention.kernels import DeviceInfo
-from .kernel_choice import choose, fp32_calls_note
-from .patches import family_of
+from .kernel_choice import KernelChoice, choose, fp32_calls_note
+from .memory.context import RunContext
+from .patch_options import AUTO, PatchOptions, Speedup, resolve_speedups  # noqa: F401 (re-exported)
+from .patches import Family, family_of
 
 logger = logging.getLogger("hf_accel")
 
@@ -74,98 +80,44 @@ class PatchReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class _Decisions:
+    """What patch() decided for this model before touching it: the options, its family, each speed-up on or off
+    (and why), the torch.compile options and the MLP chunking."""
+
+    options: PatchOptions
+    family: Family
+    speedups: dict[str, Speedup]
+    compile_options: dict | None
+    chunking: object  # memory.mlp_chunks.MlpChunking or None
+
+    def on(self, name: str) -> bool:
+        return self.speedups[name].on
+
+    def same_settings(self, other: _Decisions) -> bool:
+        """Whether patching with ``other`` would do what these decisions did (patch() then keeps the patch)."""
+        return (self.options.backend == other.options.backend
+                and self.options.describe_checkpointing() == other.options.describe_checkpointing()
+                and self.on("fused_ops") == other.on("fused_ops") and self.on("fused_ce") == other.on("fused_ce")
+                and self.compile_options == other.compile_options and self.chunking == other.chunking)
+
+
+@dataclass
+class _Applied:
+    """What patch() changed on the model, for the report, recorded as each stage is bound."""
+
+    attention_modules: list[str] = field(default_factory=list)
+    previous_attn: str | None = None
+    compiled_layers: int = 0
+    chunked_mlps: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
 @dataclass
 class _PatchState:
     report: PatchReport
     undo: list[Callable[[], None]]
-    compile_options: dict | None = None
-    mlp_chunking: object = None  # memory.mlp_chunks.MlpChunking or None
-
-
-def _compile_options(compile: bool | dict) -> dict | None:
-    """patch()'s ``compile`` argument as torch.compile options (None: no compilation)."""
-    if compile is False or compile is None:
-        return None
-    if compile is True:
-        return {}
-    if isinstance(compile, dict):
-        return dict(compile)
-    raise ConfigurationError(
-        f"compile must be True, False or a dict of torch.compile options (e.g. {{'mode': 'max-autotune'}}); "
-        f"got {compile!r}."
-    )
-
-
-AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class Speedup:
-    """One of patch()'s optional speed-ups as resolved for this model: on or off, and the reason (one line)."""
-
-    name: str
-    on: bool
-    why: str
-
-    def line(self) -> str:
-        return f"{self.name}: {'on' if self.on else 'off'} ({self.why})"
-
-
-def _quantized(model: torch.nn.Module) -> str | None:
-    """Why compiled layers stand down on this model's quantized weights (any but bitsandbytes 4-bit), or None."""
-    from .fused.quantized import compile_stand_down
-
-    return compile_stand_down(model)
-
-
-def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="auto", fused_ops="auto",
-                     compile="auto", liger_installed: bool | None = None) -> dict[str, Speedup]:
-    """Resolve patch()'s ``fused_ce`` / ``fused_ops`` / ``compile`` for ``model`` on ``device``.
-
-    "auto" is the fastest setting that keeps the computation equivalent: on CUDA the fused loss, liger's fused ops
-    (when installed) and compiled decoder layers (unless the model's weights are quantized other than by bitsandbytes
-    4-bit, see ``_quantized``); on every other device
-    all three off (unchanged behaviour). True / False / a dict of compile options are taken as given.
-    ``liger_installed`` overrides the installation check (tests fake a device).
-    """
-    for name, value in (("fused_ce", fused_ce), ("fused_ops", fused_ops)):
-        if not isinstance(value, bool) and value != AUTO:
-            raise ConfigurationError(f"{name} must be True, False or 'auto'; got {value!r}.")
-    on_cuda = device.type == "cuda"
-    out = {}
-    if fused_ce != AUTO:
-        out["fused_ce"] = Speedup("fused_ce", fused_ce, "requested" if fused_ce else "fused_ce=False")
-    elif not on_cuda:
-        out["fused_ce"] = Speedup("fused_ce", False, f"auto: on CUDA only; this model is on {device.type}")
-    elif model.get_output_embeddings() is None:
-        out["fused_ce"] = Speedup("fused_ce", False, "auto: the model has no LM head")
-    else:
-        out["fused_ce"] = Speedup("fused_ce", True, "auto: training forwards with labels take the loss from hidden "
-                                                    "states in chunks, no full logits (logits=None there)")
-    if fused_ops != AUTO:
-        out["fused_ops"] = Speedup("fused_ops", fused_ops, "requested" if fused_ops else "fused_ops=False")
-    else:
-        if liger_installed is None:
-            import importlib.util
-
-            liger_installed = importlib.util.find_spec("liger_kernel") is not None
-        why = ("liger-kernel's Triton kernels run on CUDA only; this model is on " + device.type) if not on_cuda \
-            else None if liger_installed else "liger-kernel is not installed (pip install 'hf_accel[liger]')"
-        out["fused_ops"] = Speedup("fused_ops", why is None,
-                                   "auto: liger-kernel's fused norms / gated MLPs" if why is None else f"auto: {why}")
-    if compile != AUTO:
-        on = compile is not False and compile is not None
-        out["compile"] = Speedup("compile", on, "requested" if on else "compile=False")
-    else:
-        quantized = _quantized(model)
-        why = (f"on CUDA only; this model is on {device.type}" if not on_cuda
-               else "torch.compile is not supported in this Python / torch" if not torch._dynamo.is_dynamo_supported()
-               else quantized)
-        # The compile is paid once (seconds) and halves the element-wise time of every later step, so it is paid back
-        # early in a fine-tune (BENCHMARKS.md, "where the step time goes").
-        out["compile"] = Speedup("compile", why is None, "auto: decoder layers' training forwards through inductor "
-                                 "(~20 s once for 1B shapes)" if why is None else f"auto: {why}")
-    return out
+    decisions: _Decisions
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -183,109 +135,157 @@ def _no_cache_in_training(module, args, kwargs):
 
 def patch(
     model: torch.nn.Module,
-    backend: str = "auto",
+    backend: str = AUTO,
     checkpointing=None,
     fused_ops: bool | str = AUTO,
     fused_ce: bool | str = AUTO,
     compile: bool | dict | str = AUTO,
     mlp_chunks: int | bool | str = AUTO,
+    *,
+    options: PatchOptions | None = None,
+    context: RunContext | None = None,
 ) -> PatchReport:
     """Route this model's attention through hf_accel's varlen seam and the kernel chosen for ``backend``.
 
     Works on a plain transformers model or a PEFT model, before or after ``get_peft_model``. Idempotent: patching a
-    patched model with the same settings returns the existing report; other settings re-patch. ``checkpointing``
-    takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see hf_accel.memory.checkpointing).
+    patched model with the same settings returns the existing report; other settings re-patch. The settings come
+    as keyword arguments or as one ``options=PatchOptions(...)`` (hf_accel.patch_options; the Trainers pass that).
+    ``checkpointing`` takes a policy or spec string ("full", "every_2", "op", "budget:20GiB", ...; see
+    hf_accel.memory.checkpointing), applied last with ``context``, the run it is for (``memory.context.RunContext``;
+    default: the autocast in effect now).
     ``fused_ops``, ``fused_ce`` and ``compile`` default to "auto": on CUDA all three where they apply (liger installed;
-    weights not quantized, or bitsandbytes 4-bit), elsewhere off; ``PatchReport.speedups`` says what was chosen and why, and an explicit
-    False turns each off (see ``resolve_speedups``).
+    weights not quantized, or bitsandbytes 4-bit), elsewhere off; ``PatchReport.speedups`` says what was chosen and
+    why, and an explicit False turns each off (see ``resolve_speedups``).
     ``fused_ops=True`` also binds liger-kernel's fused norms / SwiGLU to this instance (CUDA, liger installed).
     ``fused_ce=True`` makes training forwards with labels return the loss from a chunked linear cross-entropy
-    (hf_accel.fused.cross_entropy, "inline" method), never materialising the full logits (``logits`` is then None); eval and
-    generate are unchanged.
+    (hf_accel.fused.cross_entropy, "inline" method), never materialising the full logits (``logits`` is then None);
+    eval and generate are unchanged.
     ``compile=True`` (or a dict of ``torch.compile`` options) compiles each decoder layer's training forward with
-    inductor, attention excluded (see hf_accel.fused.compiling); it takes over the layers' norms / MLP from ``fused_ops``.
+    inductor, attention excluded (see hf_accel.fused.compiling); it takes over the layers' norms / MLP from
+    ``fused_ops``.
     ``mlp_chunks`` runs each decoder layer's MLP over chunks of tokens, each chunk checkpointed, so backward rebuilds
     one chunk's intermediate at a time (hf_accel.memory.mlp_chunks): "auto" (default) for training calls whose
     intermediates would exceed 16 GiB (Llama-3-8B bf16: ~200k tokens), ~1 GiB of intermediates per chunk; an int =
-    the chunk size in tokens (calls with more tokens are chunked); False or 0 = off. Same math per token; results differ by rounding and summation order only.
+    the chunk size in tokens (calls with more tokens are chunked); False or 0 = off. Same math per token; results
+    differ by rounding and summation order only.
     """
+    options = PatchOptions.from_arguments(options, backend=backend, checkpointing=checkpointing, fused_ops=fused_ops,
+                                          fused_ce=fused_ce, compile=compile, mlp_chunks=mlp_chunks)
     check_transformers_version()
-    model_hf = base_model(model)
-    config = getattr(model_hf, "config", None)
-    if config is None:
-        raise UnsupportedModel(f"expected a transformers PreTrainedModel (or PEFT model), got {type(model).__name__}.")
-    family = family_of(config)
-    from .kernel_choice import training_request
-
-    request = training_request(model_hf, family, None)
-    speedups = resolve_speedups(model_hf, request.device, fused_ce=fused_ce, fused_ops=fused_ops, compile=compile)
-    fused_ce, fused_ops = speedups["fused_ce"].on, speedups["fused_ops"].on
-    compile_options = _compile_options(compile if compile != AUTO else speedups["compile"].on)
-    from .memory import mlp_chunks as mlp_chunking
-
-    chunking = mlp_chunking.resolve(mlp_chunks, family.mlp_width(config), request.dtype.itemsize)
+    model_hf = _transformers_model(model)
+    decisions = _decide(model_hf, options)
     state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
     if state is not None:
-        same = (
-            state.report.backend_requested == backend
-            and state.report.checkpointing == _describe(checkpointing)
-            and state.report.fused_ops == fused_ops
-            and state.report.fused_ce == fused_ce
-            and state.compile_options == compile_options
-            and state.mlp_chunking == chunking
-        )
-        if same:
+        if state.decisions.same_settings(decisions):
             return state.report
         unpatch(model)
-
-    choice = choose(model_hf, family, backend)  # raises BackendUnavailable naming what is missing
-    fp32_note = fp32_calls_note(model_hf, choice.request, backend)
-    previous_attn = config._attn_implementation
-    names, undo = family.apply(model_hf, backend)
-    _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
+    choice = choose(model_hf, decisions.family, options.backend)  # raises BackendUnavailable naming what is missing
+    undo: list[Callable[[], None]] = []
     try:
-        report = _finish_patch(model, model_hf, family, choice, names, undo, backend, fused_ops,
-                               compiled=compile_options is not None)
-        report.replaced_attn_implementation, report.attentions = previous_attn, family.attentions
-        if compile_options is not None:
-            from .fused import compiling
-
-            layers, compile_undo = compiling.apply(model_hf, compile_options)
-            undo += compile_undo
-            report.compiled_layers = len(layers)
-        if chunking is not None:
-            chunked, chunk_undo = mlp_chunking.apply(model_hf, chunking)
-            undo += chunk_undo
-            report.mlp_chunks = f"{chunking.describe()} ({len(chunked)} MLPs)"
-            if compile_options is not None:
-                report.mlp_chunks += "; inside compiled layers a chunked MLP runs eagerly (one graph break)"
-        else:
-            report.mlp_chunks = f"off (mlp_chunks={mlp_chunks!r})"
-        if fused_ce:
-            from .fused.cross_entropy import bind_fused_loss
-
-            undo.append(bind_fused_loss(model_hf, softcap=family.final_logit_softcap(config)))
-            report.fused_ce = True
-        report.speedups = [s.line() for s in speedups.values()]
-        if fp32_note:
-            report.notes.append(fp32_note)
-        if checkpointing is not None:
-            # last: a memory budget's probe forward must see the loss and layers training will run
-            from .memory.checkpointing import policy_from_spec
-
-            policy = policy_from_spec(checkpointing)
-            if hasattr(policy, "compiled"):  # a memory budget prices op-level layers as leaving the compiled path
-                policy.compiled = compile_options is not None
-            policy.apply(model)
-            undo.append(lambda: policy.remove(model))
-            report.checkpointing = _describe(checkpointing)
+        applied = _apply(model, model_hf, decisions, choice, context, undo)
     except Exception:  # leave the model exactly as it was
         for action in reversed(undo):
             action()
         raise
-    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo, compile_options, chunking)
+    report = _report(model_hf, decisions, choice, applied)
+    model_hf.__dict__[STATE_ATTR] = _PatchState(report, undo, decisions)
     logger.info("%s", report)
     return report
+
+
+def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    model_hf = base_model(model)
+    if getattr(model_hf, "config", None) is None:
+        raise UnsupportedModel(f"expected a transformers PreTrainedModel (or PEFT model), got {type(model).__name__}.")
+    return model_hf
+
+
+def _decide(model_hf: torch.nn.Module, options: PatchOptions) -> _Decisions:
+    """Everything patch() decides from the options, the model and its device, before it changes anything."""
+    from .kernel_choice import training_request
+    from .memory import mlp_chunks as mlp_chunking
+
+    family = family_of(model_hf.config)
+    request = training_request(model_hf, family, None)
+    speedups = resolve_speedups(model_hf, request.device, fused_ce=options.fused_ce, fused_ops=options.fused_ops,
+                                compile=options.compile, compile_stand_down=options.compile_stand_down)
+    chunking = mlp_chunking.resolve(options.mlp_chunks, family.mlp_width(model_hf.config), request.dtype.itemsize)
+    return _Decisions(options, family, speedups, options.compile_options(speedups["compile"].on), chunking)
+
+
+def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context: RunContext | None,
+           undo: list[Callable[[], None]]) -> _Applied:
+    """Bind every stage the decisions ask for, in order, appending each one's undo actions to ``undo``."""
+    family, backend, compiled = decisions.family, decisions.options.backend, decisions.compile_options is not None
+    applied = _Applied(previous_attn=model_hf.config._attn_implementation, notes=list(family.notes) + choice.notes)
+    names, seam_undo = family.apply(model_hf, backend)
+    undo += seam_undo
+    applied.attention_modules = names
+    _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
+    if decisions.on("fused_ops"):
+        undo += _bind_fused_ops(model_hf, family, compiled, applied.notes)
+    undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
+    from .attention.hf_attention import forward_batch_hooks
+    from .fused import lora_casts
+
+    undo += forward_batch_hooks(model_hf)
+    undo += lora_casts.apply(model_hf, applied.notes)  # notes a quantized base's LoRA layers it leaves to PEFT
+    if compiled:
+        from .fused import compiling
+
+        layers, compile_undo = compiling.apply(model_hf, decisions.compile_options)
+        undo += compile_undo
+        applied.compiled_layers = len(layers)
+    if decisions.chunking is not None:
+        from .memory import mlp_chunks as mlp_chunking
+
+        chunked, chunk_undo = mlp_chunking.apply(model_hf, decisions.chunking)
+        undo += chunk_undo
+        applied.chunked_mlps = len(chunked)
+    if decisions.on("fused_ce"):
+        from .fused.cross_entropy import bind_fused_loss
+
+        undo.append(bind_fused_loss(model_hf, softcap=family.final_logit_softcap(model_hf.config)))
+    fp32_note = fp32_calls_note(model_hf, choice.request, backend)
+    applied.notes += [fp32_note] if fp32_note else []
+    policy = decisions.options.policy
+    if policy is not None:  # last: a memory budget's probe forward must see the loss and layers training will run
+        policy.apply(model, _run_context(context, model_hf, compiled))
+        undo.append(lambda: policy.remove(model))
+    return applied
+
+
+def _bind_fused_ops(model_hf, family: Family, compiled: bool, notes: list[str]) -> list[Callable[[], None]]:
+    """liger's fused norms / gated MLPs on this instance; they serve eager training calls only (traced layers,
+    evaluation and generation run the stock forwards)."""
+    from .fused import ops as fused
+
+    fused_names, fused_undo = fused.apply(model_hf, family.fusable(model_hf))
+    if compiled:
+        notes.append(f"fused_ops with compile: liger's kernels are bound to {len(fused_names)} modules and serve "
+                     "their eager training calls (the final norm, op-level checkpointed layers); inductor fuses "
+                     "the compiled layers' own")
+    return fused_undo
+
+
+def _report(model_hf, decisions: _Decisions, choice: KernelChoice, applied: _Applied) -> PatchReport:
+    """The PatchReport of what was decided and applied."""
+    options, family = decisions.options, decisions.family
+    if decisions.chunking is not None:
+        mlp_chunks = f"{decisions.chunking.describe()} ({applied.chunked_mlps} MLPs)"
+        if decisions.compile_options is not None:
+            mlp_chunks += "; inside compiled layers a chunked MLP runs eagerly (one graph break)"
+    else:
+        mlp_chunks = f"off (mlp_chunks={options.mlp_chunks!r})"
+    return PatchReport(
+        model_type=model_hf.config.model_type, backend_requested=options.backend,
+        backend=choice.selection.backend.name, selection=choice.selection.explain(),
+        patched_modules=applied.attention_modules, touches=family.touches, lora_targets=family.lora_targets,
+        checkpointing=options.describe_checkpointing(), fused_ops=decisions.on("fused_ops"),
+        fused_ce=decisions.on("fused_ce"), compiled_layers=applied.compiled_layers, mlp_chunks=mlp_chunks,
+        speedups=[s.line() for s in decisions.speedups.values()],
+        replaced_attn_implementation=applied.previous_attn, attentions=family.attentions, notes=applied.notes,
+    )
 
 
 def _tag_layer_backends(model_hf, names: list[str], layer_backends: list[str], backend: str) -> None:
@@ -300,39 +300,17 @@ def _tag_layer_backends(model_hf, names: list[str], layer_backends: list[str], b
             setattr(module, BACKEND_ATTR, layer_backends[index])
 
 
-def _finish_patch(model, model_hf, family, choice, names, undo, backend, fused_ops, compiled: bool) -> PatchReport:
-    """Everything after the attention seam; appends its undo actions to ``undo``."""
-    notes = list(family.notes) + choice.notes
-    if fused_ops:
-        from .fused import ops as fused
+def _run_context(context: RunContext | None, model_hf, compiled: bool) -> RunContext:
+    """The run a checkpoint policy is applied for: the caller's (a Trainer's), else what patch() can see (the autocast
+    in effect now), with whether the decoder layers run compiled."""
+    from dataclasses import replace
 
-        # liger serves eager training calls only; traced layers, evaluation and generation run the stock forwards
-        fused_names, fused_undo = fused.apply(model_hf, family.fusable(model_hf))
-        undo += fused_undo
-        if compiled:
-            notes.append(f"fused_ops with compile: liger's kernels are bound to {len(fused_names)} modules and serve "
-                         "their eager training calls (the final norm, op-level checkpointed layers); inductor fuses "
-                         "the compiled layers' own")
-    undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
-    from .attention.hf_attention import forward_batch_hooks
+    from .memory.context import autocast_dtype
 
-    undo += forward_batch_hooks(model_hf)
-    from .fused import lora_casts
-
-    undo += lora_casts.apply(model_hf, notes)  # notes a quantized base's LoRA layers it leaves to PEFT
-    report = PatchReport(
-        model_type=model_hf.config.model_type, backend_requested=backend, backend=choice.selection.backend.name,
-        selection=choice.selection.explain(), patched_modules=names, touches=family.touches,
-        lora_targets=family.lora_targets, fused_ops=fused_ops, notes=notes,
-    )
-    return report
-
-
-def _describe(checkpointing) -> str | None:
-    if checkpointing is None:
-        return None
-    describe = getattr(checkpointing, "describe", None)
-    return describe() if callable(describe) else str(checkpointing)
+    if context is None:
+        param = next((p for p in model_hf.parameters()), None)
+        context = RunContext(autocast=autocast_dtype(param.device.type if param is not None else "cpu"))
+    return replace(context, compiled=compiled)
 
 
 def unpatch(model: torch.nn.Module) -> None:

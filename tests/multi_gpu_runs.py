@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchlib.distributed import launch_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "accelerate"
@@ -74,11 +73,15 @@ ZERO3_CASES = {
 # ------------------------------------------------------------------------------------------------ helpers
 def launch_command(config: str, processes: int, sft_args: list[str]) -> list[str]:
     """``accelerate launch`` of tests/dist_sft.py with ``sft_args`` (a free rendezvous port per launch)."""
+    from benchlib.distributed import launch_argv  # here: the launched drivers import this module without scripts/
+
     return launch_argv(CONFIGS / config, processes, [str(DIST_SFT), *sft_args])
 
 
 def zero3_cpu_launch(script: Path, processes: int = 2) -> list[str]:
     """``accelerate launch`` of ``script`` under ZeRO-3 on CPU processes (gloo, DeepSpeed's CPU accelerator)."""
+    from benchlib.distributed import launch_argv
+
     return launch_argv(CONFIGS / "deepspeed_zero3_cpu.yaml", processes,
                        ["--deepspeed_config_file", str(CONFIGS / "ds_zero3_cpu.json"), str(script)])
 

@@ -219,3 +219,127 @@ def test_every_family_module_is_registered_and_typed():
     assert all(isinstance(f, Family) for f in families)
     assert {id(f) for f in families} == {id(f) for f in FAMILIES}
     assert len({t for f in FAMILIES for t in f.model_types}) == sum(len(f.model_types) for f in FAMILIES)
+
+
+# ---- memory/: checkpoint policies receive their run as an argument ------------------------------------------------
+def _module_of(target: str, modules: set[str]) -> str | None:
+    """The module an imported name lives in (``pkg.mod.name`` -> ``pkg.mod``), among ``modules``."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle of ``graph`` (module -> modules it imports), each once, as a path that returns to its start."""
+    found, done = [], set()
+
+    def visit(node, path):
+        if node in path:
+            cycle = path[path.index(node):]
+            if not any(set(cycle) == set(c) for c in found):
+                found.append([*cycle, node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for start in sorted(graph):
+        visit(start, [])
+    return found
+
+
+def _import_graph(prefix: str) -> dict[str, set[str]]:
+    paths = [p for p in _sources() if _within(_module_name(p), prefix)]
+    modules = {_module_name(p) for p in paths}
+    graph = {}
+    for path in paths:
+        name = _module_name(path)
+        graph[name] = {m for t in _imports(path) if (m := _module_of(t, modules)) not in (None, name, prefix)}
+    return graph
+
+
+def test_memory_has_no_import_cycle():
+    """memory/ imports downward only (the policies' face ``checkpointing`` -> ``budget`` -> ``policies``, ``plan``,
+    ``state``), lazy imports included: a cycle is what made checkpointing.py re-export MemoryBudget lazily."""
+    cycles = _cycles(_import_graph("hf_accel.memory"))
+    assert not cycles, "import cycles in hf_accel/memory:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_cycle_reader_sees_a_cycle():
+    """The checker itself: a lazy import back into a module that imports it is a cycle; a diamond is not."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
+
+
+def _isinstance_of(path: pathlib.Path, name: str) -> list[int]:
+    """Lines of ``path`` that call isinstance(..., name) (also inside a tuple of classes)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(isinstance(c, ast.Name) and c.id == name or isinstance(c, ast.Attribute) and c.attr == name
+                   for c in classes):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_outside_memory_asks_whether_a_policy_is_a_budget():
+    """Callers hand every policy its run (``policy.apply(model, context)``, memory.context); what a budget does with
+    it is the budget's business, so no code outside memory/ tests for MemoryBudget."""
+    bad = [f"{p.relative_to(ROOT)} line {line}" for p in [*_sources(), *(ROOT / "scripts").rglob("*.py")]
+           if not _within(_module_name(p), "hf_accel.memory") for line in _isinstance_of(p, "MemoryBudget")]
+    assert not bad, "isinstance(..., MemoryBudget) outside hf_accel/memory:\n" + "\n".join(bad)
+
+
+def test_isinstance_reader_sees_budget_checks(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("isinstance(p, MemoryBudget)\nisinstance(p, (int, budget.MemoryBudget))\nisinstance(p, int)\n")
+    assert _isinstance_of(src, "MemoryBudget") == [1, 2]
+
+
+# ---- patch(): a short pipeline ------------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 60  # STYLE.md: a function past ~60 lines is asking to be split
+
+
+def _long_functions(path: pathlib.Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions of ``path`` whose code (the docstring not counted) runs over ``limit`` lines."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = node.body[1].lineno if ast.get_docstring(node) and len(node.body) > 1 else node.lineno
+            lines = node.end_lineno - start + 1
+            if lines > limit:
+                found.append(f"{node.name} ({lines} lines)")
+    return found
+
+
+@pytest.mark.parametrize("module", ["patching.py", "patch_options.py", "kernel_choice.py"])
+def test_patch_pipeline_functions_are_short(module):
+    """patch() reads as a pipeline (options, decisions, kernel choice, binding, report), each step a short function."""
+    long = _long_functions(ROOT / "hf_accel" / module)
+    assert not long, f"hf_accel/{module}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_function_length_reader_skips_docstrings(tmp_path):
+    src = tmp_path / "x.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    src.write_text(f'def long():\n{body}\n\ndef documented():\n    """{"doc" + chr(10) * 80}"""\n    return 1\n')
+    assert _long_functions(src) == ["long (62 lines)"]
+
+
+# ---- the Trainer: classes and loop hooks in trainer.py, each concern in its own module -----------------------------
+TRAINER_CONCERNS = ("sequence_parallel", "compile_rules", "data_loading", "run_context")
+
+
+@pytest.mark.parametrize("module", ["trainer", *TRAINER_CONCERNS])
+def test_trainer_concerns_are_small_modules_that_do_not_reach_back(module):
+    """AccelMixin names its concerns; the modules that hold them (DeepSpeed / sequence-parallel wiring, compile rules,
+    data loading, the run a policy is applied for) stay small and never import the Trainer module back."""
+    path = ROOT / "hf_accel" / "training" / f"{module}.py"
+    assert len(path.read_text().splitlines()) <= 400
+    assert not _long_functions(path), _long_functions(path)
+    if module != "trainer":
+        assert not any(_within(t, "hf_accel.training.trainer") for t in _imports(path))

@@ -149,7 +149,7 @@ def test_compiled_layers_price_op_level_as_leaving_the_compiled_path():
 
 def test_patch_tells_a_memory_budget_whether_layers_are_compiled(monkeypatch):
     seen = []
-    monkeypatch.setattr(MemoryBudget, "apply", lambda self, model: seen.append(self.compiled))
+    monkeypatch.setattr(MemoryBudget, "apply", lambda self, model, context=None: seen.append(context.compiled))
     monkeypatch.setattr(MemoryBudget, "remove", lambda self, model: None, raising=False)
     for compiled in (False, True):
         model = build("llama")
@@ -157,6 +157,53 @@ def test_patch_tells_a_memory_budget_whether_layers_are_compiled(monkeypatch):
         hf_accel.patch(model, backend="reference", compile=compiled, checkpointing=policy)
         hf_accel.unpatch(model)
     assert seen == [False, True]
+
+
+def test_budget_probes_under_the_autocast_training_runs_under():
+    """Training under bf16 autocast saves bf16 activations (and may meet other kernels) where an fp32 probe saves fp32
+    ones: the budget's probe forward runs under the autocast its run context names, whatever autocast (none here) is
+    in effect when it is applied, and plans what the same budget planned inside that autocast."""
+    from hf_accel.memory.context import RunContext
+
+    model = build("llama")
+    ids = torch.randint(0, 128, (1, TOKENS))
+    batch = {"input_ids": ids, "labels": ids}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = probe_training_memory(model, batch)
+        reference = MemoryBudget(budget="1GiB", sample_batch=batch, verbose=False)
+        reference.apply(model)
+    fp32 = probe_training_memory(model, batch)
+    assert under_autocast.layers != fp32.layers  # the test can fail: autocast changes what a forward saves
+    policy = MemoryBudget(budget="1GiB", sample_batch=batch, verbose=False)
+    policy.apply(model, RunContext(autocast=torch.bfloat16))
+    assert policy.probe == under_autocast and policy.autocast == torch.bfloat16
+    assert policy.plan == reference.plan
+    policy.apply(model, RunContext())  # no autocast in the run: fp32, as the forward trains
+    assert policy.probe == fp32
+
+
+def test_trainer_budget_probes_under_the_trainers_mixed_precision(tmp_path):
+    """hf_accel's Trainer under bf16 mixed precision (accelerate autocasts every forward: on CPU too) hands the budget
+    that autocast: its probe measures bf16 activations, not the fp32 ones of the model's weights (on the GPU a QLoRA
+    model probed in fp32 met another attention kernel than training did)."""
+    import transformers
+
+    from hf_accel.memory.budget import _synthetic_batch
+    from hf_accel.memory.checkpointing import applied_policy
+    from hf_accel.training.trainer import AccelArguments, Trainer
+
+    data = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (9, 14, 20, 7)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                          report_to="none", use_cpu=True, save_strategy="no", bf16=True)
+    model = build("llama")
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      accel=AccelArguments(backend="reference", checkpointing="budget:1GiB", max_tokens_per_batch=40))
+    policy = applied_policy(model)
+    assert trainer.accelerator.native_amp and policy.autocast == torch.bfloat16
+    batch = _synthetic_batch(model, 40, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = probe_training_memory(model, batch)
+    assert policy.probe == under_autocast != probe_training_memory(model, batch)
 
 
 def test_memory_budget_policy_applies_the_plan_and_keeps_grads():

@@ -398,3 +398,62 @@ def test_a_named_backend_that_cannot_softcap_hands_those_layers_on_and_says_so(v
         assert any("backend 'sdpa' cannot do" in note and "softcap" in note for note in report.notes)
     else:
         assert report.backend == "sdpa" and tags == {"sdpa"} and not report.notes
+
+
+# ---- patch()'s options: one validated object -----------------------------------------------------------------------
+def test_keyword_arguments_and_patch_options_are_the_same_call():
+    """patch(model, compile=False, ...) builds the PatchOptions that patch(model, options=...) is given: the same
+    patch (an equal report; re-patching with the other form keeps it), and the same forward."""
+    from hf_accel.patch_options import PatchOptions
+
+    ids = torch.randint(0, VOCAB, (1, 12))
+    by_keywords, by_options = make("llama-gqa").train(), make("llama-gqa").train()
+    keywords = dict(backend="reference", checkpointing="full", fused_ce=False, compile=False, mlp_chunks=8)
+    report = hf_accel.patch(by_keywords, **keywords)
+    options = PatchOptions(**keywords)
+    assert options.policy is not None and options.policy.describe().startswith("full checkpointing")
+    assert hf_accel.patch(by_options, options=options) == report
+    assert hf_accel.patch(by_options, **keywords) is hf_accel.patch_report(by_options)  # the same settings: kept
+    torch.testing.assert_close(by_options(input_ids=ids, labels=ids).loss, by_keywords(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(fused_ce="yes"), "fused_ce must be True, False or 'auto'; got 'yes'"),
+    (dict(fused_ops=1), "fused_ops must be True, False or 'auto'; got 1"),
+    (dict(compile="yes"), "compile must be True, False or a dict of torch.compile options"),
+    (dict(mlp_chunks=-8), "mlp_chunks must be 'auto', a chunk size in tokens"),
+    (dict(checkpointing="every_other"), "checkpointing spec"),
+    (dict(compile=True, compile_stand_down="DeepSpeed"), "needs compile=False"),
+])
+def test_patch_options_refuse_bad_settings_when_made(settings, message):
+    """Each setting's "auto" / spec form is checked once, when the options are made (before any model is touched),
+    with the message patch() gives for it."""
+    from hf_accel.errors import ConfigurationError
+    from hf_accel.patch_options import PatchOptions
+
+    with pytest.raises(ConfigurationError, match=message):
+        PatchOptions(**settings)
+    model = make("llama-gqa")
+    if "compile_stand_down" not in settings:
+        with pytest.raises(ConfigurationError, match=message):
+            hf_accel.patch(model, backend="reference", **settings)
+    assert hf_accel.patch_report(model) is None
+
+
+def test_options_and_keyword_arguments_together_are_refused():
+    from hf_accel.errors import ConfigurationError
+    from hf_accel.patch_options import PatchOptions
+
+    with pytest.raises(ConfigurationError, match="not both .*compile"):
+        hf_accel.patch(make("llama-gqa"), compile=False, options=PatchOptions(backend="reference"))
+
+
+def test_a_stand_down_reason_is_the_reports_compile_line():
+    """A caller that turns "auto" compile off for its run (a Trainer under DeepSpeed) passes why; the report is built
+    with that line, not edited afterwards."""
+    from hf_accel.patch_options import PatchOptions
+
+    reason = "stands down under DeepSpeed"
+    report = hf_accel.patch(make("llama-gqa"), options=PatchOptions(backend="reference", compile=False,
+                                                                    compile_stand_down=reason))
+    assert report.speedups[-1] == f"compile: off (auto: {reason})" and report.compiled_layers == 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+import hf_accel
 from hf_accel.memory.checkpointing import decoder_layers
 from hf_accel.data.collators import DataCollatorForPadding
 from hf_accel.errors import ConfigurationError
@@ -334,13 +335,13 @@ def test_auto_compile_under_each_wrapper(wrapper, expected):
     reason = AccelMixin._accel_compile_stands_down(trainer)
     assert (reason is None) == (expected == "auto")
     if reason:  # the patch report's compile line gives the reason, not "compile=False"
-        from types import SimpleNamespace as Report
-
-        from hf_accel.training.trainer import explain_stand_down
-
-        report = Report(speedups=["fused_ce: on (auto: ...)", "compile: off (compile=False)"])
-        explain_stand_down(report, reason)
-        assert report.speedups == ["fused_ce: on (auto: ...)", f"compile: off (auto: {reason})"]
+        options = AccelArguments(backend="reference").patch_options(compile=AccelMixin._accel_compile(trainer),
+                                                                    compile_stand_down=reason)
+        model = make("llama-gqa")
+        report = hf_accel.patch(model, options=options)
+        hf_accel.unpatch(model)
+        assert report.speedups[1:] == ["fused_ops: off (auto: liger-kernel's Triton kernels run on CUDA only; this "
+                                       "model is on cpu)", f"compile: off (auto: {reason})"]
     trainer.accel.compile = True  # an explicit choice is kept everywhere
     assert AccelMixin._accel_compile(trainer) is True
     assert AccelMixin._accel_compile_stands_down(trainer) is None

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 from torch import nn
 
-from .checkpointing import CheckpointingPolicy, LayerChoice, PerLayer, logger, remove_checkpointing
+from .context import RunContext
+from .policies import CheckpointingPolicy, LayerChoice, PerLayer, logger, remove_checkpointing
 from .targets import base_model
 from ..errors import BudgetExceeded, ConfigurationError
 
@@ -27,15 +28,22 @@ from ..errors import BudgetExceeded, ConfigurationError
 class MemoryBudget(CheckpointingPolicy):
     """The least recompute that fits `budget`: bytes, "20GiB", or a fraction (0, 1] of the device's memory.
 
-    apply() probes activation bytes per decoder layer with one forward on `sample_batch` (default: `batch_tokens`
-    random tokens in one row: set it to the run's largest micro-batch; hf_accel's Trainers do), adds the fixed cost of
+    apply(model, context) probes activation bytes per decoder layer with one forward on `sample_batch` (default:
+    `batch_tokens` random tokens in one row: the run's largest micro-batch), under the autocast training runs under,
+    and adds the fixed cost of
     weights, gradients and optimizer states (`memory.training_state_bytes`) and the peak of the loss as the forward
     computes it (full logits, or a fused loss's chunks), and applies `plan.plan_checkpointing`'s choice for
     `1 - headroom` of the budget. Apply it after everything else that changes the forward (patch() does).
     The plan is kept in `self.plan` and printed (`verbose`); a budget no plan fits raises ConfigurationError naming
     the smallest budget that fits and the longest micro-batch (in tokens) the budget holds. Offloaded inputs may take
     `host_budget` of host memory (default HOST_SHARE of what is available: host_available_bytes).
+
+    The run's facts (`batch_tokens`, `sharding`, `grads_freed`, `compiled`, `autocast`) come from the `RunContext`
+    apply() receives (hf_accel's Trainers and patch() build it: memory.context); a value given here stands over the
+    context's. After apply() these fields say what the plan was made for.
     """
+
+    needs_run_context: ClassVar[bool] = True
 
     budget: int | float | str
     sample_batch: dict | None = None
@@ -50,18 +58,22 @@ class MemoryBudget(CheckpointingPolicy):
     # only where device-only plans do not fit): None = where the model is on CUDA; spec "budget:...+offload" forces
     # it on, "budget:...+no-offload" off
     offload: bool | None = None
-    # the decoder layers run compiled (patch(compile=...) sets it): the probe measures what their compiled graphs
-    # save, and an op-level layer, which loses the compiled path, is priced as such (plan.RECOMPUTE_COST_COMPILED)
-    compiled: bool = False
+    # the decoder layers run compiled (patch(compile=...) says so in the context): the probe measures what their
+    # compiled graphs save, and an op-level layer, which loses the compiled path, is priced as such
+    # (plan.RECOMPUTE_COST_COMPILED). None: the context's
+    compiled: bool | None = None
     # the training loop frees gradients before each forward: one micro-batch per optimizer step and
     # zero_grad(set_to_none=True), as torch's optimizers and transformers' Trainer do by default. Gradients then never
     # meet the whole forward's activations (plan.plan_peak_bytes); counting them on top over-predicts a full
     # fine-tune's peak by the gradients' size (docs/guide/memory.md). None/False: counted on top (right for gradient
-    # accumulation and for any loop); hf_accel's Trainers set it when gradient_accumulation_steps is 1.
+    # accumulation and for any loop); None takes the context's (hf_accel's Trainers: gradient_accumulation_steps 1).
     grads_freed: bool | None = None
     # the training state is sharded (FSDP2, DeepSpeed ZeRO-3; estimate.Sharding): the plan counts this process's
-    # share and what it gathers while computing, not the whole model's state. hf_accel's Trainers set it.
+    # share and what it gathers while computing, not the whole model's state. None: the context's.
     sharding: object = None
+    # the dtype training forwards autocast to: the probe forward runs under it, so it saves what training saves and
+    # meets the kernels training meets. None: the context's (no autocast there: the caller's, if it entered one)
+    autocast: torch.dtype | None = None
     # host memory offloaded layer inputs may take (bytes or "64GiB"); None: HOST_SHARE of what the host has available
     # when the plan is made (host_available_bytes)
     host_budget: int | str | None = None
@@ -69,7 +81,18 @@ class MemoryBudget(CheckpointingPolicy):
     # forward each, priced above offloading, so chosen only where the inputs fit neither the device nor the host)
     spacing: bool = True
     plan: object = field(default=None, init=False, repr=False)
+    probe: object = field(default=None, init=False, repr=False)  # what apply()'s probe forward measured (plan.Probe)
     budget_bytes_resolved: int | None = field(default=None, init=False, repr=False)  # the budget apply() planned for
+    _asked: dict = field(default=None, init=False, repr=False, compare=False)  # the run facts given here
+
+    def __post_init__(self) -> None:
+        self._asked = {name: getattr(self, name) for name in _RUN_FACTS}
+
+    def context_for(self, context: RunContext | None) -> RunContext:
+        """The run this budget plans for: the facts given to it, else the context's."""
+        context = context or RunContext()
+        return RunContext(**{name: getattr(context, name) if self._asked[name] is None else self._asked[name]
+                             for name in _RUN_FACTS})
 
     def budget_bytes(self, device: torch.device) -> int:
         from .spec import parse_bytes
@@ -110,12 +133,15 @@ class MemoryBudget(CheckpointingPolicy):
             raise ConfigurationError(f"host_budget must be >= 0 bytes, got {self.host_budget!r}; e.g. '64GiB'.")
         return value
 
-    def apply(self, model: nn.Module) -> None:
-        from .estimate import gradient_bytes, training_state_bytes
+    def apply(self, model: nn.Module, context: RunContext | None = None) -> None:
         from .plan import (RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, longest_feasible_tokens,
                            plan_checkpointing, probe_training_memory)
+        from .state import gradient_bytes, training_state_bytes
         from .targets import decoder_layers
 
+        run = self.context_for(context)
+        for name in _RUN_FACTS:  # what this plan is made for, readable on the policy
+            setattr(self, name, getattr(run, name))
         remove_checkpointing(model)
         device = next(model.parameters()).device
         modes, budget = self.modes(device), self.budget_bytes(device)  # bad settings raise before the probe forward
@@ -123,7 +149,8 @@ class MemoryBudget(CheckpointingPolicy):
         was_training = model.training
         model.train()
         try:
-            probe = probe_training_memory(model, batch, compiled=self.compiled)
+            with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
+                probe = self.probe = probe_training_memory(model, batch, compiled=self.compiled)
         finally:
             model.train(was_training)
         self.budget_bytes_resolved = budget
@@ -152,7 +179,7 @@ class MemoryBudget(CheckpointingPolicy):
         logger.info("%s", text)
         if self.verbose and _first_process():
             print(text, flush=True)
-        super().apply(model)
+        super().apply(model, run)
 
     def _refusal(self, budget: int, tokens: int, grads_counted: bool, longest: int) -> str:
         """Why no plan fits: the leanest plan's needs, the smallest budget that fits these tokens, and the longest
@@ -214,6 +241,7 @@ def plan_vs_peak(policy, peak_gib: float | None) -> dict[str, float]:
             "budget_predicted_gib": policy.plan.predicted_peak_bytes / 2**30, "peak_mem_gib": peak_gib}
 
 
+_RUN_FACTS = ("batch_tokens", "sharding", "grads_freed", "compiled", "autocast")  # RunContext's fields
 DEFAULT_PROBE_TOKENS = 2048
 HOST_SHARE = 0.8  # an offloading plan may use at most this share of the host memory available when it is made
 

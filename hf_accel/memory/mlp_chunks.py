@@ -89,20 +89,33 @@ class MlpChunking:
                 f"{self.chunk_tokens} tokens, each chunk checkpointed")
 
 
+def _off(setting) -> bool:
+    return setting is None or setting is False or (isinstance(setting, int) and not isinstance(setting, bool)
+                                                    and setting == 0)
+
+
+def _chunk_size(setting) -> bool:
+    return isinstance(setting, int) and not isinstance(setting, bool) and setting > 0
+
+
+def check_setting(setting) -> None:
+    """Refuse what patch()'s ``mlp_chunks`` cannot be: "auto", a chunk size in tokens (int > 0), or False / 0 / None."""
+    if not (_off(setting) or setting == AUTO or _chunk_size(setting)):
+        raise ConfigurationError(
+            f"mlp_chunks must be 'auto', a chunk size in tokens (a positive int, e.g. 8192) or False; got {setting!r}."
+        )
+
+
 def resolve(setting, intermediate_size: int, element_size: int) -> MlpChunking | None:
     """patch()'s ``mlp_chunks``: "auto", a chunk size in tokens (int > 0), or False / 0 / None (off).
     ``intermediate_size``: the MLP's width (its family's ``mlp_width``, handed in by patch())."""
-    if setting is None or setting is False or (isinstance(setting, int) and not isinstance(setting, bool)
-                                               and setting == 0):
+    check_setting(setting)
+    if _off(setting):
         return None
     if setting == AUTO:
         return MlpChunking(auto_chunk_tokens(intermediate_size, element_size),
                            auto_min_tokens(intermediate_size, element_size), auto=True)
-    if isinstance(setting, int) and not isinstance(setting, bool) and setting > 0:
-        return MlpChunking(setting, setting)
-    raise ConfigurationError(
-        f"mlp_chunks must be 'auto', a chunk size in tokens (a positive int, e.g. 8192) or False; got {setting!r}."
-    )
+    return MlpChunking(setting, setting)
 
 
 @torch._dynamo.disable  # a chunked call runs eagerly even inside a compiled decoder layer (see the module docstring)

@@ -20,8 +20,8 @@ from .apart import (APART_PACKAGES, BNB_SITES, UNSLOTH_SITES, child_sites, missi
                     unsloth_runner)
 from .distributed import run_accel_trainer
 from .options import BenchConfig, Options
-from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, hf_loss, run_loop,
-                    run_trl)
+from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, forward_autocast,
+                    hf_loss, run_loop, run_trl)
 from .targets import data_targets
 from .workloads import BenchData, Workload, greedy_steps, micro_batches
 
@@ -195,24 +195,24 @@ def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
     return loss_fn
 
 
-def _bench_policy(spec: str, tokens_per_step: int) -> Any:
-    """The checkpoint policy of ``spec``; a memory budget probes a packed row of the step's real size (one
-    micro-batch per step here) and counts gradients as the bench loop frees them."""
-    from hf_accel.memory.budget import MemoryBudget
+def _bench_context(settings: RunSettings | None, tokens_per_step: int) -> Any:
+    """The run a checkpoint policy is applied for here: a packed row of the step's real size (one micro-batch per
+    step), gradients freed as the bench loop frees them (zero_grad(set_to_none=True)), and the autocast the loop's
+    forwards run under (``forward_autocast``)."""
+    from hf_accel.memory.context import autocast_dtype, run_context
+
+    autocast = None if settings is None else autocast_dtype(torch.device(settings.device).type,
+                                                            forward_autocast(settings))
+    return run_context(batch_tokens=tokens_per_step, autocast=autocast)
+
+
+def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timing: Timing,
+                         settings: RunSettings | None = None) -> None:
+    """The policy goes on after LoRA, so a memory budget counts only the adapters' gradients and optimizer states."""
     from hf_accel.memory.checkpointing import policy_from_spec
 
     policy = policy_from_spec(spec)
-    if isinstance(policy, MemoryBudget) and policy.sample_batch is None:
-        policy.batch_tokens = tokens_per_step
-    if isinstance(policy, MemoryBudget) and policy.grads_freed is None:
-        policy.grads_freed = True  # the bench loop: one micro-batch per step, zero_grad(set_to_none=True)
-    return policy
-
-
-def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timing: Timing) -> None:
-    """The policy goes on after LoRA, so a memory budget counts only the adapters' gradients and optimizer states."""
-    policy = _bench_policy(spec, tokens_per_step)
-    policy.apply(model)
+    policy.apply(model, _bench_context(settings, tokens_per_step))
     timing.notes.append(f"checkpointing: {policy.describe()}")
 
 
@@ -252,7 +252,7 @@ def _hf_accel(best: bool) -> Callable[..., nn.Module]:
         timing.notes.append(f"patch: {report}")
         model = add_lora(model, settings.workload)
         if best and options.checkpointing is not None:
-            _apply_checkpointing(model, options.checkpointing, data.spec.tokens_per_step, timing)
+            _apply_checkpointing(model, options.checkpointing, data.spec.tokens_per_step, timing, settings)
         outside = best and options.fused_ce in ("inline", "recompute", "liger")
         loss_fn = _fused_loss(options) if outside else hf_loss
         rows = outside or bool(getattr(report, "fused_ce", False))  # a fused loss: over the target rows only
@@ -368,8 +368,11 @@ def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timi
     else QLORA_BUDGET), otherwise the defaults: the plan sees the adapters' states and probes a packed row of the
     step's size."""
     model = add_lora(qlora_base(settings, "sdpa"), settings.workload)
-    policy = _bench_policy(options.checkpointing or QLORA_BUDGET, data.spec.tokens_per_step)
-    timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing=policy)}")
+    from hf_accel.memory.checkpointing import policy_from_spec
+
+    policy = policy_from_spec(options.checkpointing or QLORA_BUDGET)
+    context = _bench_context(settings, data.spec.tokens_per_step)
+    timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing=policy, context=context)}")
     run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
     return model
 
