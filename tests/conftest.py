@@ -24,6 +24,26 @@ def _own_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine run far faster on one thread; the test process's setting is put back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled graph or dynamo counter of an earlier test reaches this one (graph counts are assertions)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

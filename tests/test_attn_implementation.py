@@ -18,15 +18,11 @@ import hf_accel
 from hf_accel.attention import varlen
 from tiny_models import VOCAB, make
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 REGISTRY = ["llama-gqa", "neox-parallel"]  # families that go through transformers' AttentionInterface
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _eager(variant: str):

@@ -16,6 +16,8 @@ from hf_accel.errors import BackendUnavailable, ConfigurationError
 import tiny_models
 from tiny_models import VOCAB, loss_and_grads, make
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 GRAD_RTOL = 1e-4  # fp32 both sides: only summation order differs
 AOT_EAGER = {"backend": "aot_eager"}
 STEPS = ([5, 9, 3], [7, 11], [4, 4, 6, 10, 2], [13])  # new token and document counts every step
@@ -41,12 +43,6 @@ def pair(variant: str, compile_options, **patch_kwargs):
     return ours, ref
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores

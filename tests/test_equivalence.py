@@ -17,6 +17,8 @@ import hf_accel
 from hf_accel.attention import varlen
 from tiny_models import NEW_FAMILIES, VOCAB, make
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 LOGITS_RTOL = 2e-4  # relative to the logits' scale, as in test_patch
 GRAD_RTOL = 1e-3  # relative to each gradient's scale
 ATTN_ATOL = 1e-5  # attention probabilities lie in [0, 1]
@@ -34,13 +36,6 @@ ENTRY_VARIANTS = ["llama-gqa", "neox-sequential", "falcon-mha", "falcon-rw-alibi
 HOLES = torch.tensor([[1, 1, 0, 0, 0, 1, 1], [1, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1]])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine run far faster on one thread (KNOWLEDGE.md)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -16,6 +16,8 @@ import hf_accel
 from hf_accel.fused import lora_casts
 from hf_accel.fused.compiling import compiled_layers
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
 peft = pytest.importorskip("peft")
 
@@ -40,12 +42,6 @@ def saved_llama(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def qlora(folder, variant: str = "nf4", compute: torch.dtype = torch.bfloat16, kbit: bool = True):
