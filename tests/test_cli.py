@@ -118,6 +118,14 @@ def test_runs_get_numbered_folders_and_resume_finds_the_newest_with_a_checkpoint
     assert cli_args.parse_sft_args(["--resume"]).output_dir == first
 
 
+def test_under_a_launcher_the_folder_is_named(monkeypatch):
+    """Numbered folders are per process: several ranks numbering their own would write apart."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="pass --output-dir"):
+        cli_args.parse_sft_args([])
+    assert cli_args.parse_sft_args(["--output-dir", "out"]).output_dir == "out"
+
+
 def test_a_used_folder_suggests_resume_only_where_there_is_a_checkpoint(tmp_path):
     os.makedirs("out")
     (Path("out") / "metrics.json").write_text("{}")

@@ -406,6 +406,9 @@ def _check_output(args: argparse.Namespace) -> None:
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in --output-dir and --overwrite clears it: pass one")
     if args.output_dir is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would number its own folder
+            raise UsageError("under a launcher (WORLD_SIZE > 1) every process must write to the same folder: pass "
+                             "--output-dir")
         name = run_name(args)
         if args.resume:
             args.output_dir = latest_run_dir(RUNS_ROOT, name)
