@@ -86,12 +86,12 @@ def run_argv(args: argparse.Namespace, gpus: int, length: int, out: Path) -> lis
 
 
 def stopped_by(text: str) -> str:
-    """Why a launch failed, from its output: OOM, or the ranks' own last error line (sft.py's "error:" line first;
+    """Why a launch failed, from its output: OOM, or the ranks' own last error line (hf-accel sft's "error:" line first;
     not the launcher's ChildFailedError, which only says a rank failed)."""
     if "OutOfMemoryError" in text or "CUDA out of memory" in text:
         return "OOM"
     lines = [line.strip() for line in text.splitlines() if "Error" in line and "ChildFailedError" not in line]
-    own = [line.split("error: ", 1)[1] for line in lines if "sft.py: error: " in line]
+    own = [line.split("error: ", 1)[1] for line in lines if "hf-accel sft: error: " in line]
     errors = own or lines
     return f"error: {errors[-1][:200]}" if errors else "error (no message)"
 
