@@ -5,7 +5,6 @@ import copy
 import itertools
 import random
 import re
-import weakref
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from hf_accel.memory.planner import (LayerActivation, host_bytes, longest_feasib
                                      plan_cost, plan_peak_bytes, valid_choices)
 from tests.test_checkpointing import GRAD_ATOL, GRAD_RTOL, NUM_LAYERS, packed_batch, tiny_llama, tiny_neox
 from tests.test_offload import step
+from tests.tiny_models import layer_inputs_alive_after_forward
 
 ALL_MODES = ("none", "op", "full", "offload", "spaced")
 MODELS = {"llama": tiny_llama, "gpt_neox": tiny_neox}
@@ -144,17 +144,6 @@ def test_spaced_plans_match_no_checkpointing_and_full(family, plan):
         torch.testing.assert_close(g[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
 
 
-def _inputs_alive_after_forward(model, batch) -> list[bool]:
-    refs = []
-    hooks = [layer.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
-             for layer in decoder_layers(model)]
-    loss = model(**batch).loss
-    for hook in hooks:
-        hook.remove()
-    alive = [r() is not None for r in refs]
-    loss.backward()
-    return alive
-
 
 def test_spaced_layers_keep_no_input_and_offloaded_heads_free_theirs():
     """After forward, a full layer's input is alive (kept), a spaced or offloaded one's is not; the host copies the
@@ -162,7 +151,7 @@ def test_spaced_layers_keep_no_input_and_offloaded_heads_free_theirs():
     model = tiny_llama()
     policy = PerLayer(choices=["full", "spaced", "offload", "spaced"])
     policy.apply(model)
-    assert _inputs_alive_after_forward(model, packed_batch()) == [True, False, False, False]
+    assert layer_inputs_alive_after_forward(model, packed_batch()) == [True, False, False, False]
     stats = policy.offloader.stats
     tokens = packed_batch()["input_ids"].numel()
     assert stats.host_peak_bytes == tokens * 64 * 4 and stats.host_bytes == 0

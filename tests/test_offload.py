@@ -5,7 +5,6 @@ alive: each decoder layer's input is copied once in forward, the original is fre
 and the copy is what the recompute reads. tests/gpu/test_long_context_gpu.py repeats the comparison on CUDA.
 """
 import copy
-import weakref
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 
 from hf_accel.errors import ConfigurationError
 from tests.test_checkpointing import NUM_LAYERS, packed_batch, tiny_llama, tiny_neox
+from tests.tiny_models import layer_inputs_alive_after_forward
 from hf_accel.memory.checkpointing import (FullCheckpointing, OffloadedCheckpointing, applied_policy, decoder_layers,
                                            policy_from_spec)
 
@@ -45,24 +45,13 @@ def test_offload_is_bit_identical_to_full_checkpointing(family):
         assert torch.equal(grad, grads_off[name]), name
 
 
-def _layer_inputs_alive_after_forward(model: nn.Module, batch: dict) -> list[bool]:
-    inputs = []
-    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
-             for layer in decoder_layers(model)]
-    loss = model(**batch).loss
-    for hook in hooks:
-        hook.remove()
-    alive = [ref() is not None for ref in inputs]
-    loss.backward()
-    return alive
-
 
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_offload_moves_each_layer_input_and_frees_the_original(family):
     batch = packed_batch()
     full_model = MODELS[family]()
     FullCheckpointing().apply(full_model)
-    assert all(_layer_inputs_alive_after_forward(full_model, batch))  # full checkpointing keeps them
+    assert all(layer_inputs_alive_after_forward(full_model, batch))  # full checkpointing keeps them
 
     model = MODELS[family]()
     policy = OffloadedCheckpointing()
@@ -71,7 +60,7 @@ def test_offload_moves_each_layer_input_and_frees_the_original(family):
     seen = []  # what the recompute received
     unpack = policy.offloader.unpack
     policy.offloader.unpack = lambda entry: seen.append((entry, unpack(entry))) or seen[-1][1]
-    assert not any(_layer_inputs_alive_after_forward(model, batch))  # only the host copies are kept
+    assert not any(layer_inputs_alive_after_forward(model, batch))  # only the host copies are kept
 
     tokens = batch["input_ids"].numel()
     assert (stats.packed, stats.unpacked) == (NUM_LAYERS, NUM_LAYERS)

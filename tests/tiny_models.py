@@ -111,3 +111,21 @@ def assert_same_step(ours, ref, batch, *, loss_rtol: float, grad_rtol: float) ->
     for name, g in ref_grads.items():
         err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
         assert err < grad_rtol, (name, err)
+
+
+def layer_inputs_alive_after_forward(model, batch) -> list[bool]:
+    """Per decoder layer, whether its input is still alive after a training forward (what a checkpoint policy kept
+    on the device), then the backward that frees them."""
+    import weakref
+
+    from hf_accel.memory.targets import decoder_layers
+
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+             for layer in decoder_layers(model)]
+    loss = model(**batch).loss
+    for hook in hooks:
+        hook.remove()
+    alive = [ref() is not None for ref in inputs]
+    loss.backward()
+    return alive
