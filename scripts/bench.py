@@ -404,6 +404,27 @@ def stop_on_signals():
             signal.signal(sig, old)
 
 
+def run_stem(args: argparse.Namespace, suffix: str = "") -> str:
+    """The record's file stem: workload and the run's start time (UTC)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    return f"{args.workload}{'-tiny' if args.tiny else ''}{suffix}_{now:%Y-%m-%dT%H%M%S}"
+
+
+def result_line(result: dict) -> str:
+    """One configuration's outcome for the log: its status, and its numbers when it trained."""
+    if result.get("status") != "ok":
+        return str(result.get("status"))
+    peak_gib = result.get("peak_gib")
+    return (f"ok: {result.get('tokens_per_s', 0):,.0f} tokens/s, steady {result.get('steady_tokens_per_s', 0):,.0f}, "
+            f"peak {'-' if peak_gib is None else f'{peak_gib:.1f}'} GiB")
+
+
+def write_so_far(args: argparse.Namespace, stem: str, record: dict, table: str, total: int) -> None:
+    """The record of the configurations measured so far, marked incomplete (the run's last write replaces it)."""
+    write_outputs(args.out, stem, {**record, "incomplete": f"{len(record['results'])} of {total} configurations"},
+                  table)
+
+
 def finish(args: argparse.Namespace, stem: str, record: dict, table: str) -> int:
     """Write the run's record (with the signal that stopped it, if one did) and table, print the table last; returns
     bench.py's exit code: 0, or 128 + the number of that signal (as a shell reports a signal's end)."""
@@ -416,8 +437,13 @@ def finish(args: argparse.Namespace, stem: str, record: dict, table: str) -> int
 
 
 def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Options, start: float) -> int:
-    """Each configuration (at each --nproc count) in its own process, one after another, then the table."""
+    """Each configuration (at each --nproc count) in its own process, one after another, then the table. The record
+    is written after every configuration (marked incomplete until the last), so a run cut from outside keeps what
+    it measured."""
     results = []
+    nprocs = f"-nproc{'-'.join(map(str, args.nproc))}" if args.nproc else ""
+    stem = run_stem(args, nprocs)
+    total = len(args.nproc or [None]) * len(args.configs)
     for nproc in args.nproc or [None]:
         for name in args.configs:
             reason = missing_requirement(CONFIGS[name], args.device, workload.family, opts, workload) or \
@@ -432,7 +458,14 @@ def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Option
             else:
                 result = run_one(args, name, min(args.config_timeout, remaining), nproc)
             results.append(result)
-            print(f"[bench] {args.workload} {name}{f' x{nproc}' if nproc else ''}: {result['status']}", flush=True)
+            print(f"[bench] {args.workload} {name}{f' x{nproc}' if nproc else ''}: {result_line(result)}", flush=True)
+            write_so_far(args, stem, *sweep_record(args, argv, workload, results, start), total)
+    return finish(args, stem, *sweep_record(args, argv, workload, results, start))
+
+
+def sweep_record(args: argparse.Namespace, argv: list[str], workload, results: list[dict],
+                 start: float) -> tuple[dict, str]:
+    """The sweep's record and table for the results so far."""
     stock = [n for n, c in CONFIGS.items() if c.stock]
     best = add_ratios_per_nproc(results, stock) if args.nproc else add_ratios(results, stock)
     table = markdown_table(results, best)
@@ -462,9 +495,7 @@ def sweep_main(args: argparse.Namespace, argv: list[str], workload, opts: Option
         record.update(nproc=args.nproc, accelerate_config=args.accelerate_config)
         if args.best_accelerate_config and "hf_accel-best" in args.configs:
             record["best_accelerate_config"] = args.best_accelerate_config
-    nprocs = f"-nproc{'-'.join(map(str, args.nproc))}" if args.nproc else ""
-    stem = f"{args.workload}{'-tiny' if args.tiny else ''}{nprocs}_{now:%Y-%m-%dT%H%M%S}"
-    return finish(args, stem, record, table)
+    return record, table
 
 
 def launch_unmet(args: argparse.Namespace, name: str, nproc: int | None) -> str | None:
@@ -483,14 +514,13 @@ def launch_unmet(args: argparse.Namespace, name: str, nproc: int | None) -> str 
 def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts: Options, start: float) -> int:
     """Every (config, length) in its own process, shortest length first; a config's first failure (OOM, timeout,
     error) skips its longer lengths. Table: tokens/s and MFU per length, each config's longest length that trained."""
-    from benchlib.report import long_context_table
-
     lengths = sorted(int(n) for n in args.doc_lengths.split(","))
     if args.sweep_gpus > 1 and args.device.startswith("cuda") and torch.cuda.device_count() < args.sweep_gpus:
         print(f"bench.py: --sweep-gpus {args.sweep_gpus} needs {args.sweep_gpus} GPUs; "
               f"{torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
 
+    stem = run_stem(args)
     done: dict[str, list[dict]] = {name: [] for name in args.configs}  # each config's lengths so far, in order
     failed: dict[str, str | None] = dict.fromkeys(args.configs)  # "OOM" / "failed" once a length did not train
 
@@ -513,9 +543,12 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
             status = str(result.get("status", ""))
             if not status.startswith(("ok", "skipped")):  # did not train (not: time ran out, or the run stopped)
                 failed[name] = "OOM" if status == "OOM" else "failed"
-        done[name].append(result)
         where = f" (GPU {gpu})" if gpu is not None else ""
-        print(f"[bench] {args.workload} {name} @ {length}{where}: {result['status']}", flush=True)
+        with lock:
+            done[name].append(result)
+            print(f"[bench] {args.workload} {name} @ {length}{where}: {result_line(result)}", flush=True)
+            write_so_far(args, stem, *long_context_record(args, argv, workload, done, lengths, start),
+                         len(args.configs) * len(lengths))
 
     # Each free GPU (one: the current device) takes the next length of the config that has measured the fewest
     # lengths and is not running (ties: --configs order), so all configs advance together and a time budget that runs
@@ -555,6 +588,14 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
             worker.join()  # a worker stops when every config is measured or running on another GPU
     if errors:
         raise errors[0]
+    return finish(args, stem, *long_context_record(args, argv, workload, done, lengths, start))
+
+
+def long_context_record(args: argparse.Namespace, argv: list[str], workload, done: dict[str, list[dict]],
+                        lengths: list[int], start: float) -> tuple[dict, str]:
+    """The long-context sweep's record and table for the (config, length) results so far."""
+    from benchlib.report import long_context_table
+
     results = [r for name in args.configs for r in done[name]]
     table = long_context_table(results)
     now = dt.datetime.now(dt.timezone.utc)
@@ -568,8 +609,7 @@ def long_context_main(args: argparse.Namespace, argv: list[str], workload, opts:
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
         "total_seconds": time.perf_counter() - start, "results": results,
     }
-    stem = f"{args.workload}{'-tiny' if args.tiny else ''}_{now:%Y-%m-%dT%H%M%S}"
-    return finish(args, stem, record, table)
+    return record, table
 
 
 if __name__ == "__main__":

@@ -602,3 +602,37 @@ def test_script_tiny_cpu_runs_the_completion_workload(tmp_path):
     assert "targets: every configuration's own data path labels exactly" in stdout
     assert any("over target rows only" in n for n in results["hf_accel-best"]["notes"])
     assert results["hf_accel-best"]["losses"] == pytest.approx(results["hf_accel-defaults"]["losses"], rel=1e-4)
+
+
+@pytest.mark.parametrize("long_context", [False, True])
+def test_a_run_cut_from_outside_keeps_what_it_measured(monkeypatch, tmp_path, long_context):
+    """The record is written after every configuration: a run killed during its second configuration (run 19 lost
+    a finished Gemma-2 row that way) leaves a record with the first one's numbers, marked incomplete."""
+    bench = script_module("bench")
+    calls = []
+
+    def run_one(args, name, timeout, nproc=None, gpu=None):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the machine went away mid-configuration
+        return {"config": name, "status": "ok", "tokens_per_s": 1234.0, "steady_tokens_per_s": 1300.0,
+                "peak_gib": 1.5, "same_computation": True, **({"doc_length": args.doc_length} if long_context else {})}
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    argv = ["--device", "cpu", "--tiny", "--workload", "llama-1b", "--configs", "hf_accel,hf_accel-defaults",
+            "--out", str(tmp_path)] + (["--doc-lengths", "64"] if long_context else [])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    [path] = tmp_path.glob("*.json")
+    record = json.loads(path.read_text())
+    assert [r["config"] for r in record["results"]] == ["hf_accel"]
+    assert record["results"][0]["tokens_per_s"] == 1234.0
+    assert record["incomplete"] == "1 of 2 configurations"
+    monkeypatch.setattr(bench, "run_one", lambda args, name, timeout, nproc=None, gpu=None: {
+        "config": name, "status": "ok", "tokens_per_s": 1.0, "steady_tokens_per_s": 1.0, "peak_gib": 1.0,
+        **({"doc_length": args.doc_length} if long_context else {})})
+    for old in tmp_path.iterdir():
+        old.unlink()
+    assert bench.main(argv) == 0
+    [path] = tmp_path.glob("*.json")  # the finished run's one record, complete
+    assert "incomplete" not in json.loads(path.read_text())
