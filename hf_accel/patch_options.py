@@ -25,7 +25,9 @@ class PatchOptions:
     once into ``policy``), None: the model's checkpointing is left alone. fused_ops / fused_ce: True, False or
     "auto". compile: True, False, a dict of torch.compile options or "auto". mlp_chunks: "auto", a chunk size in
     tokens, or False / 0. compile_stand_down: why the caller turned "auto" compile off for its run (a Trainer under
-    DeepSpeed, say; compile is then False): the report's compile line gives this reason.
+    DeepSpeed, say; compile is then False): the report's compile line gives this reason. precision: None (the
+    weights' own) or "fp8" (torchao float8 training of the decoder linears: an explicit opt-in that changes the
+    computation, never chosen by "auto"; hf_accel.fused.fp8).
     """
 
     backend: str = AUTO
@@ -35,9 +37,11 @@ class PatchOptions:
     compile: bool | dict | str | None = AUTO
     mlp_chunks: int | bool | str | None = AUTO
     compile_stand_down: str | None = None
+    precision: str | None = None
     policy: Any = field(default=None, init=False, repr=False, compare=False)  # checkpointing as a policy object
 
     def __post_init__(self) -> None:
+        from .fused.fp8 import check_precision
         from .memory.mlp_chunks import check_setting
 
         if not isinstance(self.backend, str):
@@ -56,6 +60,7 @@ class PatchOptions:
             raise ConfigurationError(f"compile_stand_down says why 'auto' compile is off: it needs compile=False; got "
                                      f"compile={self.compile!r}.")
         check_setting(self.mlp_chunks)
+        check_precision(self.precision)
         if self.checkpointing is not None:
             from .memory.checkpointing import policy_from_spec
 

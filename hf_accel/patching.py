@@ -45,6 +45,7 @@ class PatchReport:
     fused_ops: bool = False
     fused_ce: bool = False
     compiled_layers: int = 0
+    precision: str | None = None  # precision="fp8": what was converted and that it changes the computation
     mlp_chunks: str = "off"  # what mlp_chunks resolved to, one line
     speedups: list[str] = field(default_factory=list)  # one line per fused_ce / fused_ops / compile: chosen, and why
     replaced_attn_implementation: str | None = None  # the model's attn_implementation ("eager", "sdpa"): it keeps it
@@ -72,6 +73,8 @@ class PatchReport:
         if self.fused_ce:
             lines.append("  fused cross-entropy: training loss from hidden states, no full logits")
         lines.append(f"  mlp_chunks: {self.mlp_chunks}")
+        if self.precision:
+            lines.append(f"  precision: {self.precision}")
         if self.compiled_layers:
             lines.append(f"  compiled: {self.compiled_layers} decoder layers' training forwards (torch.compile, "
                          "attention left to the kernel above)")
@@ -99,7 +102,8 @@ class _Decisions:
         return (self.options.backend == other.options.backend
                 and self.options.describe_checkpointing() == other.options.describe_checkpointing()
                 and self.on("fused_ops") == other.on("fused_ops") and self.on("fused_ce") == other.on("fused_ce")
-                and self.compile_options == other.compile_options and self.chunking == other.chunking)
+                and self.compile_options == other.compile_options and self.chunking == other.chunking
+                and self.options.precision == other.options.precision)
 
 
 @dataclass
@@ -110,6 +114,7 @@ class _Applied:
     previous_attn: str | None = None
     compiled_layers: int = 0
     chunked_mlps: int = 0
+    fp8_linears: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -142,6 +147,7 @@ def patch(
     compile: bool | dict | str = AUTO,
     mlp_chunks: int | bool | str = AUTO,
     *,
+    precision: str | None = None,
     options: PatchOptions | None = None,
     context: RunContext | None = None,
 ) -> PatchReport:
@@ -168,12 +174,22 @@ def patch(
     intermediates would exceed 16 GiB (Llama-3-8B bf16: ~200k tokens), ~1 GiB of intermediates per chunk; an int =
     the chunk size in tokens (calls with more tokens are chunked); False or 0 = off. Same math per token; results
     differ by rounding and summation order only.
+    ``precision="fp8"`` (full fine-tuning, torchao installed, CUDA compute capability 8.9+ or CPU) trains the decoder
+    layers' linears through torchao's float8 training (hf_accel.fused.fp8): faster matmuls, a different computation;
+    an explicit opt-in only. Default None: the weights' own precision.
     """
     options = PatchOptions.from_arguments(options, backend=backend, checkpointing=checkpointing, fused_ops=fused_ops,
-                                          fused_ce=fused_ce, compile=compile, mlp_chunks=mlp_chunks)
+                                          fused_ce=fused_ce, compile=compile, mlp_chunks=mlp_chunks,
+                                          precision=precision)
     check_transformers_version()
     model_hf = _transformers_model(model)
     decisions = _decide(model_hf, options)
+    if options.precision == "fp8":  # before anything changes: a refusal leaves the model as it was
+        from .fused import fp8
+
+        why = fp8.refusal(model, model_hf)
+        if why is not None:
+            raise ConfigurationError(why)
     state: _PatchState | None = model_hf.__dict__.get(STATE_ATTR)
     if state is not None:
         if state.decisions.same_settings(decisions):
@@ -222,6 +238,11 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     undo += seam_undo
     applied.attention_modules = names
     _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
+    if decisions.options.precision == "fp8":  # first: fused ops and compiled layers then call the float8 linears
+        from .fused import fp8
+
+        applied.fp8_linears, fp8_undo = fp8.apply(model, model_hf)
+        undo += fp8_undo
     if decisions.on("fused_ops"):
         undo += _bind_fused_ops(model_hf, family, compiled, applied.notes)
     undo.append(model_hf.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True).remove)
@@ -283,9 +304,18 @@ def _report(model_hf, decisions: _Decisions, choice: KernelChoice, applied: _App
         patched_modules=applied.attention_modules, touches=family.touches, lora_targets=family.lora_targets,
         checkpointing=options.describe_checkpointing(), fused_ops=decisions.on("fused_ops"),
         fused_ce=decisions.on("fused_ce"), compiled_layers=applied.compiled_layers, mlp_chunks=mlp_chunks,
+        precision=_precision_line(applied),
         speedups=[s.line() for s in decisions.speedups.values()],
         replaced_attn_implementation=applied.previous_attn, attentions=family.attentions, notes=applied.notes,
     )
+
+
+def _precision_line(applied: _Applied) -> str | None:
+    if not applied.fp8_linears:
+        return None
+    from .fused import fp8
+
+    return fp8.describe(applied.fp8_linears)
 
 
 def _tag_layer_backends(model_hf, names: list[str], layer_backends: list[str], backend: str) -> None:

@@ -261,11 +261,12 @@ def child_main(args: argparse.Namespace) -> None:
             result["profile"] = timing.profile
         result.update(ranks)
         result["status"] = "ok"
-        result["same_computation"] = workload.family not in config.wrong_for
+        result["same_computation"] = workload.family not in config.wrong_for and config.changes_computation is None
         if config.sites or args.extra_site:  # packages packed apart: what this child imported, beside the parent's
             result["versions"] = versions()
         if not result["same_computation"]:
-            result["status"] = "ok (documents attend across packed boundaries: not the same computation)"
+            result["status"] = (f"ok ({config.changes_computation or 'documents attend across packed boundaries'}: "
+                                "not the same computation)")
         if args.substitute_attn and "fa4" in config.needs:
             result["status"] += f" [{args.substitute_attn} substituted for flash_attention_4]"
     except Exception as exc:  # noqa: BLE001 - any failure is this configuration's result, not the run's

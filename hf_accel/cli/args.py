@@ -113,6 +113,9 @@ class AccelOptions:
     mlp_chunks: str = field(default="auto", metadata=_help(
         "MLP in token chunks, each checkpointed: auto (training calls whose MLP intermediates would exceed 16 GiB), "
         "a chunk size in tokens, or 0 / off"))
+    precision: str = field(default="model", metadata=_help(
+        "model (the weights' own precision) or fp8: the decoder linears through torchao's float8 training (full "
+        "fine-tuning on an fp8-capable GPU; changes the computation, so never a default)", choices=("model", "fp8")))
 
 
 @dataclass
@@ -316,6 +319,11 @@ def _check_accel(args: argparse.Namespace) -> None:
             parse_checkpointing(args.checkpointing)
         except ConfigurationError as e:
             raise UsageError(f"--checkpointing {args.checkpointing}: {e}") from None
+    if args.precision == "fp8" and args.lora_r is not None:
+        raise UsageError("--precision fp8 is for full fine-tuning (the float8 matmuls of frozen LoRA bases do not "
+                         "pay); drop --lora-r, or train LoRA in the model's precision")
+    if args.precision == "fp8" and args.no_patch:
+        raise UsageError("--precision fp8 works through hf_accel's patch: drop --no-patch or --precision fp8")
     if args.no_patch:
         asked = [_flag(n) for n in ("fused_ce", "compile") if getattr(args, n) is True]
         if asked or args.backend != "auto":

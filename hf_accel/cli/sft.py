@@ -244,7 +244,7 @@ def make_trainer(model, tok: Any, train: Any, args: argparse.Namespace, tiny_def
         patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
         max_tokens_per_batch=args.max_tokens_per_batch, fused_ce=auto(args.fused_ce), async_save=args.async_save,
         fused_ops=auto(args.fused_ops), compile=auto(args.compile), mlp_chunks=args.mlp_chunks, save=args.save,
-        overwrite_output_dir=args.overwrite,
+        overwrite_output_dir=args.overwrite, precision=None if args.precision == "model" else args.precision,
     )
     targs = training_arguments(args, tiny_default)
     targs.save_total_limit = args.save_total_limit

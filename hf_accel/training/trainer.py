@@ -58,6 +58,8 @@ class AccelArguments:
         elsewhere; the report says why); "auto" compile also stands down under ``torch_compile``, FSDP1 and DeepSpeed.
     mlp_chunks: each decoder layer's MLP over chunks of tokens, each chunk checkpointed (``patch(mlp_chunks=...)``):
         "auto" (training calls whose MLP intermediates would exceed 16 GiB), a chunk size in tokens, or False.
+    precision: None (the weights' own) or "fp8": the decoder linears train through torchao's float8 training
+        (``patch(precision="fp8")``: full fine-tuning, an explicit opt-in that changes the computation).
     async_save: write checkpoints on a background thread after copying the state to CPU (single process only).
     save: what a checkpoint holds of the model: "full" (every weight, loadable by ``from_pretrained``) or
         "trainable" (only the parameters that train, plus a fingerprint of the frozen part that resume checks).
@@ -81,6 +83,7 @@ class AccelArguments:
     fused_ops: Any = "auto"
     compile: Any = "auto"
     mlp_chunks: Any = "auto"
+    precision: str | None = None
     async_save: bool = False
     save: str = "full"
     layer_shards: bool = False
@@ -92,7 +95,8 @@ class AccelArguments:
         """These arguments as ``patch()``'s options (validated here: a bad value raises ConfigurationError), with
         what the Trainer ``decided`` for its run (fused_ce, compile and why "auto" compile stands down)."""
         given = dict(backend=self.backend, checkpointing=self.checkpointing, fused_ops=self.fused_ops,
-                     fused_ce=self.fused_ce, compile=self.compile, mlp_chunks=self.mlp_chunks)
+                     fused_ce=self.fused_ce, compile=self.compile, mlp_chunks=self.mlp_chunks,
+                     precision=self.precision)
         return PatchOptions(**{**given, **decided})
 
 

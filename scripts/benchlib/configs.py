@@ -66,6 +66,7 @@ REQUIREMENTS: dict[str, Callable[[str, str], str | None]] = {
     "liger-family": lambda device, fam: (None if fam in _liger_families()
                                          else f"liger-kernel has no kernels for model_type {fam!r}"),
     "trl": lambda device, fam: None if _has("trl") and _has("datasets") else "trl / datasets not installed",
+    "torchao": lambda device, fam: None if _has("torchao") else "torchao not installed (pip install 'hf_accel[fp8]')",
     "hf_accel": lambda device, fam: (None if _hf_accel_api()
                                      else "hf_accel.patch / collators / sampling not importable yet"),
 }
@@ -335,6 +336,10 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-offload-mlp4k", False, ("hf_accel",), _patched(checkpointing="offload", mlp_chunks=4096),
                     "as hf_accel-offload, with the MLP in checkpointed chunks of 4,096 tokens (mlp_chunks=4096): a "
                     "layer's recompute holds a quarter of its MLP intermediates at 16k-token packs"),
+        BenchConfig("hf_accel-fp8", False, ("hf_accel", "torchao"), _patched(precision="fp8"),
+                    "hf_accel.patch(model, precision='fp8'), otherwise no arguments: the decoder linears through "
+                    "torchao's float8 training (rowwise scaling); an explicit opt-in",
+                    changes_computation="float8 matmuls"),
         BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
                     "hf_accel.patch(model, fused_ce=True, fused_ops=True, compile=True) + the same packing, with "
                     "the --fused-ce / --best-* options", launched=_hf_accel_trainer("best")),

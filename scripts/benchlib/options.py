@@ -35,6 +35,7 @@ class BenchConfig:
     run: Callable[[RunSettings, BenchData, Options, Timing], nn.Module]
     description: str
     wrong_for: tuple[str, ...] = field(default=())  # families where this config computes something else
+    changes_computation: str | None = None  # why it computes something else on every family (fp8), or None
     sites: tuple[str, ...] = field(default=())  # package packs its child puts first on PYTHONPATH (see child_env)
     # how it runs under a launcher (bench.py --nproc, FSDP2); None: one process only (--nproc skips it)
     launched: Callable[[RunSettings, BenchData, Options, Timing], nn.Module] | None = None

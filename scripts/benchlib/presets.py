@@ -81,6 +81,20 @@ PRESETS: dict[str, Preset] = {
             "llama-1b", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "unsloth"),
             dict(steps=30, warmup=6, best_compile="on", time_budget=360, config_timeout=120),
         ),
+        # issue 39d: float8 training as an explicit opt-in beside bf16 (hf_accel defaults) and the TRL anchor; the
+        # 1B over 200 timed steps, so the records hold both loss curves on the same data
+        Preset(
+            "fp8-1b", "Llama-3.2-1B shapes, full FT, 200 steps: hf_accel precision='fp8' (torchao float8, rowwise) vs "
+            "bf16 (hf_accel defaults) and TRL + flash-attn-4 + Liger: tokens/s and the loss curves",
+            "llama-1b", ("trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-fp8"),
+            dict(steps=200, warmup=6, time_budget=540, config_timeout=170),
+        ),
+        Preset(
+            "fp8-8b", "Llama-3-8B shapes, full FT (checkpointing): hf_accel precision='fp8' vs bf16 (hf_accel "
+            "defaults) and TRL + flash-attn-4 + Liger",
+            "llama-8b-full", ("hf_accel-defaults", "hf_accel-fp8", "trl-fa4-packed-liger"),
+            dict(steps=12, warmup=3, time_budget=560, config_timeout=180),
+        ),
         Preset(
             "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (liger has no GPT-NeoX kernels) vs "
             "hf_accel defaults / best",

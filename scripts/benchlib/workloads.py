@@ -68,6 +68,12 @@ WORKLOADS: dict[str, Workload] = {
             lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
             notes="Llama-3-8B shapes, LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on",
         ),
+        Workload(  # issue 39d (preset fp8-8b): one GPU holds 8B full FT with checkpointing (bf16 weights, grads, AdamW)
+            "llama-8b-full", *_base("llama-8b"),
+            dict(_LLAMA_8B_TINY),
+            checkpointing=True,
+            notes="Llama-3-8B shapes, full FT on one GPU, gradient checkpointing on",
+        ),
         Workload(  # issue 19: multi-GPU only (preset multi-gpu-8b); FSDP2's own activation checkpointing
             "llama-8b", *_base("llama-8b"),
             dict(_LLAMA_8B_TINY),

@@ -1,0 +1,132 @@
+"""patch(model, precision="fp8") (issue 39d): the decoder linears train through torchao's float8 training, an explicit
+opt-in that changes the computation. On the CPU torchao's float8 matmuls run through torch._scaled_mm, so these tests
+hold the fp8 model to the unpatched fp32 one (close, and not identical: the float8 path really ran), check that no
+default ever picks it, that unpatch() puts the very same modules back, and that what it cannot serve is refused before
+the model changes. tests/gpu/test_fp8_gpu.py trains it on the H200."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_accel
+from hf_accel.errors import BackendUnavailable, ConfigurationError, UsageError
+
+pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'hf_accel[fp8]')")
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
+STEPS = 12
+
+
+def _model(seed: int = 0) -> LlamaForCausalLM:
+    """Llama with widths that are multiples of 16 (float8 matmuls need them) and an odd vocabulary (the head stays)."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    lengths = [23, 40, 9]
+    pos = torch.cat([torch.arange(k) for k in lengths])[None]
+    ids = torch.randint(0, 250, (1, sum(lengths)), generator=g)
+    for _ in range(n):  # one packed row, learned step by step
+        yield dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
+
+
+def _train(model) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for batch in _batches(STEPS):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_fp8_trains_close_to_the_unpatched_model_and_differs_from_it():
+    ref = _model().train()
+    ours = copy.deepcopy(ref)
+    report = hf_accel.patch(ours, precision="fp8")
+    swapped = [n for n, m in ours.named_modules() if isinstance(m, Float8Linear)]
+    assert len(swapped) == 2 * 7, swapped  # q, k, v, o, gate, up, down in each decoder layer
+    assert type(ours.lm_head) is nn.Linear and "changes the computation" in str(report)
+    want, got = _train(ref), _train(ours)
+    assert got != want  # float8 rounding happened: not the unpatched computation
+    worst = max(abs(a - b) / abs(a) for a, b in zip(got, want))
+    assert worst < 0.02, (worst, got, want)  # e4m3 with rowwise scales: ~2^-4 per operand, averaged over a dot product
+    assert got[-1] < got[0] - 0.3  # and it learns
+
+
+def test_unpatch_puts_the_same_modules_back():
+    model = _model()
+    before = {n: m for n, m in model.named_modules()}
+    ids = torch.randint(0, 250, (1, 20))
+    want = model(ids).logits
+    hf_accel.patch(model, precision="fp8")
+    assert not torch.equal(model(ids).logits, want)
+    hf_accel.unpatch(model)
+    assert {n: m for n, m in model.named_modules()} == before  # the very same objects
+    assert torch.equal(model(ids).logits, want)
+
+
+def test_no_default_picks_fp8():
+    model = _model()
+    report = hf_accel.patch(model)
+    assert report.precision is None and not any(isinstance(m, Float8Linear) for m in model.modules())
+    hf_accel.patch(model, precision="fp8")  # other settings: re-patched
+    assert any(isinstance(m, Float8Linear) for m in model.modules())
+    hf_accel.patch(model)  # back to the defaults: the float8 linears go
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("bad", ["fp4", "bf16", True])
+def test_other_precisions_are_a_typed_error(bad):
+    with pytest.raises(ConfigurationError, match="precision must be None"):
+        hf_accel.patch(_model(), precision=bad)
+
+
+def test_a_peft_model_is_refused_before_it_changes():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    modules = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ConfigurationError, match="full fine-tuning"):
+        hf_accel.patch(model, precision="fp8")
+    assert {n: type(m) for n, m in model.named_modules()} == modules
+    assert hf_accel.patch_report(model) is None
+
+
+def test_without_torchao_the_error_says_how_to_install_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ImportError("No module named 'torchao'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    model = _model()
+    modules = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(BackendUnavailable, match=r"hf_accel\[fp8\]"):
+        hf_accel.patch(model, precision="fp8")
+    assert {n: type(m) for n, m in model.named_modules()} == modules and hf_accel.patch_report(model) is None
+
+
+def test_trainer_and_command_line_pass_precision_through(tmp_path):
+    from hf_accel.cli.args import parse_sft_args
+    from hf_accel.training.trainer import AccelArguments
+
+    assert AccelArguments(precision="fp8").patch_options().precision == "fp8"
+    assert AccelArguments().patch_options().precision is None
+    with pytest.raises(ConfigurationError, match="precision"):
+        AccelArguments(precision="int8").patch_options()
+    assert parse_sft_args(["--precision", "fp8", "--max-steps", "1"]).precision == "fp8"
+    with pytest.raises(UsageError, match="full fine-tuning"):
+        parse_sft_args(["--precision", "fp8", "--lora-r", "8", "--max-steps", "1"])
