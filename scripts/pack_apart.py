@@ -29,10 +29,12 @@ PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation
             *[x for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
                             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "any")
               for x in ("--platform", tag)]]
-INSTALL = """# installs .gpu/apart: bitsandbytes into /tmp/site-bnb, the rest into /tmp/site-unsloth (once per machine)
+INSTALL = """# installs .gpu/apart (once per machine): bitsandbytes into /tmp/site-bnb, torchao (also) into
+# /tmp/site-torchao, the rest into /tmp/site-unsloth
 d=$(dirname "${BASH_SOURCE[0]}")
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
 if [ ! -f /tmp/site-bnb/.done ]; then pipi /tmp/site-bnb "$d"/bitsandbytes-*.whl && touch /tmp/site-bnb/.done || return 1; fi
+if [ ! -f /tmp/site-torchao/.done ]; then pipi /tmp/site-torchao "$d"/torchao-*.whl && touch /tmp/site-torchao/.done || return 1; fi
 if [ ! -f /tmp/site-unsloth/.done ]; then
   pipi /tmp/site-unsloth $(ls "$d"/*.whl | grep -v bitsandbytes) && touch /tmp/site-unsloth/.done || return 1
 fi

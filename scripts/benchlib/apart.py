@@ -19,9 +19,11 @@ from .options import BenchConfig, Options
 from .train import RunSettings, Timing, build_model, run_trl
 from .workloads import BenchData
 
-APART_PACKAGES: dict[str, str] = {"unsloth": "unsloth", "bitsandbytes": "bitsandbytes"}  # requirement -> module
+APART_PACKAGES: dict[str, str] = {"unsloth": "unsloth", "bitsandbytes": "bitsandbytes",  # requirement -> module
+                                  "torchao": "torchao"}
 UNSLOTH_SITES = ("unsloth", "bnb")  # pack names: unsloth + unsloth_zoo + their pins; bitsandbytes (4-bit)
 BNB_SITES = ("bnb",)
+TORCHAO_SITES = ("torchao",)  # torchao alone (precision="fp8"), the same wheel as in Unsloth's pack
 # Unsloth must run offline: no statistics download, no hub or internet probes (unsloth/models/_utils.py reads these).
 UNSLOTH_ENV = {"UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}

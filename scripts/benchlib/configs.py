@@ -16,7 +16,7 @@ from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
 from hf_accel.fused.ops import unavailable_reason
 from hf_accel.patches import FAMILIES, family_of
 
-from .apart import (APART_PACKAGES, BNB_SITES, UNSLOTH_SITES, child_sites, missing_apart, qlora_base,
+from .apart import (APART_PACKAGES, BNB_SITES, TORCHAO_SITES, UNSLOTH_SITES, child_sites, missing_apart, qlora_base,
                     unsloth_runner)
 from .distributed import run_accel_trainer
 from .options import BenchConfig, Options
@@ -66,7 +66,6 @@ REQUIREMENTS: dict[str, Callable[[str, str], str | None]] = {
     "liger-family": lambda device, fam: (None if fam in _liger_families()
                                          else f"liger-kernel has no kernels for model_type {fam!r}"),
     "trl": lambda device, fam: None if _has("trl") and _has("datasets") else "trl / datasets not installed",
-    "torchao": lambda device, fam: None if _has("torchao") else "torchao not installed (pip install 'hf_accel[fp8]')",
     "hf_accel": lambda device, fam: (None if _hf_accel_api()
                                      else "hf_accel.patch / collators / sampling not importable yet"),
 }
@@ -339,7 +338,7 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-fp8", False, ("hf_accel", "torchao"), _patched(precision="fp8"),
                     "hf_accel.patch(model, precision='fp8'), otherwise no arguments: the decoder linears through "
                     "torchao's float8 training (rowwise scaling); an explicit opt-in",
-                    changes_computation="float8 matmuls"),
+                    changes_computation="float8 matmuls", sites=TORCHAO_SITES),
         BenchConfig("hf_accel-best", False, ("hf_accel",), _hf_accel(best=True),
                     "hf_accel.patch(model, fused_ce=True, fused_ops=True, compile=True) + the same packing, with "
                     "the --fused-ce / --best-* options", launched=_hf_accel_trainer("best")),
