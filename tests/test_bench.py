@@ -358,6 +358,27 @@ def test_gpu_check_lists_what_did_not_fit_with_the_command_to_run_it(tmp_path):
     assert files and line == f"Not started (time): `bash scripts/gpu_check.sh tests {' '.join(files)}`"
 
 
+def test_gpu_queue_runs_jobs_in_the_background_and_hands_back_what_finished(tmp_path):
+    """scripts/gpu_queue.sh: jobs run one after another with their own OUT; `wait` prints each end and copies the
+    queue's folder (summaries, logs, each job's files) under $OUT/queue even while a job is still running."""
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text("# a comment\necho one > \"$OUT/r.txt\"; echo 'wrote r'\nexit 3\nsleep 30\n")
+    env = {**os.environ, "GPU_QUEUE_DIR": str(tmp_path / "q"), "OUT": str(tmp_path / "back")}
+    script = str(REPO / "scripts" / "gpu_queue.sh")
+    assert subprocess.run(["bash", script, "start", str(jobs)], env=env, timeout=60).returncode == 0
+    waited = subprocess.run(["bash", script, "wait", "8"], env=env, capture_output=True, text=True, timeout=60)
+    try:
+        assert "job 1: exit 0" in waited.stdout and "wrote r" in waited.stdout, waited.stdout
+        assert "job 2: exit 3" in waited.stdout and "job 3: sleep 30" in waited.stdout
+        assert "QUEUE DONE" not in waited.stdout  # job 3 still runs; what finished came back anyway
+        assert (tmp_path / "back" / "queue" / "1" / "r.txt").read_text() == "one\n"
+    finally:
+        subprocess.run(["bash", script, "stop"], env=env, timeout=60)
+    missing = subprocess.run(["bash", script, "start", str(tmp_path / "none.txt")], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode == 2 and "no queue file" in missing.stderr
+
+
 # ------------------------------------------------------------------------------------------------ --nproc (issue 19)
 def test_multi_gpu_preset_and_nproc_flags():
     bench = script_module("bench")
