@@ -17,6 +17,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Ge
 
 import hf_accel
 from hf_accel.patches import family_of
+from packed_training import train as train_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -44,30 +45,6 @@ SHAPES = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
         sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"])),
 }
-LENGTHS = [300, 17, 900, 1200, 64, 513]
-
-
-def packed_batches(vocab: int):
-    """STEPS packed rows of the same document lengths, new tokens each step; no document predicts the next one."""
-    g = torch.Generator().manual_seed(0)
-    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    for _ in range(STEPS):
-        ids = torch.randint(0, vocab, (1, sum(LENGTHS)), generator=g)
-        yield dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
-
-
-def train(model) -> list[float]:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for batch in packed_batches(model.config.vocab_size):
-        loss = model(**{k: v.cuda() for k, v in batch.items()}, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fast_path_trains_like_the_unpatched_model(name):
     torch.manual_seed(0)
@@ -78,7 +55,7 @@ def test_fast_path_trains_like_the_unpatched_model(name):
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     ours = copy.deepcopy(ref16)
     report = hf_accel.patch(ours)  # the CUDA defaults
-    want, bf16, got = train(ref32), train(ref16), train(ours)
+    want, bf16, got = (train_steps(m, STEPS, LR) for m in (ref32, ref16, ours))
     base = max(abs(a - b) for a, b in zip(bf16, want))
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert worst <= 2 * base + 5e-3, f"{name} via {report.backend}: {worst:.4f} vs bf16's own {base:.4f}\n{report}"

@@ -11,32 +11,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
+from packed_training import train
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'hf_accel[fp8]')")
 
 STEPS = 30
-LENGTHS = [300, 17, 900, 1200, 64, 513]
-
-
-def _batches(vocab: int):
-    g = torch.Generator().manual_seed(0)
-    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    for _ in range(STEPS):
-        ids = torch.randint(0, vocab, (1, sum(LENGTHS)), generator=g)
-        yield dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
-
-
-def _train(model) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    losses = []
-    for batch in _batches(model.config.vocab_size):
-        loss = model(**{k: v.cuda() for k, v in batch.items()}, use_cache=False).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+LR = 1e-4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -50,7 +31,7 @@ def test_fp8_defaults_track_bf16_training():
     ours = copy.deepcopy(bf16)
     report = hf_accel.patch(ours, precision="fp8")
     assert report.compiled_layers and "fp8" in str(report.precision), report
-    want, base, got = _train(ref32), _train(bf16), _train(ours)
+    want, base, got = (train(m, STEPS, LR) for m in (ref32, bf16, ours))
     bf16_error = max(abs(a - b) for a, b in zip(base, want))
     fp8_error = max(abs(a - b) for a, b in zip(got, want))
     assert got != base
