@@ -295,6 +295,8 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
             assert "hf_accel-defaults" in preset.configs
         elif preset.name == "falcon-rw-1b":
             assert {"hf_accel-defaults", "hf_accel-sdpa"} <= set(preset.configs)
+        elif preset.name == "llama-1b-levers":  # issue 39c: levers on top of the defaults
+            assert {"hf_accel-defaults", "hf_accel-autotune", "hf_accel-cudagraphs"} <= set(preset.configs)
         elif preset.name.startswith("fp8-"):  # issue 39d: float8 beside bf16 (the defaults) and a stock anchor
             assert {"hf_accel-defaults", "hf_accel-fp8"} <= set(preset.configs)
         elif "doc_lengths" not in preset.settings:
