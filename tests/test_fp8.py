@@ -75,6 +75,25 @@ def test_unpatch_puts_the_same_modules_back():
     assert torch.equal(model(ids).logits, want)
 
 
+@pytest.mark.parametrize("checkpointing", ["full", "offload", "op", "budget:50MiB"])
+def test_fp8_with_every_checkpoint_policy_and_patched_again(checkpointing):
+    """Float8 linears under each checkpoint policy (the budget's probe forward included) give the gradients the
+    same fp8 model gives without checkpointing; patching again with other settings keeps fp8 (its float8 layers are
+    not taken for a quantized base)."""
+    plain = _model().train()
+    hf_accel.patch(plain, precision="fp8")
+    ours = _model().train()
+    ours.gradient_checkpointing_enable()
+    hf_accel.patch(ours, precision="fp8", checkpointing="full")
+    report = hf_accel.patch(ours, precision="fp8", checkpointing=checkpointing)  # re-patched: other settings
+    assert report.precision and sum(isinstance(m, Float8Linear) for m in ours.modules()) == 14
+    batch = next(_batches(1))
+    for model in (plain, ours):
+        model(**batch).loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_no_default_picks_fp8():
     model = _model()
     report = hf_accel.patch(model)

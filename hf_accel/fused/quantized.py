@@ -18,6 +18,8 @@ QUANTIZER_PACKAGES = ("bitsandbytes", "torchao", "auto_gptq", "gptqmodel", "awq"
 COMPILE_CHECKED_LAYERS = (("bitsandbytes", "Linear4bit"),)  # (package, class name), subclasses included
 COMPILE_CHECKED_QUANTIZERS = ("Bnb4BitHfQuantizer",)  # transformers' quantizer of BitsAndBytesConfig(load_in_4bit=True)
 _CHECKED = "compiled layers are checked on bitsandbytes 4-bit (Linear4bit) only"
+# torchao's float8 *training* layers (patch(precision="fp8")) keep high-precision weights: not a quantized base
+TRAINING_LAYERS = (("torchao", "Float8Linear"),)
 
 
 def compile_checked(cls: type) -> bool:
@@ -35,6 +37,9 @@ def compile_stand_down(model: nn.Module) -> str | None:
         return f"quantized weights: {_CHECKED}"
     for module in model.modules():
         cls = type(module)
-        if cls.__module__.split(".")[0] in QUANTIZER_PACKAGES and not compile_checked(cls):
+        package = cls.__module__.split(".")[0]
+        if (package, cls.__name__) in TRAINING_LAYERS:
+            continue
+        if package in QUANTIZER_PACKAGES and not compile_checked(cls):
             return f"{cls.__name__} layers: {_CHECKED}"
     return None
