@@ -45,11 +45,12 @@ def run_pytest(tests: Path, family: str, patched: bool, out: Path, run: int, arg
     junit = out / f"{family}-{mode}-{run}.xml"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(SCRIPTS), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           *sorted(str(p) for p in (tests / "tests" / "models" / family).glob("test_modeling_*.py"))]
+    env.update(HF_ACCEL_OUTSIDE_PATCH="1" if patched else "0", HF_ACCEL_OUTSIDE_SEED=str(run))
     if patched:
-        cmd += ["-p", "outside_suite_plugin"]
         env["HF_ACCEL_PATCH_LOG"] = str(out / f"{family}-patch-log.jsonl")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "outside_suite_plugin",
+           f"--junitxml={junit}",
+           *sorted(str(p) for p in (tests / "tests" / "models" / family).glob("test_modeling_*.py"))]
     if args.k:
         cmd += ["-k", args.k]
     cmd += args.pytest_args

@@ -1,5 +1,9 @@
 """pytest plugin: every transformers model a test builds is patched by hf_accel.patch() (``-p outside_suite_plugin``).
 
+HF_ACCEL_OUTSIDE_PATCH=0 loads it without patching, for the stock run. HF_ACCEL_OUTSIDE_SEED=N seeds each test's
+random inputs and weights from N and its id (transformers' ids_tensor draws from an unseeded ``random.Random``), so
+the stock and the patched run of one seed see the same tensors and a difference between them is the patch's.
+
 Used by scripts/outside_suite.py to run transformers' own model tests with hf_accel in the loop. It wraps
 ``PreTrainedModel.post_init`` (the last step of every model's ``__init__``, from a config or from_pretrained): the
 model just built is patched when hf_accel has a family for it; a model built inside another (a CausalLM's body) is
@@ -10,6 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import sys
+import zlib
 
 import pytest
 
@@ -44,6 +51,9 @@ def _patch_outermost(model) -> None:
 def pytest_configure(config):
     from transformers import PreTrainedModel
 
+    if os.environ.get("HF_ACCEL_OUTSIDE_PATCH", "1") == "0":
+        return
+
     stock_post_init = PreTrainedModel.post_init
 
     def post_init(self, *args, **kwargs):
@@ -57,3 +67,14 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _current_test["id"] = item.nodeid
+    seed = os.environ.get("HF_ACCEL_OUTSIDE_SEED")
+    if seed is not None:
+        import torch
+
+        seed = zlib.crc32(f"{seed}:{item.nodeid}".encode())
+        random.seed(seed)
+        torch.manual_seed(seed)
+        for module in list(sys.modules.values()):  # the tests' own generator(s)
+            rng = getattr(module, "global_rng", None)
+            if isinstance(rng, random.Random):
+                rng.seed(seed)
