@@ -7,7 +7,7 @@
 
 TF_TESTS is a folder holding transformers' ``tests/`` package (test_modeling_common.py, causal_lm_tester.py,
 generation/test_utils.py, models/<family>/test_modeling_<family>.py, ...): the sdist ships the top-level files only,
-the rest comes from the transformers repository at the installed version. Each run is one pytest process per family
+the rest comes from the transformers repository at the installed version (pipeline and export mixins may be stubs). Each run is one pytest process per family
 and mode in TF_TESTS (``-p no:cacheprovider``, offline hub); the patched one loads scripts/outside_suite_plugin.py,
 which patches every model the tests build and logs what it patched to <out>/<family>-patch-log.jsonl. Arguments
 after ``--`` go to pytest. Not part of hf_accel's test suite (it needs transformers' test files and ~minutes per
@@ -59,6 +59,17 @@ def run_pytest(tests: Path, family: str, patched: bool, out: Path, run: int, arg
     return outcomes(junit)
 
 
+def check_checkout() -> None:
+    """Warn when this checkout's hf_accel.patches is not what gets imported (an editable install of another checkout
+    maps the subpackage to its own patches/ folder)."""
+    sys.path.insert(0, str(REPO))
+    import hf_accel.patches
+
+    where = Path(hf_accel.patches.__file__).resolve().parent
+    if where != (REPO / "patches").resolve():
+        print(f"warning: hf_accel.patches imports from {where}, not this checkout's patches/", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tests", type=Path, required=True, help="folder holding transformers' tests/ package")
@@ -69,6 +80,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="logs and junit files (default: a temp folder)")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     args = parser.parse_args()
+    check_checkout()
     out = args.out or Path(tempfile.mkdtemp(prefix="outside-suite-"))
     out.mkdir(parents=True, exist_ok=True)
     regressions = []
