@@ -61,9 +61,9 @@ class PatchReport:
         ]
         if self.replaced_attn_implementation:
             lines.append(f"  attn_implementation stays {self.replaced_attn_implementation!r} (what transformers reports "
-                         "and set_attn_implementation changes); hf_accel's kernel serves training and prefill calls, "
-                         "the reported implementation decode steps, KV-cache prefills from a padding mask and "
-                         "compiled evaluation")
+                         "and set_attn_implementation changes); hf_accel's kernel serves training calls and "
+                         "unpadded prefills, the reported implementation decode steps, compiled evaluation and, "
+                         "outside training, forwards whose padding mask fills a KV cache or hides a slot")
         if self.attentions:
             lines.append(f"  output_attentions=True runs {self.attentions}")
         if self.checkpointing:

@@ -8,8 +8,9 @@ from the collator's ``cu_seq_lens_q`` given to the model's forward, else from po
 the kernel as slopes.
 
 The original forward (transformers' own, eager or SDPA as configured) runs unchanged for every call the seam cannot
-or need not serve: decoding steps behind a KV cache, every call with a static cache and, outside training, a prefill
-filling a cache from a padding mask (so dynamic- and static-cache generation agree), ``output_attentions``, a 4D
+or need not serve: decoding steps behind a KV cache, every call with a static cache and, outside training, a forward
+given a padding mask that fills a cache or hides a slot (so right-padded generation is the unpatched model's with a
+dynamic, a static or no cache: ``routing.leaves_forward_to_stock``), ``output_attentions``, a 4D
 mask given by the caller (a pre-hook on ``FalconModel`` notes what mask each forward was given), and evaluation calls
 traced by ``torch.compile`` (so a compiled decode step traces with ``fullgraph=True`` as the unpatched model's does).
 A 2D mask with holes keeps its meaning: the masked keys are hidden and nothing else changes (see ``varlen``).
@@ -37,6 +38,7 @@ from hf_accel.attention.hf_attention import (
     suspend_forward_record,
 )
 from hf_accel.attention.kernels import AttnOptions
+from hf_accel.attention.routing import leaves_forward_to_stock
 
 from ._family import Family, LayerAttention, LayerBytes, affine_layer_norm, fusable_by_class
 
@@ -49,6 +51,7 @@ class _ModelCall:
     """What the current FalconModel forward was given, shared by that model's patched attention modules."""
 
     mask_ndim: int | None = None  # the caller's attention_mask: None (no mask), 2 or 4
+    stock_forward: bool = False  # every call of this forward runs the original (routing.leaves_forward_to_stock)
 
 
 def head_shape(config) -> tuple[int, int, int]:
@@ -117,15 +120,12 @@ def _attend(self: FalconAttention, q, k, v, attention_mask, position_ids, with_a
 def _runs_stock(self: FalconAttention, layer_past, output_attentions: bool) -> bool:
     """Whether this call runs the original forward; decided without reading tensor data (no host sync, and a
     compiled decode step stays one graph)."""
-    if output_attentions or self.__dict__[_CALL].mask_ndim == 4 or runs_stock(self):
+    call = self.__dict__[_CALL]
+    if output_attentions or call.mask_ndim == 4 or call.stock_forward or runs_stock(self):
         return True
     if layer_past is None:
         return False
     if getattr(layer_past, "is_compileable", False):  # a static cache: its length is tensor data
-        return True
-    if self.__dict__[_CALL].mask_ndim == 2 and not (self.training and torch.is_grad_enabled()):
-        # a cache filled from a padding mask (generate's prefill): stock values at padded positions too, as a static
-        # cache's prefill gets
         return True
     return layer_past.get_seq_length(self.layer_idx) > 0  # a dynamic cache's length is a Python int
 
@@ -151,14 +151,19 @@ def patched_forward(
 
 
 def _call_hooks(falcon: FalconModel) -> list:
-    """Note what mask each FalconModel forward is given; a call returning attention probabilities (all stock) gets
-    transformers' own packed-document search in its mask preparation. The hooks read the record from the module they
-    run on (a deep copy of the patched model shares its record with its own attention modules only)."""
+    """Note what mask each FalconModel forward is given and whether it runs stock; a call returning attention
+    probabilities (all stock) gets transformers' own packed-document search in its mask preparation. The hooks read
+    the record from the module they run on (a deep copy of the patched model shares its record with its own attention
+    modules only)."""
     resumes = []  # one entry per call in flight (calls nest)
 
     def before(module, args, kwargs):
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
-        module.__dict__[_CALL].mask_ndim = None if mask is None else mask.ndim
+        cache = kwargs["past_key_values"] if "past_key_values" in kwargs else (args[1] if len(args) > 1 else None)
+        call = module.__dict__[_CALL]
+        call.mask_ndim = None if mask is None else mask.ndim
+        call.stock_forward = not torch.compiler.is_compiling() and leaves_forward_to_stock(
+            module, mask, cache, kwargs.get("use_cache"))
         wanted = kwargs.get("output_attentions")
         wanted = module.config.output_attentions if wanted is None else wanted
         resumes.append(suspend_forward_record() if wanted and not torch.compiler.is_compiling() else None)

@@ -124,7 +124,8 @@ def test_cached_forward_with_and_without_a_full_mask(variant):
 def test_right_padded_generation_is_the_same_with_dynamic_and_static_caches(variant):
     """Llama's test_generate_with_static_cache, deterministically: a right-padded row's next token comes from its
     padded last position; a prefill filling a cache from a padding mask runs stock, so the dynamic cache's prefill
-    (queries as long as keys) and the static cache's (always stock) agree, and both equal the unpatched model."""
+    (queries as long as keys) and the static cache's (always stock) agree, and both equal the unpatched model; so
+    does generation without a cache (every step a forward over a padded batch, outside training: stock)."""
     ref = make(variant)
     model = copy.deepcopy(ref)
     hf_accel.patch(model, backend="sdpa")
@@ -135,8 +136,9 @@ def test_right_padded_generation_is_the_same_with_dynamic_and_static_caches(vari
                   output_logits=True, return_dict_in_generate=True)
     logits = {}
     for name, m in (("stock", ref), ("patched", model)):
-        for cache in ("dynamic", "static"):
-            logits[name, cache] = torch.stack(m.generate(cache_implementation=cache, **kwargs).logits)
+        for cache in ("dynamic", "static", None):
+            logits[name, cache] = torch.stack(m.generate(cache_implementation=cache, use_cache=cache is not None,
+                                                         **kwargs).logits)
     for key, value in logits.items():
         torch.testing.assert_close(value, logits["stock", "dynamic"], msg=str(key))
 

@@ -151,7 +151,8 @@ def test_output_attentions_returns_probabilities(variant, implementation):
 @pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel"])
 def test_output_attentions_from_config_then_seam_again(variant, monkeypatch):
     """config.output_attentions=True (set before patching: transformers refuses it for non-eager names) is honoured
-    like the argument; a call with output_attentions=False then takes hf_accel's seam."""
+    like the argument; a training call with output_attentions=False then takes hf_accel's seam (outside training a
+    padded batch runs stock)."""
     ref, model, _ = pair(variant, "eager", output_attentions=True)
     ids = ids_for(HOLES)
     want = ref(input_ids=ids, attention_mask=HOLES).attentions
@@ -160,6 +161,7 @@ def test_output_attentions_from_config_then_seam_again(variant, monkeypatch):
     calls = []
     real = varlen.from_mask_and_positions
     monkeypatch.setattr(varlen, "from_mask_and_positions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model.train(), ref.train()
     out = model(input_ids=ids, attention_mask=HOLES, output_attentions=False)
     assert calls == [1] and not out.attentions
     ref_logits = ref(input_ids=ids, attention_mask=HOLES).logits

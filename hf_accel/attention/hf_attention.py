@@ -4,7 +4,8 @@ A patched model's forwards select them for their duration only (``routing``: the
 implementation). Training and prefill calls (queries as long as keys) go through the varlen seam and the chosen
 kernel. Everything else runs the reported implementation's own function with its own mask, i.e. exactly what the
 unpatched model computes: decoding steps behind a KV cache (queries shorter than keys), a 4D mask given by the caller,
-a forward filling a KV cache from a padding mask (``routing``), and any evaluation call traced by ``torch.compile`` (a
+outside training a forward given a padding mask that fills a KV cache or hides a slot (``routing``), and any
+evaluation call traced by ``torch.compile`` (a
 compiled decode step traces with ``fullgraph=True`` as the unpatched model's does; only a training call, module in
 train mode with grad enabled, crosses into the seam's eager kernels).
 """
@@ -28,7 +29,7 @@ BACKEND_ATTR = "_hf_accel_backend"
 
 def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
     """The caller's 2D padding mask, bool (B, S), or None, for the varlen seam; the reported implementation's own mask
-    for the calls that run its function (queries shorter than keys, a cache filled from a padding mask, anything
+    for the calls that run its function (queries shorter than keys, the forwards ``routing`` leaves to stock, anything
     traced by torch.compile)."""
     if q_length != kv_length or torch.compiler.is_compiling() or runs_stock_forward():
         return stock_mask()(
@@ -130,7 +131,7 @@ def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, 
         query.shape[2] != key.shape[2]  # a decoding step behind a KV cache (or a static cache's prefill)
         or (attention_mask is not None and getattr(attention_mask, "ndim", None) != 2)  # a 4D (or block) mask
         or (runs_stock(module) and attention_mask is None)  # the stock mask, built under compile: None = causal only
-        or runs_stock_forward()  # a KV cache filled from a padding mask
+        or runs_stock_forward()  # outside training: a KV cache filled from a padding mask, or a mask hiding a slot
     )
     if stock:
         return stock_attention(module)(

@@ -11,9 +11,10 @@ config keeps reporting the user's implementation ("sdpa", "eager", ...), and:
 - a pre-hook on the model's body (every entry point passes through it) switches the config itself to hf_accel's name
   for the duration of each forward, so the mask is built by hf_accel's mask function, and sets a ``Route`` saying
   which implementation serves the calls the seam leaves to transformers (the reported one): decoding steps behind a
-  KV cache, a caller's 4D mask, evaluation traced by ``torch.compile``, and every call of a forward that fills a KV
-  cache from a padding mask (a ``generate`` prefill, outside training: a right-padded prompt then gets the stock
-  values at its padded positions, whose last one generate reads, whether the cache is dynamic or static);
+  KV cache, a caller's 4D mask, evaluation traced by ``torch.compile``, and, outside training, every call of a forward
+  given a padding mask that fills a KV cache (a ``generate`` prefill) or hides a slot: masked query slots then get
+  the stock values (the varlen layout drops them), and generate reads a right-padded row's last one, so right-padded
+  generation is the unpatched model's with a dynamic, a static or no cache;
 - a forward asking for attention probabilities runs transformers' eager attention, mask included.
 
 Inside ``torch.compile`` the body's hook does not switch (dynamo cannot trace the context variable): a traced
@@ -42,7 +43,7 @@ class Route:
     """What the current forward of a patched model asks of its attention calls."""
 
     stock_name: str  # the implementation the model reports: it serves every call the seam does not
-    cached_prefill: bool = False  # this forward fills a KV cache from a padding mask: every call of it runs stock
+    stock_forward: bool = False  # every call of this forward runs stock (``leaves_forward_to_stock``)
     probabilities: bool = False  # this forward returns attention probabilities: eager serves it
     padding_mask: torch.Tensor | None = None  # the 2D mask the body was given (every layer's mask is this tensor)
 
@@ -120,7 +121,7 @@ def forward_padding_mask() -> torch.Tensor | None:
 def runs_stock_forward() -> bool:
     """Whether the current forward leaves every attention call to the reported implementation."""
     route = _route()
-    return route is not None and route.cached_prefill
+    return route is not None and route.stock_forward
 
 
 def route_attention_modules(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[Callable[[], None]]:
@@ -143,18 +144,18 @@ def wants_attentions(config, kwargs) -> bool:
     return bool(getattr(config, "output_attentions", False) if wanted is None else wanted)
 
 
-def fills_cache_from_mask(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
-    """A forward outside training that is given a 2D padding mask and fills a KV cache (one given, or ``use_cache``
-    making one): decided from arguments and config only, no tensor data read."""
+def leaves_forward_to_stock(module: torch.nn.Module, mask, cache, use_cache) -> bool:
+    """Whether a forward outside training, given ``mask`` (its attention_mask), leaves every attention call to the
+    reported implementation: a 2D padding mask with a KV cache filled (``cache`` given, or ``use_cache`` making one;
+    decided without reading tensor data), or a 2D mask hiding a slot (one host read of the mask). Stock attention
+    gives a masked query slot values of its own where the varlen layout drops it, and generate reads a right-padded
+    row's last slot."""
     if module.training and torch.is_grad_enabled():
         return False  # training calls keep the seam (a cache there is dead weight, and patch() defaults it off)
-    mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[1] if len(args) > 1 else None)
     if getattr(mask, "ndim", None) != 2:
         return False
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    use_cache = kwargs.get("use_cache")
     use_cache = getattr(module.config, "use_cache", False) if use_cache is None else use_cache
-    return cache is not None or bool(use_cache)
+    return cache is not None or bool(use_cache) or not bool(mask.all())
 
 
 def routing_hooks(body: torch.nn.Module, patched_name: str) -> list[Callable[[], None]]:
@@ -175,8 +176,9 @@ def routing_hooks(body: torch.nn.Module, patched_name: str) -> list[Callable[[],
         stock = reported if reported != ATTN_NAME else (patched_name if patched_name != ATTN_NAME else "sdpa")
         probabilities = wants_attentions(config, kwargs)
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[1] if len(args) > 1 else None)
-        token = _ROUTE.set(Route(stock, fills_cache_from_mask(module, args, kwargs), probabilities,
-                                 mask if getattr(mask, "ndim", None) == 2 else None))
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        token = _ROUTE.set(Route(stock, leaves_forward_to_stock(module, mask, cache, kwargs.get("use_cache")),
+                                 probabilities, mask if getattr(mask, "ndim", None) == 2 else None))
         undo = [lambda: _ROUTE.reset(token)]
         if probabilities:  # eager's mask finds packed documents itself, as stock does
             undo.append(suspend_forward_record())
