@@ -151,6 +151,17 @@ def test_trainer_and_command_line_pass_precision_through(tmp_path):
         parse_sft_args(["--precision", "fp8", "--lora-r", "8", "--max-steps", "1"])
 
 
+def test_the_command_refuses_fp8_without_torchao_before_loading_anything(monkeypatch):
+    import importlib.util
+
+    from hf_accel.cli.args import parse_sft_args
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    with pytest.raises(UsageError, match=r"hf_accel\[fp8\]"):
+        parse_sft_args(["--precision", "fp8", "--max-steps", "1"])
+
+
 @pytest.mark.slow
 def test_compiled_layers_train_the_fp8_model_as_eager_does():
     """compile=True around the float8 linears (torchao's float8 training is traceable): loss and gradients of the

@@ -322,6 +322,9 @@ def _check_accel(args: argparse.Namespace) -> None:
     if args.precision == "fp8" and args.lora_r is not None:
         raise UsageError("--precision fp8 is for full fine-tuning (the float8 matmuls of frozen LoRA bases do not "
                          "pay); drop --lora-r, or train LoRA in the model's precision")
+    if args.precision == "fp8" and importlib.util.find_spec("torchao") is None:
+        raise UsageError("--precision fp8 trains through torchao's float8 training, and torchao is not installed: "
+                         "pip install 'hf_accel[fp8]'")
     if args.precision == "fp8" and args.no_patch:
         raise UsageError("--precision fp8 works through hf_accel's patch: drop --no-patch or --precision fp8")
     if args.no_patch:
