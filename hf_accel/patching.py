@@ -241,7 +241,7 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     if decisions.options.precision == "fp8":  # first: fused ops and compiled layers then call the float8 linears
         from .fused import fp8
 
-        applied.fp8_linears, fp8_undo = fp8.apply(model, model_hf)
+        applied.fp8_linears, fp8_undo = fp8.apply(model_hf)
         undo += fp8_undo
     if decisions.on("fused_ops"):
         undo += _bind_fused_ops(model_hf, family, compiled, applied.notes)

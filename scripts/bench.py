@@ -413,11 +413,12 @@ def run_stem(args: argparse.Namespace, suffix: str = "") -> str:
 
 def result_line(result: dict) -> str:
     """One configuration's outcome for the log: its status, and its numbers when it trained."""
-    if result.get("status") != "ok":
-        return str(result.get("status"))
+    status = str(result.get("status"))
+    if not status.startswith("ok"):
+        return status
     peak_gib = result.get("peak_gib")
-    return (f"ok: {result.get('tokens_per_s', 0):,.0f} tokens/s, steady {result.get('steady_tokens_per_s', 0):,.0f}, "
-            f"peak {'-' if peak_gib is None else f'{peak_gib:.1f}'} GiB")
+    return (f"{status}: {result.get('tokens_per_s', 0):,.0f} tokens/s, steady "
+            f"{result.get('steady_tokens_per_s', 0):,.0f}, peak {'-' if peak_gib is None else f'{peak_gib:.1f}'} GiB")
 
 
 def write_so_far(args: argparse.Namespace, stem: str, record: dict, table: str, total: int) -> None:

@@ -319,14 +319,15 @@ def _check_accel(args: argparse.Namespace) -> None:
             parse_checkpointing(args.checkpointing)
         except ConfigurationError as e:
             raise UsageError(f"--checkpointing {args.checkpointing}: {e}") from None
-    if args.precision == "fp8" and args.lora_r is not None:
-        raise UsageError("--precision fp8 is for full fine-tuning (the float8 matmuls of frozen LoRA bases do not "
-                         "pay); drop --lora-r, or train LoRA in the model's precision")
-    if args.precision == "fp8" and importlib.util.find_spec("torchao") is None:
-        raise UsageError("--precision fp8 trains through torchao's float8 training, and torchao is not installed: "
-                         "pip install 'hf_accel[fp8]'")
-    if args.precision == "fp8" and args.no_patch:
-        raise UsageError("--precision fp8 works through hf_accel's patch: drop --no-patch or --precision fp8")
+    if args.precision == "fp8":
+        if args.lora_r is not None:
+            raise UsageError("--precision fp8 is for full fine-tuning (the float8 matmuls of frozen LoRA bases do not "
+                             "pay); drop --lora-r, or train LoRA in the model's precision")
+        if importlib.util.find_spec("torchao") is None:
+            raise UsageError("--precision fp8 trains through torchao's float8 training, and torchao is not "
+                             "installed: pip install 'hf_accel[fp8]'")
+        if args.no_patch:
+            raise UsageError("--precision fp8 works through hf_accel's patch: drop --no-patch or --precision fp8")
     if args.no_patch:
         asked = [_flag(n) for n in ("fused_ce", "compile") if getattr(args, n) is True]
         if asked or args.backend != "auto":

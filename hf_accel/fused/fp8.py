@@ -65,24 +65,19 @@ def _eligible(module: nn.Module) -> bool:
     return type(module) is nn.Linear and module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
-def apply(model: nn.Module, model_hf: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
-    """Swap the decoder layers' eligible ``nn.Linear`` for torchao's ``Float8Linear``; returns the swapped names and
-    the undo action that puts the original modules back."""
-    why = refusal(model, model_hf)
-    if why is not None:
-        raise ConfigurationError(why)
+def apply(model_hf: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
+    """Swap the decoder layers' eligible ``nn.Linear`` for torchao's ``Float8Linear`` (``patch()`` has checked
+    ``refusal``); returns the swapped names and the undo action that puts the original modules back."""
     config_cls, convert = _float8_api()
     config = config_cls.from_recipe_name(RECIPE)
     names = {id(m): n for n, m in model_hf.named_modules()}
     originals: list[tuple[nn.Module, str, nn.Module]] = []
     for layer in decoder_layers(model_hf):
-        for parent in layer.modules():
-            for child_name, child in parent.named_children():
+        for parent in list(layer.modules()):
+            for child_name, child in list(parent.named_children()):
                 if _eligible(child):
                     originals.append((parent, child_name, child))
-    chosen = {id(child) for _, _, child in originals}
-    for layer in decoder_layers(model_hf):
-        convert(layer, config=config, module_filter_fn=lambda module, fqn: id(module) in chosen)
+                    setattr(parent, child_name, convert(child, config=config))  # a Linear root comes back swapped
 
     def undo() -> None:
         for parent, child_name, child in originals:
