@@ -4,7 +4,7 @@
 #   bash scripts/gpu_queue.sh start FILE      # run FILE's jobs one after another in the background (one job a line:
 #                                             # a shell command, run from the checkout with OUT set to its own folder)
 #   bash scripts/gpu_queue.sh wait SECONDS    # print the summary as jobs end, until the queue is done or SECONDS pass;
-#                                             # then copy everything so far (logs, results) under $OUT/queue/
+#                                             # then pack everything so far (logs, results) into $OUT/queue.tgz
 #   bash scripts/gpu_queue.sh status          # the summary so far
 #   bash scripts/gpu_queue.sh stop            # stop the queue and its running job
 #
@@ -16,7 +16,7 @@
 #                                               bash scripts/gpu_queue.sh start scripts/gpu_queues/next.txt &&
 #                                               bash scripts/gpu_queue.sh wait 540
 #   calls 3.. (no carry):                       bash scripts/gpu_queue.sh wait 570
-# Then copy the records under queue/*/benchmarks/results/ into benchmarks/results/, run
+# Then unpack queue.tgz, copy the records under */benchmarks/results/ into benchmarks/results/, run
 # `python scripts/bench_tables.py`, and write what the tests showed into tests/gpu/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,8 +65,13 @@ wait)
         grep -q "QUEUE DONE" "$summary" 2>/dev/null && break
         sleep 5
     done
+    # one archive: what comes back from the device machine is at most 8 files, 2 folders down, 16 MiB each; files
+    # over 4 MiB (profiler traces) stay behind and are listed
     if [ -n "${OUT:-}" ] && [ -d "$Q" ]; then
-        mkdir -p "$OUT/queue" && cp -r "$Q"/. "$OUT/queue/" && echo "copied $(du -sh "$Q" | cut -f1) to \$OUT/queue"
+        (cd "$Q" && find . -type f -size -4M | tar czf "$OUT/queue.tgz" -T -)
+        cp "$summary" "$OUT/summary.txt" 2>/dev/null
+        left=$(cd "$Q" && find . -type f -size +4M -printf '%p ')
+        echo "packed $(du -sh "$Q" | cut -f1) into \$OUT/queue.tgz${left:+; left behind (over 4 MiB): $left}"
     fi
     ;;
 status)

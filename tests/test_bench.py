@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -361,8 +362,8 @@ def test_gpu_check_lists_what_did_not_fit_with_the_command_to_run_it(tmp_path):
 
 
 def test_gpu_queue_runs_jobs_in_the_background_and_hands_back_what_finished(tmp_path):
-    """scripts/gpu_queue.sh: jobs run one after another with their own OUT; `wait` prints each end and copies the
-    queue's folder (summaries, logs, each job's files) under $OUT/queue even while a job is still running."""
+    """scripts/gpu_queue.sh: jobs run one after another with their own OUT; `wait` prints each end and packs the
+    queue's folder (summaries, logs, each job's files) into $OUT/queue.tgz even while a job is still running."""
     jobs = tmp_path / "jobs.txt"
     jobs.write_text("# a comment\necho one > \"$OUT/r.txt\"; echo 'wrote r'\nexit 3\nsleep 30\n")
     env = {**os.environ, "GPU_QUEUE_DIR": str(tmp_path / "q"), "OUT": str(tmp_path / "back")}
@@ -373,7 +374,9 @@ def test_gpu_queue_runs_jobs_in_the_background_and_hands_back_what_finished(tmp_
         assert "job 1: exit 0" in waited.stdout and "wrote r" in waited.stdout, waited.stdout
         assert "job 2: exit 3" in waited.stdout and "job 3: sleep 30" in waited.stdout
         assert "QUEUE DONE" not in waited.stdout  # job 3 still runs; what finished came back anyway
-        assert (tmp_path / "back" / "queue" / "1" / "r.txt").read_text() == "one\n"
+        with tarfile.open(tmp_path / "back" / "queue.tgz") as packed:  # one file: the device hands back at most 8
+            assert packed.extractfile("./1/r.txt").read() == b"one\n"
+        assert "job 2: exit 3" in (tmp_path / "back" / "summary.txt").read_text()
     finally:
         subprocess.run(["bash", script, "stop"], env=env, timeout=60)
     missing = subprocess.run(["bash", script, "start", str(tmp_path / "none.txt")], env=env, capture_output=True,
