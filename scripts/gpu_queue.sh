@@ -15,7 +15,7 @@
 #   call 2 (carry .gpu/b, .gpu/apart):          source .gpu/b/activate.sh && source .gpu/apart/install.sh &&
 #                                               bash scripts/gpu_queue.sh start scripts/gpu_queues/next.txt &&
 #                                               bash scripts/gpu_queue.sh wait 540
-#   calls 3.. (no carry):                       bash scripts/gpu_queue.sh wait 570
+#   calls 3.. (no carry):                       bash scripts/gpu_queue.sh wait 570  (exit 3 at once on a bare machine)
 # Then unpack queue.tgz, copy the records under */benchmarks/results/ into benchmarks/results/, run
 # `python scripts/bench_tables.py`, and write what the tests showed into tests/gpu/RESULTS.md.
 set -uo pipefail
@@ -54,6 +54,8 @@ start)
     ;;
 wait)
     seconds=${2:?usage: gpu_queue.sh wait SECONDS}
+    # a machine lost between calls comes back bare: say so at once instead of holding it for SECONDS
+    [ -f "$summary" ] || { echo "gpu_queue.sh: no queue at $Q (a fresh machine: the queue went with the last one)" >&2; exit 3; }
     shown=0
     deadline=$((SECONDS + seconds))
     while ((SECONDS < deadline)); do
@@ -68,7 +70,7 @@ wait)
     # one archive: what comes back from the device machine is at most 8 files, 2 folders down, 16 MiB each; files
     # over 4 MiB (profiler traces) stay behind and are listed
     if [ -n "${OUT:-}" ] && [ -d "$Q" ]; then
-        (cd "$Q" && find . -type f -size -4M | tar czf "$OUT/queue.tgz" -T -)
+        mkdir -p "$OUT" && (cd "$Q" && find . -type f -size -4M | tar czf "$OUT/queue.tgz" -T -)
         cp "$summary" "$OUT/summary.txt" 2>/dev/null
         left=$(cd "$Q" && find . -type f -size +4M -printf '%p ')
         echo "packed $(du -sh "$Q" | cut -f1) into \$OUT/queue.tgz${left:+; left behind (over 4 MiB): $left}"

@@ -379,6 +379,9 @@ def test_gpu_queue_runs_jobs_in_the_background_and_hands_back_what_finished(tmp_
         assert "job 2: exit 3" in (tmp_path / "back" / "summary.txt").read_text()
     finally:
         subprocess.run(["bash", script, "stop"], env=env, timeout=60)
+    bare = {**env, "GPU_QUEUE_DIR": str(tmp_path / "none")}  # a fresh machine: no queue to wait on
+    lost = subprocess.run(["bash", script, "wait", "60"], env=bare, capture_output=True, text=True, timeout=20)
+    assert lost.returncode == 3 and "no queue at" in lost.stderr
     missing = subprocess.run(["bash", script, "start", str(tmp_path / "none.txt")], env=env, capture_output=True,
                              text=True, timeout=60)
     assert missing.returncode == 2 and "no queue file" in missing.stderr
