@@ -125,6 +125,7 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
         @staticmethod
         def from_pretrained(**kwargs):
             calls["env"] = {k: os.environ.get(k) for k in OFFLINE}
+            calls["compile_off"] = os.environ.get("UNSLOTH_COMPILE_DISABLE")
             calls["cache"] = os.environ.get("UNSLOTH_COMPILE_LOCATION")
             calls["load"] = kwargs
             return "model", "tokenizer"
@@ -135,8 +136,9 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
             return "peft-model"
 
     monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
-    for key in (*OFFLINE, "UNSLOTH_COMPILE_LOCATION"):
-        monkeypatch.delenv(key, raising=False)
+    for key in (*apart.UNSLOTH_ENV, "UNSLOTH_COMPILE_LOCATION", "UNSLOTH_COMPILE_DISABLE"):
+        monkeypatch.setenv(key, "")  # recorded, so what the runner sets is undone after the test
+        monkeypatch.delenv(key)
     monkeypatch.setattr(apart, "saved_random_model", lambda settings: _folder("/model"))
     monkeypatch.setattr(apart, "run_trl", lambda model, data, settings, timing, **kw: calls.update(trl=(model, kw)))
     data = types.SimpleNamespace(spec=DataSpec.tiny())
@@ -159,6 +161,13 @@ def test_unsloth_config_calls_fastlanguagemodel_offline_as_its_notebooks_do(monk
         # TRL's own checkpointing stays off (Unsloth's is on the model); Unsloth's tokenizer is the processing class
         assert calls["trl"][1] == {"liger": False, "sft_overrides": {"gradient_checkpointing": False},
                                    "processing_class": "tokenizer"}
+        assert calls["compile_off"] is None  # Unsloth's compiled modules stay on in its own row
+    # unsloth-eager: the same call with Unsloth's compile switch off before its import (Gemma 2 on torch 2.11)
+    calls.clear()
+    timing = Timing()
+    CONFIGS["unsloth-eager"].run(settings, data, Options(), timing)
+    assert calls["compile_off"] == "1" and calls["load"]["load_in_4bit"] is False and calls["trl"][0] == "peft-model"
+    assert "UNSLOTH_COMPILE_DISABLE=1" in timing.notes[0]
 
 
 def test_qlora_needs_a_lora_workload():

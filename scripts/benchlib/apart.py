@@ -121,16 +121,20 @@ def qlora_base(settings: RunSettings, attn_implementation: str) -> nn.Module:
                                            gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def unsloth_runner(load_in_4bit: bool) -> Callable[..., nn.Module]:
+def unsloth_runner(load_in_4bit: bool, compiled: bool = True) -> Callable[..., nn.Module]:
     """Unsloth as its notebooks use it: FastLanguageModel from a local folder (bf16, or NF4 for QLoRA), its LoRA on
     the workload's targets (r=16, alpha=32) with its offloaded checkpointing ("unsloth") where the workload
     checkpoints, full fine-tuning (`full_finetuning=True`) where the workload has no LoRA, then TRL's SFTTrainer as
-    Unsloth patches it, packing=True (padding-free), on the same data and token budget as trl-fa4-packed."""
+    Unsloth patches it, packing=True (padding-free), on the same data and token budget as trl-fa4-packed.
+    `compiled=False` sets Unsloth's own switch UNSLOTH_COMPILE_DISABLE=1 (its generated torch.compile'd modules off),
+    for a base whose compiled layers fail on the installed torch (Gemma 2 on the GPU image's torch 2.11)."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         import tempfile
 
         os.environ.update(UNSLOTH_ENV)
+        if not compiled:
+            os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"
         # Unsloth writes its generated modules to ./unsloth_compiled_cache by default: keep them out of the checkout
         os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(tempfile.gettempdir(), "unsloth_compiled_cache"))
         from unsloth import FastLanguageModel  # first: Unsloth patches transformers, peft and trl on import
@@ -149,6 +153,7 @@ def unsloth_runner(load_in_4bit: bool) -> Callable[..., nn.Module]:
                 use_gradient_checkpointing=checkpointing, random_state=settings.seed,
             )
         timing.notes.append(f"unsloth: load_in_4bit={load_in_4bit}, full_finetuning={not workload.lora}, "
+                            f"{'' if compiled else 'UNSLOTH_COMPILE_DISABLE=1, '}"
                             f"use_gradient_checkpointing={checkpointing!r}; {unsloth_attention()}")
         # Unsloth's checkpointing is already on the model; TRL's would put HF's own back over it
         run_trl(model, data, settings, timing, liger=False, sft_overrides={"gradient_checkpointing": False},

@@ -397,6 +397,10 @@ CONFIGS.update({
                     "Unsloth FastLanguageModel (bf16): its LoRA r=16 (or full_finetuning=True), its offloaded "
                     "checkpointing where the workload checkpoints, TRL SFTTrainer packing=True (padding-free)",
                     sites=UNSLOTH_SITES, loads_files=True),
+        BenchConfig("unsloth-eager", True, _UNSLOTH_NEEDS, unsloth_runner(load_in_4bit=False, compiled=False),
+                    "as unsloth, with UNSLOTH_COMPILE_DISABLE=1 (Unsloth's compiled modules off): the Unsloth row "
+                    "for a base whose compiled layers fail on the installed torch (Gemma 2 on torch 2.11)",
+                    sites=UNSLOTH_SITES, loads_files=True),
         BenchConfig("unsloth-qlora", True, ("unsloth", "bitsandbytes", "cuda", "unsloth-family"), unsloth_runner(load_in_4bit=True),
                     "Unsloth FastLanguageModel load_in_4bit=True (its NF4 QLoRA), LoRA r=16, its offloaded "
                     "checkpointing, TRL SFTTrainer packing=True (padding-free)", sites=UNSLOTH_SITES,

@@ -42,6 +42,7 @@ CONFIG_LABELS = {
     "hf_accel-defaults": "`hf_accel.patch(model)`, no arguments",
     "hf_accel-best": "`patch(model, fused_ce=True, fused_ops=True, compile=True)`",
     "unsloth": "Unsloth FastLanguageModel + TRL padding-free",
+    "unsloth-eager": "Unsloth FastLanguageModel + TRL padding-free, UNSLOTH_COMPILE_DISABLE=1",
     "unsloth-qlora": "Unsloth FastLanguageModel 4-bit + TRL padding-free",
     "trl-qlora": "QLoRA, TRL SFTTrainer packing + flash-attn-4 + Liger",
     "hf_accel-qlora": "QLoRA, `hf_accel.patch(model)`, no arguments",
