@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
-from multi_gpu_runs import leave_process_group  # noqa: E402
+from multi_gpu_runs import accelerator_stand_in, leave_process_group  # noqa: E402
 
 import hf_accel  # noqa: E402
 from hf_accel.data.collators import DataCollatorForPacking  # noqa: E402
@@ -82,17 +82,12 @@ def shard(model: torch.nn.Module, layout: str) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     if layout == "accelerate":
-        import types
-
         from accelerate.utils import FullyShardedDataParallelPlugin
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                                 reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
-        # what fsdp2_prepare_model reads from an Accelerator (a real one is never FSDP on CPU)
-        accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
-                                            is_main_process=dist.get_rank() == 0, torch_device_mesh=None)
-        return fsdp2_prepare_model(accelerator, model)
+        return fsdp2_prepare_model(accelerator_stand_in(plugin), model)
     from hf_accel.memory.checkpointing import decoder_layers
 
     for layer in decoder_layers(model):

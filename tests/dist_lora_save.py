@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
-from multi_gpu_runs import leave_process_group  # noqa: E402
+from multi_gpu_runs import accelerator_stand_in, leave_process_group  # noqa: E402
 
 from hf_accel.training.adapters import plain_name  # noqa: E402
 
@@ -60,8 +59,7 @@ def shard(model: torch.nn.Module, activation_checkpointing: bool) -> torch.nn.Mo
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             reshard_after_forward=True, state_dict_type="FULL_STATE_DICT",
                                             activation_checkpointing=activation_checkpointing)
-    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
-                                        is_main_process=dist.get_rank() == 0, torch_device_mesh=None)
+    accelerator = accelerator_stand_in(plugin, "no")
     plugin.set_auto_wrap_policy(model)  # accelerate's prepare: before AC and sharding
     if activation_checkpointing:
         model = fsdp2_apply_ac(accelerator, model)

@@ -17,14 +17,13 @@ import gc
 import json
 import os
 import sys
-import types
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_gpu_runs import leave_process_group  # noqa: E402
+from multi_gpu_runs import accelerator_stand_in, leave_process_group  # noqa: E402
 
 
 def main() -> None:
@@ -67,8 +66,7 @@ def fsdp2_step(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
     plugin.set_mixed_precision("bf16")  # as Accelerator does: bf16 compute copies of the fp32 masters
-    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
-                                        is_main_process=dist.get_rank() == 0, torch_device_mesh=None)
+    accelerator = accelerator_stand_in(plugin, "bf16")
     model = fsdp2_prepare_model(accelerator, model)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-3)
     model(input_ids=ids, labels=ids).loss.backward()

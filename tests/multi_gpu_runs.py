@@ -124,6 +124,18 @@ def launch_or_fail(cmd: list[str], cwd: Path, timeout: float, log: Path | None =
     return out
 
 
+def accelerator_stand_in(plugin, mixed_precision: str = "no"):
+    """What accelerate's ``fsdp2_prepare_model`` / ``fsdp2_apply_ac`` read from an Accelerator, for a CPU rank (a
+    real Accelerator is never FSDP on CPU). accelerate 1.16 added ``device`` (where ignored modules go)."""
+    import types
+
+    import torch.distributed as dist
+
+    return types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed_precision,
+                                 is_main_process=dist.get_rank() == 0, torch_device_mesh=None,
+                                 device=torch.device("cpu"))
+
+
 def leave_process_group() -> None:
     """End one rank of a multi-process test driver: every rank done (a barrier), its process groups destroyed, then
     out without the interpreter's teardown. Under CI load a rank aborted in that teardown now and then, after its
