@@ -100,6 +100,13 @@ def launch_env(extra: dict[str, str]) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra}
 
 
+def kill_tree(pid: int) -> None:
+    """Kill a launch: its process group and every rank below it (ranks run in sessions of their own)."""
+    from benchlib.distributed import kill_tree as kill
+
+    kill(pid)
+
+
 def launch_or_fail(cmd: list[str], cwd: Path, timeout: float, log: Path | None = None,
                    env: dict[str, str] | None = None) -> str:
     """Run a launcher in its own process group under ``timeout``; on a timeout kill the whole group (no orphaned
@@ -111,7 +118,7 @@ def launch_or_fail(cmd: list[str], cwd: Path, timeout: float, log: Path | None =
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         if log is not None:
             log.write_text(out)
@@ -176,7 +183,7 @@ def launch_killed_in_save(cmd: list[str], cwd: Path, step: int, timeout: float, 
                                                f"{log.read_text()[-3000:]}"
                 time.sleep(0.2)
         finally:
-            os.killpg(proc.pid, 9)
+            kill_tree(proc.pid)
             proc.wait()
 
 

@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_accel.training.flops import FlopModel, doc_lengths_from_batch, peak_flops
+from benchlib.distributed import kill_tree
 from benchlib.report import add_ratios, markdown_table
 from benchlib.workloads import (DataSpec, _local_sft_lengths, greedy_steps, make_data, micro_batches,
                                       sft_lengths)
@@ -472,7 +474,7 @@ def test_script_nproc_runs_ranks_under_a_launcher_and_sums_their_tokens(tmp_path
     try:
         out, _ = proc.communicate(timeout=NPROC_RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        kill_tree(proc.pid)
         pytest.fail(f"bench.py --nproc 1,2 did not finish in {NPROC_RUN_TIMEOUT_S} s:\n{proc.communicate()[0][-4000:]}")
     assert proc.returncode == 0, out[-4000:]
     assert time.perf_counter() - start < NPROC_RUN_TIMEOUT_S
@@ -667,3 +669,31 @@ def test_a_run_cut_from_outside_keeps_what_it_measured(monkeypatch, tmp_path, lo
     assert bench.main(argv) == 0
     [path] = tmp_path.glob("*.json")  # the finished run's one record, complete
     assert "incomplete" not in json.loads(path.read_text())
+
+
+@pytest.mark.slow  # a 2-rank launch
+def test_killing_a_launch_kills_its_ranks_too(tmp_path):
+    """torch's launcher starts each rank in a session of its own: a kill of the launcher's process group alone left
+    ranks running (seen: two `sft.py` ranks of the killed-in-a-save test still alive minutes after CI moved on).
+    kill_tree (bench.py's timeouts and stops, the tests' launches) ends them all."""
+    import psutil
+
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, sys, time\nopen(os.path.join(sys.argv[1], f'{os.getpid()}.pid'), 'w').close()\n"
+                    "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", "0", str(rank), str(tmp_path)], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2:
+        assert proc.poll() is None and time.time() < deadline, "the launch never started its two ranks"
+        time.sleep(0.2)
+    ranks = [int(p.stem) for p in tmp_path.glob("*.pid")]
+    kill_tree(proc.pid)
+    proc.wait(timeout=30)
+    gone, alive = psutil.wait_procs([psutil.Process(r) for r in ranks if psutil.pid_exists(r)], timeout=10)
+    try:
+        assert not alive, f"ranks {[p.pid for p in alive]} outlived the kill"
+    finally:
+        for p in alive:
+            p.kill()

@@ -104,10 +104,29 @@ class RunStopped(RuntimeError):
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group and every process below it: torch's elastic agent starts each rank in a
+    session of its own, out of the launcher's group, so killing the group alone leaves the ranks running."""
+    kill_tree(proc.pid)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process group `pid` and every descendant of process `pid` (found before the kill: orphans are
+    re-parented at once), in whatever group or session they run."""
+    import psutil  # accelerate's dependency
+
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # already gone
+    for child in below:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 CHILDREN = ChildGroups()
