@@ -69,9 +69,9 @@ wait)
     done
     # one archive: what comes back from the device machine is at most 8 files, 2 folders down, 16 MiB each; files
     # over 4 MiB (profiler traces) stay behind and are listed
-    if [ -n "${OUT:-}" ] && [ -d "$Q" ]; then
+    if [ -n "${OUT:-}" ]; then
         mkdir -p "$OUT" && (cd "$Q" && find . -type f -size -4M | tar czf "$OUT/queue.tgz" -T -)
-        cp "$summary" "$OUT/summary.txt" 2>/dev/null
+        cp "$summary" "$OUT/summary.txt"
         left=$(cd "$Q" && find . -type f -size +4M -printf '%p ')
         echo "packed $(du -sh "$Q" | cut -f1) into \$OUT/queue.tgz${left:+; left behind (over 4 MiB): $left}"
     fi

@@ -691,7 +691,7 @@ def test_killing_a_launch_kills_its_ranks_too(tmp_path):
     ranks = [int(p.stem) for p in tmp_path.glob("*.pid")]
     kill_tree(proc.pid)
     proc.wait(timeout=30)
-    gone, alive = psutil.wait_procs([psutil.Process(r) for r in ranks if psutil.pid_exists(r)], timeout=10)
+    _, alive = psutil.wait_procs([psutil.Process(r) for r in ranks if psutil.pid_exists(r)], timeout=10)
     try:
         assert not alive, f"ranks {[p.pid for p in alive]} outlived the kill"
     finally:

@@ -81,7 +81,7 @@ class ChildGroups:
                                     start_new_session=True)
             self._running.add(proc)
         if self.stopped_by is not None:  # the signal came while Popen ran, before the group was known
-            _kill_group(proc)
+            kill_tree(proc.pid)
         return proc
 
     def reset(self) -> None:
@@ -96,22 +96,17 @@ class ChildGroups:
         """Mark the run stopped and kill every running group (safe to call from a signal handler: no waiting)."""
         self.stopped_by = self.stopped_by or reason
         for proc in list(self._running):
-            _kill_group(proc)
+            kill_tree(proc.pid)
 
 
 class RunStopped(RuntimeError):
     """The run was stopped (a signal to bench.py) before or while this child ran."""
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher's process group and every process below it: torch's elastic agent starts each rank in a
-    session of its own, out of the launcher's group, so killing the group alone leaves the ranks running."""
-    kill_tree(proc.pid)
-
-
 def kill_tree(pid: int) -> None:
-    """SIGKILL process group `pid` and every descendant of process `pid` (found before the kill: orphans are
-    re-parented at once), in whatever group or session they run."""
+    """SIGKILL process group `pid` (a launcher started in its own session) and every descendant of process `pid`
+    (found before the kill: orphans are re-parented at once): torch's elastic agent starts each rank in a session of
+    its own, out of the launcher's group, so killing the group alone leaves the ranks running."""
     import psutil  # accelerate's dependency
 
     try:
@@ -141,7 +136,7 @@ def run_group(argv: list[str], env: dict[str, str], timeout: float) -> subproces
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            _kill_group(proc)
+            kill_tree(proc.pid)
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from exc
     finally:
