@@ -8,6 +8,7 @@ optimizer / norms+elementwise / other. Also times batch collation on the CPU alo
     python scripts/profile_step.py --workload llama-1b --out results/        # on a GPU
     python scripts/profile_step.py --workload llama-1b --device cpu --tiny   # smoke run
     python scripts/profile_step.py --workload llama-8b-qlora --defaults      # the QLoRA rows' model, patch(model)
+    python scripts/profile_step.py --workload llama-8b-qlora --defaults --memory-peak   # + what its peak holds
 
 QLoRA workloads (`*-qlora`) profile the QLoRA rows' model: the NF4 base as scripts/bench.py builds it, PEFT's kbit
 preparation (its checkpointing on), LoRA; `--defaults` patches it as `hf_accel.patch(model)` does with no arguments
@@ -100,6 +101,14 @@ def profile(args) -> dict:
                 kernel_us[category(event.key)] += device_us / args.profile_steps
                 top_kernels.append((event.key[:120], device_us / args.profile_steps / 1000,
                                     event.count / args.profile_steps))  # name, ms / step, calls / step
+    memory_peak = None
+    if args.memory_peak:
+        from benchlib.memory_peak import peak_table, record
+
+        one = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=1, warmup=0,
+                          step_time_budget=1e9)
+        snapshot, baseline = record(lambda: run_loop(model, iter(batches[-1:]), loss_fn, one, Timing()))
+        memory_peak = peak_table(snapshot, baseline)
     profiled = batches[args.warmup + args.steps:] or batches
     tokens = sum(mb["input_ids"].numel() for step in profiled for mb in step) / len(profiled)
     return {
@@ -114,6 +123,7 @@ def profile(args) -> dict:
         "top_kernels_ms_per_step": sorted(top_kernels, key=lambda kv: -kv[1])[:40],
         "kernel_gaps": gaps,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None,
+        "memory_peak": memory_peak,
     }
 
 
@@ -163,20 +173,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--defaults", action="store_true",
                    help="hf_accel.patch(model) with no arguments (the library's own choices), as bench's "
                         "hf_accel-defaults / hf_accel-qlora rows; --fused-ops / --compile / --fused-ce are then unused")
+    p.add_argument("--memory-peak", action="store_true",
+                   help="CUDA: one more step under the allocator's history; what is alive at its peak, grouped by "
+                        "the Python frames that allocated it (benchlib.memory_peak)")
     p.add_argument("--out", type=Path, default=None)
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.memory_peak and not args.device.startswith("cuda"):
+        raise SystemExit("profile_step.py: --memory-peak reads CUDA's allocator history; run it with --device cuda")
     result = profile(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = (f"profile_{args.workload}_defaults.json" if args.defaults else
+        name = (f"profile_{args.workload}_defaults{_checkpointing_tag(args)}.json" if args.defaults else
                 f"profile_{args.workload}_{args.fused_ce}_{'fusedops' if args.fused_ops else 'plain'}"
                 f"{'_compiled' if args.compile else ''}.json")
         (args.out / name).write_text(json.dumps(result, indent=1))
     print(table(result))
+    if result.get("memory_peak"):
+        from benchlib.memory_peak import markdown
+
+        print("\n" + markdown(result["memory_peak"]))
+
+
+def _checkpointing_tag(args) -> str:
+    return "" if not args.checkpointing else "_" + "".join(c if c.isalnum() or c in ".-" else "-"
+                                                          for c in args.checkpointing)
 
 
 if __name__ == "__main__":

@@ -39,3 +39,39 @@ def test_qlora_workload_profiles_the_4bit_base_with_patch_defaults():
     table = profile_step.table(result)
     assert "QLoRA (NF4 base)" in table and "patch(model) defaults" in table
     del bnb
+
+
+def test_memory_peak_replays_the_trace_to_the_moment_of_most_live_bytes():
+    """benchlib.memory_peak on a hand-made allocator trace (the CUDA history cannot be recorded on CPU): the peak
+    is the most bytes alive at once, and what is alive then is grouped by allocating frame outside torch."""
+    from benchlib.memory_peak import markdown, peak_table
+
+    layer = [{"filename": "/site/torch/nn/modules/linear.py", "line": 1, "name": "forward"},
+             {"filename": "/site/peft/tuners/lora/bnb.py", "line": 7, "name": "forward"}]
+    loss = [{"filename": "/repo/hf_accel/fused/ce_functions.py", "line": 165, "name": "forward"}]
+    mib = 2**20
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 256 * mib, "frames": layer},
+        {"action": "alloc", "addr": 2, "size": 256 * mib, "frames": layer},
+        {"action": "alloc", "addr": 3, "size": 512 * mib, "frames": loss},
+        {"action": "free_requested", "addr": 3, "size": 512 * mib},
+        {"action": "alloc", "addr": 4, "size": 300 * mib, "frames": []},  # a backward thread's block
+        {"action": "free_requested", "addr": 1, "size": 256 * mib},
+        {"action": "alloc", "addr": 5, "size": 100 * mib, "frames": loss},
+    ]
+    result = peak_table({"device_traces": [trace]}, baseline=1024 * mib)
+    assert result["step_peak_over_baseline_gib"] == 1.0 and result["peak_gib"] == 2.0  # 256 + 256 + 512 MiB
+    assert result["peak_event"] == 2 and "ce_functions.py:165" in result["peak_allocation"]
+    rows = {row["allocated_by"]: row for row in result["live_at_peak"]}
+    assert rows["bnb.py:7 forward"]["blocks"] == 2 and rows["bnb.py:7 forward"]["gib"] == 0.5
+    assert not any("no Python frame" in key for key in rows)  # the backward block came after the peak
+    later = peak_table({"device_traces": [trace[:3] + trace[3:5] + [dict(trace[4], addr=6)]]}, baseline=0)
+    assert any("300.0 MiB blocks" in row["allocated_by"] for row in later["live_at_peak"])
+    assert "| bnb.py:7 forward | 0.500 | 2 |" in markdown(result)
+
+
+def test_memory_peak_needs_cuda():
+    import pytest
+
+    with pytest.raises(SystemExit, match="--memory-peak reads CUDA"):
+        profile_step.main(["--device", "cpu", "--tiny", "--memory-peak"])
