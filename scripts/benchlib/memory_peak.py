@@ -8,6 +8,11 @@ names the tensor's shape class, e.g. 256 MiB = 16k tokens x 4096 x fp32). What w
 (weights, optimizer states, the training state) is the baseline, one line. `scripts/profile_step.py --memory-peak`
 writes it for a workload's step (issue 38: where hf_accel's QLoRA peak sits against TRL's, and what a memory budget's
 plan misses).
+
+Known limit: torch 2.11-2.13 fail a compiled region's autograd Function under activation checkpointing while the
+allocator's history is on (`SystemError: <built-in method apply of FunctionMeta object> returned NULL`, pytorch issue
+179536; seen on the H200 with hf_accel's compiled decoder layers, 2026-12-02). `record` raises a RuntimeError naming
+it; profile eager layers (profile_step.py without --defaults / --compile) until torch fixes it.
 """
 from __future__ import annotations
 
@@ -25,7 +30,13 @@ def record(step: Callable[[], Any], max_entries: int = 500_000) -> tuple[dict, i
     baseline = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
-        step()
+        try:
+            step()
+        except SystemError as error:
+            raise RuntimeError(
+                "the step failed while CUDA's allocator history was on (" + str(error)[:120] + "): torch fails "
+                "compiled regions under activation checkpointing while it records (pytorch issue 179536). Profile "
+                "the memory of eager layers (without --defaults / --compile) until torch fixes it.") from error
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
