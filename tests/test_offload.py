@@ -165,7 +165,7 @@ def test_budget_plans_under_reentrant_checkpointing_use_whole_layers_only():
     with pytest.raises(ConfigurationError, match="needs non-reentrant checkpointing"):
         forced.apply(tiny_llama())
     assert forced.plan is None  # refused before probing
-    policy = policy_from_spec("budget:16MiB", use_reentrant=True)  # tight (all full needs 15.8): layers checkpointed
+    policy = policy_from_spec("budget:19MiB", use_reentrant=True)  # tight (all full needs 18.9): layers checkpointed
     policy.apply(model := tiny_llama())
     assert set(policy.plan.choices) <= {"none", "full"} and "full" in policy.plan.choices
     step(model, packed_batch())  # trains with reentrant checkpointing

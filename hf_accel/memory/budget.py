@@ -1,13 +1,13 @@
 """The ``budget:`` checkpointing policy: the least recompute whose predicted peak fits a memory budget.
 
-It probes one forward for each decoder layer's activation bytes, adds the training state (weights, gradients,
-optimizer) and the loss's own peak, asks ``planner.plan_checkpointing`` for per-layer choices (none / op-level / full
-/ offload / spaced) within the device budget and the host memory offloaded inputs may take, and applies them as a
-``PerLayer`` plan. So the longest document the device and the host together hold trains: layers keep their input on
-the device while it fits, in pinned host memory after that, and spaced (the input rebuilt in backward from the layer
-below) where neither holds them all. The plan prints its split; a budget no plan meets raises before training,
-naming the smallest budget that fits and the longest micro-batch this one holds. ``policy_from_spec("budget:20GiB")``
-builds it.
+It probes one forward for each decoder layer's activation bytes and one layer's backward for the gradients it makes on
+top of them, adds the training state (weights, gradients, optimizer) and the loss's own peak, asks
+``planner.plan_checkpointing`` for per-layer choices (none / op-level / full / offload / spaced) within the device
+budget and the host memory offloaded inputs may take, and applies them as a ``PerLayer`` plan. So the longest document
+the device and the host together hold trains: layers keep their input on the device while it fits, in pinned host
+memory after that, and spaced (the input rebuilt in backward from the layer below) where neither holds them all.
+The plan prints its split; a budget no plan meets raises before training, naming the smallest budget that fits and
+the longest micro-batch this one holds. ``policy_from_spec("budget:20GiB")`` builds it.
 """
 from __future__ import annotations
 
@@ -150,7 +150,8 @@ class MemoryBudget(CheckpointingPolicy):
         model.train()
         try:
             with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
-                probe = self.probe = probe_training_memory(model, batch, compiled=self.compiled)
+                probe = self.probe = probe_training_memory(model, batch, compiled=self.compiled,
+                                                           backward=self.sharding is None)
         finally:
             model.train(was_training)
         self.budget_bytes_resolved = budget

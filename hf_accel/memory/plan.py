@@ -2,12 +2,15 @@
 
 - `probe_layer_activations(model, batch)`: one forward on a real batch, counting the bytes autograd saves per
   decoder layer (`saved_tensors_hooks`) and what op-level / full checkpointing would keep instead.
+- `layer_backward_bytes(model, batch, layer)`: what one layer's backward makes on top of its saved tensors (the
+  gradients of its intermediates), which every plan adds to each layer's backward.
 - `live_activation_bytes(model, batch)`: every storage a forward leaves alive (the reference for policies' claims).
 - The planner itself (`plan_checkpointing`, `plan_peak_bytes`, `longest_feasible_tokens`), pure functions of
   per-layer sizes, lives in `planner` and is re-exported here.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,6 +28,15 @@ from .planner import (CHECKPOINTED, DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
+
+
+def _own_storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """``_storage_key``, or None for a wrapper subclass with no storage of its own (torchao's float8 tensors): its
+    inner tensors are counted where they are made."""
+    try:
+        return _storage_key(t)
+    except RuntimeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -48,14 +60,17 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
 
 
 def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Module] | None = None,
-                          save_ops: frozenset | None = None, compiled: bool = False) -> Probe:
+                          save_ops: frozenset | None = None, compiled: bool = False, backward: bool = True) -> Probe:
     """``probe_layer_activations`` plus the loss tail's peak (see ``Probe``), from the same forward, run eagerly
     (``torch.compiler.set_stance("force_eager")``).
 
     compiled: the decoder layers are bound to compiled training calls (patch(compile=...)). A second forward then
     runs them as bound and counts what their compiled graphs save (inductor's partitioner keeps less than the eager
     ops: eager-probed plans for compiled layers over-predicted GPU peaks by several GiB). That becomes each
-    layer's no-checkpointing (and recompute) bytes; op-level layers, which run eagerly, keep the eager figures."""
+    layer's no-checkpointing (and recompute) bytes; op-level layers, which run eagerly, keep the eager figures.
+
+    backward: also measure what one layer's backward makes on top of its saved tensors (``layer_backward_bytes``);
+    False leaves it at 0 (a sharded model, whose layer backward alone would start its collectives)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -119,11 +134,135 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
         for layer, flag in zip(layers, flags):
             layer.gradient_checkpointing = flag
     saved = counter.saved
+    backward = layer_backward_bytes(model, batch, layers[0], compiled) if layers and backward else 0
     if not compiled:
-        return Probe([LayerActivation(s, i + o, i) for s, o, i in zip(saved, op_out, inputs)], tail_peak[0])
+        return Probe([LayerActivation(s, i + o, i, backward_bytes=backward)
+                      for s, o, i in zip(saved, op_out, inputs)], tail_peak[0])
     bound = _bound_saved_bytes(model, batch, layers, params)
-    return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s)
+    return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s, backward_bytes=backward)
                   for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak[0])
+
+
+class _Measured(Exception):
+    """Ends the model forward once the measured layer has been called (nothing after it is needed)."""
+
+
+def layer_backward_bytes(model: nn.Module, batch: dict, layer: nn.Module, compiled: bool = False) -> int:
+    """What one decoder layer's backward allocates on top of the tensors its forward saved: the gradients of its
+    intermediates (an MLP's two intermediate-sized ones, attention's), of its input, and the incoming gradient of its
+    output. Measured on ``layer`` with ``batch``'s input to it (the model's forward up to that layer, then one forward
+    and backward of the layer alone, as bound: compiled layers through their graphs); every decoder layer of a
+    model has the same shapes, so one stands for all.
+
+    On CUDA the allocator's high-water mark over the backward (net of what the backward frees); elsewhere the
+    storages the backward creates, counted at each op (``_LiveBytes``). Gradients of the layer's own parameters are
+    left out (they are the training state's): the eager backward is asked for the input's gradient only, and a
+    compiled one, which makes every gradient in one graph, has its layer's trainable bytes subtracted.
+    """
+    from .targets import CALL_SLOT
+
+    missing = object()
+    previous = layer.__dict__.get(CALL_SLOT, missing)
+    call = None if previous is missing else previous
+    measured: list[int] = []
+
+    def measure(*args, **kwargs):
+        layer.__dict__[CALL_SLOT] = call if call is not None else layer._call_impl  # the inner call runs as bound
+        hidden = args[0] if args else kwargs["hidden_states"]
+        x = hidden.detach().requires_grad_(True)
+        args, kwargs = ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+        on_cuda = x.device.type == "cuda"
+        kept: dict[int, tuple[StorageWeakRef, int]] = {}  # what the forward saved (off CUDA: to credit its frees)
+
+        def pack(t):
+            key = _own_storage(t)
+            if key is not None:
+                kept.setdefault(key[0], (StorageWeakRef(t.untyped_storage()), key[1]))
+            return t
+
+        saving = contextlib.nullcontext() if on_cuda else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with _uncached_autocast(x.device.type), saving:
+            out = layer(*args, **kwargs)
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        grad = torch.ones_like(y)
+        if on_cuda:
+            torch.cuda.synchronize(y.device)
+            before = torch.cuda.memory_allocated(y.device)
+            torch.cuda.reset_peak_memory_stats(y.device)
+            torch.autograd.backward(y, grad, inputs=[x])
+            torch.cuda.synchronize(y.device)
+            made = torch.cuda.max_memory_allocated(y.device) - before
+        else:
+            with _LiveBytes(credit=kept) as live:
+                torch.autograd.backward(y, grad, inputs=[x])
+            made = live.peak
+        if compiled:
+            made -= sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+        measured.append(max(made, 0) + grad.untyped_storage().nbytes())
+        raise _Measured
+
+    flag = layer.gradient_checkpointing
+    try:
+        layer.gradient_checkpointing = False
+        layer.__dict__[CALL_SLOT] = measure
+        with torch.enable_grad():
+            model(**batch)
+    except _Measured:
+        pass
+    finally:
+        if previous is missing:
+            layer.__dict__.pop(CALL_SLOT, None)
+        else:
+            layer.__dict__[CALL_SLOT] = previous
+        layer.gradient_checkpointing = flag
+    return measured[0] if measured else 0
+
+
+def _uncached_autocast(device_type: str):
+    """Off CUDA, the autocast in effect (if any) without its cast cache, so that the storages counted do not depend on
+    what an earlier forward cached. On CUDA the allocator measures net of what is cached, and the compiled layers'
+    guards would see another autocast state (a recompile): left as it is."""
+    if device_type == "cuda" or not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
+
+
+class _LiveBytes:
+    """The most bytes of storages created inside it alive at once, checked at each op (a dispatch mode), less what
+    of ``credit`` (storages alive on entry: ptr -> (weak reference, bytes)) has been freed by then."""
+
+    def __init__(self, credit: dict[int, tuple[StorageWeakRef, int]] | None = None):
+        self.credit = dict(credit or {})
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        outer = self
+        self.peak = 0
+
+        class Track(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    key = _own_storage(t) if isinstance(t, torch.Tensor) else None
+                    if key is not None and (key[0] not in refs or refs[key[0]][0].expired()):
+                        refs[key[0]] = (StorageWeakRef(t.untyped_storage()), key[1])
+                credit = outer.credit
+                freed = sum(n for ref, n in credit.values() if ref.expired())
+                # a storage at a credited address is that credited storage while it lives, a new one after its free
+                made = sum(n for ptr, (ref, n) in refs.items()
+                           if not ref.expired() and (ptr not in credit or credit[ptr][0].expired()))
+                outer.peak = max(outer.peak, made - freed)
+                return out
+
+        self._mode = Track()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 class _SavedBytes:

@@ -52,6 +52,9 @@ class LayerActivation:
     # What the layer saves when it runs eagerly, where that differs from none_bytes (measured through compiled
     # layers): an op-level layer leaves the compiled path, so its backward rebuilds the eager set. None: none_bytes.
     eager_none_bytes: int | None = None
+    # What the layer's backward allocates on top of its saved tensors while it runs (the gradients of its
+    # intermediates, e.g. an MLP's two intermediate-sized ones, and of its input and output), whatever the choice
+    backward_bytes: int = 0
 
     def retained(self, choice: str) -> int:
         """Device bytes kept from forward to backward."""
@@ -68,7 +71,7 @@ class LayerActivation:
         def scale(n):
             return None if n is None else n * numerator // denominator
         return LayerActivation(scale(self.none_bytes), scale(self.op_bytes), scale(self.full_bytes),
-                               scale(self.eager_none_bytes))
+                               scale(self.eager_none_bytes), scale(self.backward_bytes))
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def valid_choices(choices: Sequence[str]) -> bool:
 def _step(layer: LayerActivation, choice: str, prefetched: int, pending: int | None) -> tuple[int, int, int | None]:
     """One layer of the peak model: (bytes its backward holds on top of every layer's retained bytes, the prefetched
     input for the layers above, the span's pending inputs for the layer above; None: no span open)."""
-    held = layer.rebuilt(choice) + prefetched + (pending if choice == "spaced" else 0)
+    held = layer.rebuilt(choice) + layer.backward_bytes + prefetched + (pending if choice == "spaced" else 0)
     if choice == "offload":
         prefetched = layer.full_bytes
     if choice in ("full", "offload"):
@@ -105,10 +108,11 @@ def _step(layer: LayerActivation, choice: str, prefetched: int, pending: int | N
 
 
 def layer_peaks(layers: Sequence[LayerActivation], choices: Sequence[str]) -> list[int]:
-    """Per layer, what its backward holds on top of the retained bytes of every layer: what it rebuilds; for a spaced
-    layer also the inputs its span rebuilt below it and still waiting; and the input of the nearest offloaded layer
-    below, which is on the device from the backward of the offloaded layer above it (a prefetch, or a spaced span's
-    rebuild) until its own (counted for every layer above it: an upper bound)."""
+    """Per layer, what its backward holds on top of the retained bytes of every layer: what it rebuilds and the
+    gradients it makes (``LayerActivation.backward_bytes``); for a spaced layer also the inputs its span rebuilt below
+    it and still waiting; and the input of the nearest offloaded layer below, which is on the device from the backward
+    of the offloaded layer above it (a prefetch, or a spaced span's rebuild) until its own (counted for every layer
+    above it: an upper bound)."""
     if not valid_choices(choices):
         raise ValueError(f"a 'spaced' layer must follow a checkpointed one ({'/'.join(CHECKPOINTED)}): {choices}")
     peaks, prefetched, pending = [], 0, None
