@@ -159,62 +159,50 @@ def layer_backward_bytes(model: nn.Module, batch: dict, layer: nn.Module, compil
     left out (they are the training state's): the eager backward is asked for the input's gradient only, and a
     compiled one, which makes every gradient in one graph, has its layer's trainable bytes subtracted.
     """
-    from .targets import CALL_SLOT
-
-    missing = object()
-    previous = layer.__dict__.get(CALL_SLOT, missing)
-    call = None if previous is missing else previous
     measured: list[int] = []
 
-    def measure(*args, **kwargs):
-        layer.__dict__[CALL_SLOT] = call if call is not None else layer._call_impl  # the inner call runs as bound
-        hidden = args[0] if args else kwargs["hidden_states"]
-        x = hidden.detach().requires_grad_(True)
-        args, kwargs = ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
-        on_cuda = x.device.type == "cuda"
-        kept: dict[int, tuple[StorageWeakRef, int]] = {}  # what the forward saved (off CUDA: to credit its frees)
+    def measuring(index: int, layer: nn.Module, call):
+        def measure(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            x = hidden.detach().requires_grad_(True)
+            args, kwargs = ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+            on_cuda = x.device.type == "cuda"
+            kept: dict[int, tuple[StorageWeakRef, int]] = {}  # what the forward saved (off CUDA: to credit its frees)
 
-        def pack(t):
-            key = _own_storage(t)
-            if key is not None:
-                kept.setdefault(key[0], (StorageWeakRef(t.untyped_storage()), key[1]))
-            return t
+            def pack(t):
+                key = _own_storage(t)
+                if key is not None:
+                    kept.setdefault(key[0], (StorageWeakRef(t.untyped_storage()), key[1]))
+                return t
 
-        saving = contextlib.nullcontext() if on_cuda else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with _uncached_autocast(x.device.type), saving:
-            out = layer(*args, **kwargs)
-        y = out[0] if isinstance(out, (tuple, list)) else out
-        grad = torch.ones_like(y)
-        if on_cuda:
-            torch.cuda.synchronize(y.device)
-            before = torch.cuda.memory_allocated(y.device)
-            torch.cuda.reset_peak_memory_stats(y.device)
-            torch.autograd.backward(y, grad, inputs=[x])
-            torch.cuda.synchronize(y.device)
-            made = torch.cuda.max_memory_allocated(y.device) - before
-        else:
-            with _LiveBytes(credit=kept) as live:
+            saving = (contextlib.nullcontext() if on_cuda
+                      else torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            with _uncached_autocast(x.device.type), saving:
+                out = call(*args, **kwargs)  # as bound: a compiled layer through its graph
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            grad = torch.ones_like(y)
+            if on_cuda:
+                torch.cuda.synchronize(y.device)
+                before = torch.cuda.memory_allocated(y.device)
+                torch.cuda.reset_peak_memory_stats(y.device)
                 torch.autograd.backward(y, grad, inputs=[x])
-            made = live.peak
-        if compiled:
-            made -= sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
-        measured.append(max(made, 0) + grad.untyped_storage().nbytes())
-        raise _Measured
+                torch.cuda.synchronize(y.device)
+                made = torch.cuda.max_memory_allocated(y.device) - before
+            else:
+                with _LiveBytes(credit=kept) as live:
+                    torch.autograd.backward(y, grad, inputs=[x])
+                made = live.peak
+            if compiled:
+                made -= sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+            measured.append(max(made, 0) + grad.untyped_storage().nbytes())
+            raise _Measured
+        return measure
 
-    flag = layer.gradient_checkpointing
     try:
-        layer.gradient_checkpointing = False
-        layer.__dict__[CALL_SLOT] = measure
-        with torch.enable_grad():
+        with _calls_wrapped([layer], measuring), torch.enable_grad():
             model(**batch)
     except _Measured:
         pass
-    finally:
-        if previous is missing:
-            layer.__dict__.pop(CALL_SLOT, None)
-        else:
-            layer.__dict__[CALL_SLOT] = previous
-        layer.gradient_checkpointing = flag
     return measured[0] if measured else 0
 
 
@@ -298,32 +286,41 @@ class _SavedBytes:
 def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module], params: set[int]) -> list[int]:
     """Per decoder layer, the bytes autograd saves when the layers run as bound (compiled ones through their graphs).
 
-    Each layer's call slot is wrapped for the forward so saved tensors are attributed to the layer running (module
-    hooks would run inside the compiled region); every slot is restored exactly afterwards.
+    Each layer's call slot is wrapped for the forward (``_calls_wrapped``) so saved tensors are attributed to the
+    layer running.
     """
-    from .targets import CALL_SLOT
-
     counter = _SavedBytes(len(layers), params)
-    missing = object()
-    previous = [layer.__dict__.get(CALL_SLOT, missing) for layer in layers]
 
     def attributed(index: int, layer: nn.Module, call):
         def run(*args, **kwargs):
             counter.layer = index
             try:
-                return (call or layer._call_impl)(*args, **kwargs)
+                return call(*args, **kwargs)
             finally:
                 counter.layer = None
         return run
 
+    with _calls_wrapped(layers, attributed), torch.enable_grad(), counter.hooks():
+        out = model(**batch)
+    del out
+    return counter.saved
+
+
+@contextlib.contextmanager
+def _calls_wrapped(layers: Sequence[nn.Module], wrap):
+    """Each layer's call slot replaced by ``wrap(index, layer, call)``, ``call`` being how the layer runs as bound (its
+    compiled training call, else ``layer._call_impl``), and its checkpointing flag off; both restored exactly on exit.
+    Module hooks would run inside a compiled region: the slot is the one place outside it."""
+    from .targets import CALL_SLOT
+
+    missing = object()
+    previous = [layer.__dict__.get(CALL_SLOT, missing) for layer in layers]
     flags = [layer.gradient_checkpointing for layer in layers]
     try:
         for i, (layer, call) in enumerate(zip(layers, previous)):
             layer.gradient_checkpointing = False
-            layer.__dict__[CALL_SLOT] = attributed(i, layer, None if call is missing else call)
-        with torch.enable_grad(), counter.hooks():
-            out = model(**batch)
-        del out
+            layer.__dict__[CALL_SLOT] = wrap(i, layer, layer._call_impl if call is missing else call)
+        yield
     finally:
         for layer, call, flag in zip(layers, previous, flags):
             if call is missing:
@@ -331,7 +328,6 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
             else:
                 layer.__dict__[CALL_SLOT] = call
             layer.gradient_checkpointing = flag
-    return counter.saved
 
 
 def live_activation_bytes(model: nn.Module, batch: dict) -> int:
