@@ -384,3 +384,30 @@ def test_a_head_with_its_own_bound_forward_keeps_it():
     got = linear_cross_entropy(hidden, head, labels, chunk_size=8)
     assert head.__dict__["forward"] is bound and own is not bound
     torch.testing.assert_close(got, _reference(hidden, head, labels, "mean", None), rtol=RTOL, atol=ATOL)
+
+
+def test_inline_loss_holds_one_chunk_and_no_hidden_copy_at_its_peak():
+    """QLoRA's case (PEFT keeps the head and the residual stream fp32, the head computes in bf16 under autocast): the
+    inline loss's own peak is the head's bf16 copy, the hidden gradient and one chunk, or the hidden gradient while it
+    widens to fp32, whichever is more. It held a bf16 copy of every hidden row and two chunks' logits at once, and
+    the head's copy while the gradient widened: on Llama-3-8B QLoRA ~0.4 GiB at the step's memory peak."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from hf_accel.memory.plan import _LiveBytes
+
+    n, h, v, chunk = 4096, 256, 1024, 128
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    head = nn.Linear(h, v, bias=False).requires_grad_(False)
+    labels = torch.randint(0, v, (n,), generator=g)
+    inputs = {hidden.untyped_storage().data_ptr(): (StorageWeakRef(hidden.untyped_storage()), n * h * 4)}
+    with torch.autocast("cpu", dtype=torch.bfloat16), _LiveBytes(credit=inputs) as live:
+        loss = linear_cross_entropy(hidden, head, labels, chunk_size=chunk, method="inline")
+    weight_copy, grad_bf16, grad_fp32 = v * h * 2, n * h * 2, n * h * 4
+    one_chunk = 6 * chunk * v * 4  # the chunk's logits and the fp32 temporaries of the CPU CE
+    assert live.peak <= max(weight_copy + grad_bf16 + one_chunk, grad_bf16 + grad_fp32) + 64 * 2**10, live.peak
+    (grad,) = torch.autograd.grad(loss, hidden)  # still the gradient of the unfused loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _reference(hidden, head, labels, "mean", None)
+    (grad_want,) = torch.autograd.grad(want, hidden)
+    assert ((grad - grad_want).norm() / grad_want.norm()).item() < 2e-2

@@ -48,6 +48,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             logits_cv = soft_cap(_chunk_logits(hidden_nh[sl], w_vh, b_v).float(), softcap)
             lse_n[sl] = torch.logsumexp(logits_cv, dim=-1)
             total += _chunk_ce_sum(logits_cv, labels_n[sl])
+            del logits_cv  # not alive beside the next chunk's
         ctx.chunk_size, ctx.softcap = chunk_size, softcap
         ctx.has_bias = bias_v is not None
         ctx.save_for_backward(hidden_nh, weight_vh, bias_v, labels_n, lse_n)
@@ -78,6 +79,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 grad_weight += dlogits_cv.t() @ h_ch.float()
             if grad_bias is not None:
                 grad_bias += dlogits_cv.sum(0)
+            del logits_cv, dlogits_cv  # not alive beside the next chunk's
         grad_weight = grad_weight.to(weight_vh.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias_v.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
@@ -134,6 +136,28 @@ def _accumulate_grad_weight_(grad_vh: torch.Tensor, dlogits_cv: torch.Tensor, h_
         grad_vh.addmm_(dlogits_cv.t().to(grad_vh.dtype), h_ch.to(grad_vh.dtype), beta=0 if first else 1)
 
 
+def _chunk_grads_(h_ch: torch.Tensor, w_vh: torch.Tensor, b_v: torch.Tensor | None, labels_c: torch.Tensor,
+                  softcap: float | None, ce_grad: Callable, grad_hidden_ch: torch.Tensor | None,
+                  grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, first: bool) -> torch.Tensor:
+    """One chunk of `_GradInForwardLinearCE`: its summed CE, its rows of the hidden gradient written into
+    `grad_hidden_ch`, its share of the weight and bias gradients added. Its logits live only in this call."""
+    logits_cv = F.linear(h_ch, w_vh, b_v)
+    if softcap:  # capped in place, as transformers caps (divide, tanh, multiply in the logits' dtype)
+        tanh_cv = logits_cv.div_(softcap).tanh_()
+        logits_cv = tanh_cv * softcap
+    loss = ce_grad(logits_cv, labels_c)
+    dlogits_cv = logits_cv  # overwritten in place
+    if softcap:  # through the cap: 1 - tanh^2
+        dlogits_cv.mul_(tanh_cv.square_().neg_().add_(1))
+    if grad_hidden_ch is not None:
+        torch.mm(dlogits_cv, w_vh, out=grad_hidden_ch)
+    if grad_weight is not None:
+        _accumulate_grad_weight_(grad_weight, dlogits_cv, h_ch, first=first)
+    if grad_bias is not None:
+        grad_bias += dlogits_cv.sum(0, dtype=torch.float32)
+    return loss
+
+
 class _GradInForwardLinearCE(torch.autograd.Function):
     """Sum of token CE of `hidden_nh @ weight_vh.T + bias_v`, gradients computed chunk by chunk in the forward.
 
@@ -154,28 +178,19 @@ class _GradInForwardLinearCE(torch.autograd.Function):
         # the dtypes of hidden, weight and bias (an fp32 weight accumulates its gradient in fp32).
         compute = _compute_dtype(device, weight_vh.dtype)
         with torch.autocast(device.type, enabled=False):
-            h_nh, w_vh, b_v = hidden_nh.to(compute), weight_vh.to(compute), _cast(bias_v, compute)
-            grad_hidden = torch.empty_like(h_nh) if want_hidden else None
+            w_vh, b_v = weight_vh.to(compute), _cast(bias_v, compute)
+            grad_hidden = torch.empty_like(hidden_nh, dtype=compute) if want_hidden else None
             grad_weight = torch.empty_like(weight_vh) if want_weight else None
             grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
             total = torch.zeros((), dtype=torch.float32, device=device)
-            for start in _chunk_starts(h_nh.shape[0], chunk_size):
+            for start in _chunk_starts(hidden_nh.shape[0], chunk_size):
                 sl = slice(start, start + chunk_size)
-                h_ch = h_nh[sl]
-                logits_cv = F.linear(h_ch, w_vh, b_v)
-                if softcap:  # capped in place, as transformers caps (divide, tanh, multiply in the logits' dtype)
-                    tanh_cv = logits_cv.div_(softcap).tanh_()
-                    logits_cv = tanh_cv * softcap
-                total += ce_grad(logits_cv, labels_n[sl])
-                dlogits_cv = logits_cv  # overwritten in place
-                if softcap:  # through the cap: 1 - tanh^2
-                    dlogits_cv.mul_(tanh_cv.square_().neg_().add_(1))
-                if grad_hidden is not None:
-                    torch.mm(dlogits_cv, w_vh, out=grad_hidden[sl])
-                if grad_weight is not None:
-                    _accumulate_grad_weight_(grad_weight, dlogits_cv, h_ch, first=start == 0)
-                if grad_bias is not None:
-                    grad_bias += dlogits_cv.sum(0, dtype=torch.float32)
+                # the hidden chunk is cast here, not the whole (N, H) at once; the chunk's logits die in the call
+                total += _chunk_grads_(hidden_nh[sl].to(compute), w_vh, b_v, labels_n[sl], softcap, ce_grad,
+                                       None if grad_hidden is None else grad_hidden[sl], grad_weight, grad_bias,
+                                       first=start == 0)
+            # the head's cast copy (1 GiB for a Llama-3 fp32 head under bf16 autocast) goes before grad_hidden widens
+            del w_vh, b_v
         ctx.save_for_backward(
             None if grad_hidden is None else grad_hidden.to(hidden_nh.dtype),
             grad_weight,
