@@ -4,6 +4,8 @@ layers? One Llama-3-8B QLoRA model as scripts/bench.py builds it (NF4 from files
 patched after its LoRA in each variant in turn (compiled layers, eager layers, compiled without inductor's donated
 buffers, compiled without liger-kernel): the allocator's peak over two steps after three warm-up steps, and the
 memory planner's one-layer backward probe. Writes $OUT/diag_qlora_memory.json (one H200: ~4 minutes).
+The record benchmarks/results/diag_qlora_memory_2026-12-03T0611.json came from an earlier draft of this script
+(the same variants and measurements, with the probe wrapped in a try); this form has not run on the GPU yet.
 
     PYTHONPATH=/tmp/site-bnb:$PYTHONPATH python scripts/gpu_queues/diag_qlora_memory.py
 """
