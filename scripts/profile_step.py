@@ -9,6 +9,7 @@ optimizer / norms+elementwise / other. Also times batch collation on the CPU alo
     python scripts/profile_step.py --workload llama-1b --device cpu --tiny   # smoke run
     python scripts/profile_step.py --workload llama-8b-qlora --defaults      # the QLoRA rows' model, patch(model)
     python scripts/profile_step.py --workload llama-8b-qlora --defaults --memory-peak   # + what its peak holds
+    python scripts/profile_step.py --workload llama-8b-qlora --defaults --op-sites      # + which code launches them
 
 QLoRA workloads (`*-qlora`) profile the QLoRA rows' model: the NF4 base as scripts/bench.py builds it, PEFT's kbit
 preparation (its checkpointing on), LoRA; `--defaults` patches it as `hf_accel.patch(model)` does with no arguments
@@ -56,6 +57,33 @@ def kernel_gaps(events, steps: int, top: int = 12) -> dict:
                       for (a, b), (n, us) in ranked]}
 
 
+def op_sites(prof, steps: int, device: bool, top: int = 30) -> list[dict]:
+    """The aten ops with the most time of their own (GPU time; host time for a CPU run), per call site: op, input
+    shapes and the innermost Python frames outside torch (the profiler's Python events that enclose the op).
+    Kernels that inductor's compiled code launches itself (its triton kernels) have no aten op and do not show; its
+    extern calls (matmuls, custom ops) and every eager op do."""
+    sites: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if not event.name.startswith(("aten::", "bitsandbytes::")):
+            continue
+        own_us = event.self_device_time_total if device else event.self_cpu_time_total
+        if not own_us:
+            continue
+        frames, parent = [], event.cpu_parent
+        while parent is not None and len(frames) < 5:
+            name = parent.name.removeprefix("autograd::engine::evaluate_function: ")
+            python = ".py(" in name and not name.startswith("torch/") and "/torch/" not in name
+            if (python and "profile_step.py" not in name) or name != parent.name or "Compiled" in name:
+                frames.append(name)  # our code's frames, the autograd node of a backward op, compiled regions
+            parent = parent.cpu_parent
+        site = sites[(event.name, str(event.input_shapes)[:160], tuple(frames))]
+        site[0] += 1
+        site[1] += own_us
+    rows = [{"op": op, "shapes": shapes, "calls_per_step": n / steps, "ms_per_step": us / 1000 / steps,
+             "stack": list(frames)} for (op, shapes, frames), (n, us) in sites.items()]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+
+
 def profile(args) -> dict:
     workload = WORKLOADS[args.workload]
     settings = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=args.steps,
@@ -84,20 +112,24 @@ def profile(args) -> dict:
     steady = sorted(timing.step_seconds)[len(timing.step_seconds) // 2]  # median: robust to JIT-compile steps
 
     kernel_us: dict[str, float] = defaultdict(float)
+    sites: list[dict] = []
     top_kernels: list[tuple[str, float, float]] = []
     gaps: dict = {}
-    if args.device.startswith("cuda") and args.profile_steps:
+    cuda = args.device.startswith("cuda")
+    if (cuda or args.op_sites) and args.profile_steps:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         prof_settings = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=args.profile_steps,
                                     warmup=0, step_time_budget=1e9)
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = ([ProfilerActivity.CUDA] if cuda else []) + ([ProfilerActivity.CPU] if args.op_sites else [])
+        with torch_profile(activities=activities, record_shapes=args.op_sites, with_stack=args.op_sites) as prof:
             run_loop(model, iter(batches[args.warmup + args.steps:]), loss_fn, prof_settings, Timing())
         gaps = kernel_gaps(prof.events(), args.profile_steps)
+        sites = op_sites(prof, args.profile_steps, device=cuda) if args.op_sites else []
         for event in prof.key_averages():
             device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-            if device_us and event.key:
+            if device_us and event.key and event.device_type == torch.autograd.DeviceType.CUDA:
                 kernel_us[category(event.key)] += device_us / args.profile_steps
                 top_kernels.append((event.key[:120], device_us / args.profile_steps / 1000,
                                     event.count / args.profile_steps))  # name, ms / step, calls / step
@@ -122,6 +154,7 @@ def profile(args) -> dict:
         "kernel_ms_per_step": {k: v / 1000 for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": sorted(top_kernels, key=lambda kv: -kv[1])[:40],
         "kernel_gaps": gaps,
+        "op_sites": sites,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else None,
         "memory_peak": memory_peak,
     }
@@ -149,6 +182,12 @@ def table(result: dict) -> str:
         lines += ["", "| kernel | ms / step | calls / step |", "|---|---:|---:|"]
         lines += [f"| {k[0][:70]} | {k[1]:.1f} | {k[2] if len(k) > 2 else '-'} |"
                   for k in result["top_kernels_ms_per_step"][:15]]
+    if result.get("op_sites"):
+        unit = "GPU" if result["device"].startswith("cuda") else "host"
+        lines += ["", f"| aten op | input shapes | calls / step | {unit} ms / step | innermost frames |",
+                  "|---|---|---:|---:|---|"]
+        lines += [f"| {r['op']} | {r['shapes'][:60]} | {r['calls_per_step']:.1f} | {r['ms_per_step']:.2f} | "
+                  f"{' < '.join(f.rsplit('/', 1)[-1] for f in r['stack'][:3])} |" for r in result["op_sites"][:20]]
     gaps = result.get("kernel_gaps") or {}
     if gaps.get("sites"):
         lines += ["", f"GPU idle between kernels: {gaps['idle_ms_per_step']:.1f} ms/step; largest sites:", "",
@@ -176,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-peak", action="store_true",
                    help="CUDA: one more step under the allocator's history; what is alive at its peak, grouped by "
                         "the Python frames that allocated it (benchlib.memory_peak)")
+    p.add_argument("--op-sites", action="store_true",
+                   help="CUDA: also record the host side (shapes, Python stacks) and list the aten ops with the most "
+                        "GPU time by call site: where eager copies and casts come from")
     p.add_argument("--out", type=Path, default=None)
     return p
 

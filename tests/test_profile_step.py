@@ -41,6 +41,25 @@ def test_qlora_workload_profiles_the_4bit_base_with_patch_defaults():
     del bnb
 
 
+def test_op_sites_name_the_code_that_launches_each_cast():
+    """--op-sites (on CPU: host time) lists aten ops by call site with the Python frames outside torch: on the eager
+    QLoRA layers of a CPU run, bitsandbytes' and PEFT's input casts show as copies launched from their modules."""
+    import pytest
+
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+    ns = profile_step.build_parser().parse_args(["--device", "cpu", "--tiny", "--warmup", "1", "--steps", "1",
+                                                 "--profile-steps", "1", "--workload", "llama-8b-qlora",
+                                                 "--defaults", "--op-sites"])
+    result = profile_step.profile(ns)
+    sites = result["op_sites"]
+    assert sites and all(r["op"].startswith(("aten::", "bitsandbytes::")) for r in sites)
+    assert sites == sorted(sites, key=lambda r: -r["ms_per_step"])
+    copies = [r for r in sites if r["op"] == "aten::copy_"]
+    assert any("bitsandbytes" in f or "peft" in f for r in copies for f in r["stack"]), copies
+    assert all("/torch/" not in f for r in sites for f in r["stack"])
+    assert "| aten op |" in profile_step.table(result)
+
+
 def test_memory_peak_replays_the_trace_to_the_moment_of_most_live_bytes():
     """benchlib.memory_peak on a hand-made allocator trace (the CUDA history cannot be recorded on CPU): the peak
     is the most bytes alive at once, and what is alive then is grouped by allocating frame outside torch."""
