@@ -177,3 +177,33 @@ def test_compiled_layers_train_the_fp8_model_as_eager_does():
     torch.testing.assert_close(losses[1], losses[0])
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_fp8_layers_trace_token_counts_that_are_not_multiples_of_16(monkeypatch):
+    """Packed batches have any token count, and the compiled layers trace it as a symbol; float8 matmuls need their
+    inner dimension a multiple of 16 on CUDA, and the weight gradient's inner dimension is the token count (the H200
+    run of 2026-12-03 failed there: "Expected self.size(1) to be divisible by 16, but got self.size(1)=s29"). torch's
+    meta checks skip that condition on the CPU, so this test applies them as on CUDA while the compiled layers
+    trace: torchao pads the inner dimension with zeros (pad_inner_dim), which leaves every product unchanged, so the
+    compiled model's loss and gradients equal the eager fp8 model's."""
+    import torch._meta_registrations as meta
+
+    cpu_hint = meta.device_hint
+    monkeypatch.setattr(meta, "device_hint", lambda t: "cuda" if cpu_hint(t) == "cpu" else cpu_hint(t))
+    eager = _model().train()
+    compiled = copy.deepcopy(eager)
+    hf_accel.patch(eager, precision="fp8")
+    hf_accel.patch(compiled, precision="fp8", compile=True)
+    for lengths in ([23, 40, 9], [11, 30]):  # 72 and 41 tokens: neither a multiple of 16
+        pos = torch.cat([torch.arange(k) for k in lengths])[None]
+        ids = torch.randint(0, 250, (1, sum(lengths)), generator=torch.Generator().manual_seed(len(lengths)))
+        batch = dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
+        losses = []
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            losses.append(model(**batch).loss)
+            losses[-1].backward()
+        torch.testing.assert_close(losses[1], losses[0])
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)

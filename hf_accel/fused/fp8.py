@@ -5,7 +5,9 @@ gets its own scale; the matmuls run in float8 e4m3 with bf16 / fp32 outputs and 
 This changes what the model computes (float8 rounding of every matmul operand), so it is never a default and never
 chosen by "auto": the caller asks for it, and the report says so. The LM head, the embeddings, norms and attention
 stay in the model's own precision (as torchtitan and torchao's recipes keep the output layer in high precision), as
-does every linear whose dimensions are not multiples of 16 (float8 matmuls need them).
+does every linear whose dimensions are not multiples of 16 (float8 matmuls need them). The token dimension, an
+inner dimension of the weight gradient's matmul, is padded with zeros to a multiple of 16 (torchao's
+``pad_inner_dim``), so packed batches of any length train.
 
 Full fine-tuning only: a PEFT model's frozen base and small adapters, and quantized bases, are refused with the
 reason. The swap keeps each original ``nn.Linear`` (the new module shares its weight and bias Parameters), so
@@ -13,6 +15,7 @@ reason. The swap keeps each original ``nn.Linear`` (the new module shares its we
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -69,7 +72,10 @@ def apply(model_hf: nn.Module) -> tuple[list[str], list[Callable[[], None]]]:
     """Swap the decoder layers' eligible ``nn.Linear`` for torchao's ``Float8Linear`` (``patch()`` has checked
     ``refusal``); returns the swapped names and the undo action that puts the original modules back."""
     config_cls, convert = _float8_api()
-    config = config_cls.from_recipe_name(RECIPE)
+    # the weight gradient's inner dimension is the batch's token count, which packing makes any number (and the
+    # compiled layers a symbol): torchao pads that dimension with zeros to the multiple of 16 that float8 matmuls
+    # need, which leaves each product as it was
+    config = dataclasses.replace(config_cls.from_recipe_name(RECIPE), pad_inner_dim=True)
     names = {id(m): n for n, m in model_hf.named_modules()}
     originals: list[tuple[nn.Module, str, nn.Module]] = []
     for layer in decoder_layers(model_hf):
