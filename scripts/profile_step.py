@@ -57,14 +57,17 @@ def kernel_gaps(events, steps: int, top: int = 12) -> dict:
                       for (a, b), (n, us) in ranked]}
 
 
-def op_sites(prof, steps: int, device: bool, top: int = 30) -> list[dict]:
-    """The aten ops with the most time of their own (GPU time; host time for a CPU run), per call site: op, input
-    shapes and the innermost Python frames outside torch (the profiler's Python events that enclose the op).
-    Kernels that inductor's compiled code launches itself (its triton kernels) have no aten op and do not show; its
-    extern calls (matmuls, custom ops) and every eager op do."""
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul")
+
+
+def op_sites(prof, steps: int, device: bool, top: int = 40) -> list[dict]:
+    """The aten ops other than matmuls (the kernel table has those) with the most time of their own (GPU time; host
+    time for a CPU run), per call site: op, input shapes and the innermost Python frames outside torch (the
+    profiler's Python events that enclose the op). Kernels that inductor's compiled code launches itself (its triton
+    kernels) have no aten op and do not show; its extern calls (custom ops, copies) and every eager op do."""
     sites: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
-        if not event.name.startswith(("aten::", "bitsandbytes::")):
+        if not event.name.startswith(("aten::", "bitsandbytes::")) or event.name in MATMUL_OPS:
             continue
         own_us = event.self_device_time_total if device else event.self_cpu_time_total
         if not own_us:
@@ -129,7 +132,8 @@ def profile(args) -> dict:
         sites = op_sites(prof, args.profile_steps, device=cuda) if args.op_sites else []
         for event in prof.key_averages():
             device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-            if device_us and event.key and event.device_type == torch.autograd.DeviceType.CUDA:
+            if device_us and event.key and event.device_type == torch.autograd.DeviceType.CUDA \
+                    and not getattr(event, "is_user_annotation", False):  # kernels, not record_function ranges
                 kernel_us[category(event.key)] += device_us / args.profile_steps
                 top_kernels.append((event.key[:120], device_us / args.profile_steps / 1000,
                                     event.count / args.profile_steps))  # name, ms / step, calls / step
