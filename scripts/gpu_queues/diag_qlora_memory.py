@@ -6,8 +6,11 @@ buffers, compiled without liger-kernel): the allocator's peak over two steps aft
 memory planner's one-layer backward probe. Writes $OUT/diag_qlora_memory.json (one H200: ~4 minutes).
 The record benchmarks/results/diag_qlora_memory_2026-12-03T0611.json came from an earlier draft of this script
 (the same variants and measurements, with the probe wrapped in a try); this form has not run on the GPU yet.
+Arguments name other variants: ``amb=F`` is the compiled defaults with the partitioner's
+``torch._functorch.config.activation_memory_budget`` at F (1.0: save what min-cut picks; lower: recompute more of
+each layer's forward inside its backward), e.g. ``defaults amb=0.9 amb=0.8``.
 
-    PYTHONPATH=/tmp/site-bnb:$PYTHONPATH python scripts/gpu_queues/diag_qlora_memory.py
+    PYTHONPATH=/tmp/site-bnb:$PYTHONPATH python scripts/gpu_queues/diag_qlora_memory.py [VARIANT ...]
 """
 from __future__ import annotations
 
@@ -60,18 +63,32 @@ def measure(model, batches: list, **patch_kwargs) -> dict:
     return row
 
 
+def run_variant(name: str, model, batches: list) -> dict:
+    """One named variant's row (see the module docstring)."""
+    if name == "defaults":
+        return measure(model, batches)
+    if name == "eager":
+        return measure(model, batches, compile=False)
+    if name == "no-donated-buffers":
+        with torch._functorch.config.patch(donated_buffer=False):
+            return measure(model, batches)
+    if name == "no-fused-ops":
+        return measure(model, batches, fused_ops=False)
+    if name.startswith("amb="):
+        with torch._functorch.config.patch(activation_memory_budget=float(name[4:])):
+            return measure(model, batches)
+    raise SystemExit(f"unknown variant {name!r}")
+
+
 def main() -> None:
+    variants = sys.argv[1:] or ["defaults", "eager", "no-donated-buffers", "no-fused-ops"]
     model = add_lora(qlora_base(settings(1), "sdpa"), WORKLOAD)
     batches = list(itertools.islice(_hf_accel_steps(make_data(DataSpec(), model.config.vocab_size, 12), 0), 8))
-    rows = {"compiled-defaults": measure(model, batches), "eager": measure(model, batches, compile=False)}
-    torch._functorch.config.donated_buffer = False
-    rows["compiled-no-donated-buffers"] = measure(model, batches)
-    torch._functorch.config.donated_buffer = True
-    rows["compiled-no-fused-ops"] = measure(model, batches, fused_ops=False)
-    for name, row in rows.items():
-        print(name, json.dumps(row))
-    Path(os.environ.get("OUT", "."), "diag_qlora_memory.json").write_text(json.dumps(rows, indent=1))
-
+    rows = {}
+    for name in variants:
+        rows[name] = run_variant(name, model, batches)
+        print(name, json.dumps(rows[name]), flush=True)
+        Path(os.environ.get("OUT", "."), "diag_qlora_memory.json").write_text(json.dumps(rows, indent=1))
 
 if __name__ == "__main__":
     main()
