@@ -1,11 +1,12 @@
 """Falcon family: 7B multi-query, 40B/180B new decoder architecture (grouped KV), RW (ALiBi), plain MHA.
 
-Falcon does not use transformers' AttentionInterface and builds its mask without position_ids, so stock packed
-batches attend across documents. The seam here is each ``FalconAttention`` instance's ``forward`` (never the decoder
-layer's, which would silently disable checkpointing): the fused ``query_key_value`` and ``dense`` projections are
-still called as modules (LoRA works), K/V go to the kernel as true groups (no broadcast to every head), documents come
-from the collator's ``cu_seq_lens_q`` given to the model's forward, else from position_ids, and ALiBi is passed to
-the kernel as slopes.
+Up to transformers 5.23 Falcon builds its mask without position_ids, so stock packed batches attend across documents;
+up to 5.24 its attention takes the ALiBi tensor as an argument and does not use transformers' AttentionInterface (5.25
+folds ALiBi into the mask and does). The seam here, for every version, is each ``FalconAttention`` instance's
+``forward`` (never the decoder layer's, which would silently disable checkpointing): the fused ``query_key_value`` and
+``dense`` projections are still called as modules (LoRA works), K/V go to the kernel as true groups (no broadcast to
+every head), documents come from the collator's ``cu_seq_lens_q`` given to the model's forward, else from
+position_ids, and ALiBi is passed to the kernel as slopes.
 
 The original forward (transformers' own, eager or SDPA as configured) runs unchanged for every call the seam cannot
 or need not serve: decoding steps behind a KV cache, every call with a static cache and, outside training, a forward
@@ -18,6 +19,7 @@ A 2D mask with holes keeps its meaning: the masked keys are hidden and nothing e
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import types
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from hf_accel.attention.hf_attention import (
     suspend_forward_record,
 )
 from hf_accel.attention.kernels import AttnOptions
-from hf_accel.attention.routing import leaves_forward_to_stock
+from hf_accel.attention.routing import PROBABILITIES, leaves_forward_to_stock
 
 from ._family import Family, LayerAttention, LayerBytes, affine_layer_norm, fusable_by_class
 
@@ -98,12 +100,18 @@ def _cache_layout(module: FalconAttention, k_bshd: torch.Tensor) -> torch.Tensor
     return k_bshd.repeat_interleave(groups, dim=2).transpose(1, 2) if groups > 1 else k_bshd.transpose(1, 2)
 
 
+def _dropout_p(module: FalconAttention) -> float:
+    """The attention dropout: an nn.Dropout up to transformers 5.24, the config's float from 5.25 on."""
+    dropout = module.attention_dropout
+    return float(dropout.p if isinstance(dropout, torch.nn.Dropout) else dropout)
+
+
 @torch.compiler.disable  # compiled layers break here, as at hf_accel_attention (the slopes memo stays eager)
 def _attend(self: FalconAttention, q, k, v, attention_mask, position_ids, with_alibi: bool) -> torch.Tensor:
     opts = AttnOptions(
         scale=self.inv_norm_factor,
         causal=True,
-        dropout_p=self.attention_dropout.p if (self.training and with_alibi) else 0.0,
+        dropout_p=_dropout_p(self) if (self.training and with_alibi) else 0.0,
         alibi_slopes=alibi_slopes(self.num_heads, self.head_dim, q.device) if with_alibi else None,
     )
     # Falcon's decoder layers pass no keyword arguments down: the collator's metadata comes from the model's forward.
@@ -130,24 +138,69 @@ def _runs_stock(self: FalconAttention, layer_past, output_attentions: bool) -> b
     return layer_past.get_seq_length(self.layer_idx) > 0  # a dynamic cache's length is a Python int
 
 
+# transformers 5.17-5.24 hand FalconAttention the ALiBi tensor as an argument of its own; 5.25 folds it into the
+# attention mask (the model's config says whether the model has ALiBi) and routes the stock call through
+# transformers' attention interface.
+TAKES_ALIBI = "alibi" in inspect.signature(FalconAttention.forward).parameters
+
+
+def _seam_forward(self: FalconAttention, hidden_states, attention_mask, position_ids, layer_past, position_embeddings,
+                  with_alibi: bool):
+    q, k, v = split_qkv(self, self.query_key_value(hidden_states))
+    if not with_alibi:
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    if layer_past is not None:  # a prefill that starts a cache: store it the way the stock decode steps read it
+        layer_past.update(_cache_layout(self, k), _cache_layout(self, v), self.layer_idx)
+    out = _attend(self, q, k, v, attention_mask, position_ids, with_alibi=with_alibi)
+    return self.dense(out.reshape(*out.shape[:2], -1)), None
+
+
 def patched_forward(
+    self: FalconAttention, hidden_states, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+    output_attentions=False, position_embeddings=None, **kwargs,
+):
+    """transformers 5.25 on."""
+    if _runs_stock(self, layer_past, output_attentions):
+        return getattr(self, _ORIGINAL)(
+            hidden_states, attention_mask, position_ids=position_ids, layer_past=layer_past, use_cache=use_cache,
+            output_attentions=output_attentions, position_embeddings=position_embeddings, **kwargs,
+        )
+    return _seam_forward(self, hidden_states, attention_mask, position_ids, layer_past, position_embeddings,
+                         with_alibi=bool(self.config.alibi))
+
+
+def patched_forward_taking_alibi(
     self: FalconAttention, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
     use_cache=False, output_attentions=False, position_embeddings=None, **kwargs,
 ):
+    """transformers 5.17-5.24."""
     if _runs_stock(self, layer_past, output_attentions):
         return getattr(self, _ORIGINAL)(
             hidden_states, alibi, attention_mask, position_ids=position_ids, layer_past=layer_past,
             use_cache=use_cache, output_attentions=output_attentions, position_embeddings=position_embeddings,
             **kwargs,
         )
-    q, k, v = split_qkv(self, self.query_key_value(hidden_states))
-    if alibi is None:
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-    if layer_past is not None:  # a prefill that starts a cache: store it the way the stock decode steps read it
-        layer_past.update(_cache_layout(self, k), _cache_layout(self, v), self.layer_idx)
-    out = _attend(self, q, k, v, attention_mask, position_ids, with_alibi=alibi is not None)
-    return self.dense(out.reshape(*out.shape[:2], -1)), None
+    return _seam_forward(self, hidden_states, attention_mask, position_ids, layer_past, position_embeddings,
+                         with_alibi=alibi is not None)
+
+
+def _probabilities_call(falcon: FalconModel):
+    """Set up a call returning attention probabilities (every attention call then runs the original forward), and
+    return its undo: transformers' mask preparation looks for packed documents itself, as unpatched. From transformers
+    5.25 on the original forward reaches transformers' attention interface, whose SDPA returns no probabilities:
+    eager attention serves the call, mask included, as for every other family (``routing.routing_hooks``)."""
+    resume = suspend_forward_record()
+    if TAKES_ALIBI:  # up to 5.24 the original forward computes the probabilities with the configured math
+        return resume
+    config, reported = falcon.config, falcon.config._attn_implementation
+    config._attn_implementation_internal = PROBABILITIES
+
+    def undo():
+        config._attn_implementation_internal = reported
+        resume()
+
+    return undo
 
 
 def _call_hooks(falcon: FalconModel) -> list:
@@ -159,14 +212,16 @@ def _call_hooks(falcon: FalconModel) -> list:
 
     def before(module, args, kwargs):
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
-        cache = kwargs["past_key_values"] if "past_key_values" in kwargs else (args[1] if len(args) > 1 else None)
+        # the cache: `cache=` from transformers 5.25 on (`past_key_values=` still accepted), else `past_key_values=`
+        cache = next((kwargs[name] for name in ("cache", "past_key_values") if name in kwargs),
+                     args[1] if len(args) > 1 else None)
         call = module.__dict__[_CALL]
         call.mask_ndim = None if mask is None else mask.ndim
         call.stock_forward = not torch.compiler.is_compiling() and leaves_forward_to_stock(
             module, mask, cache, kwargs.get("use_cache"))
         wanted = kwargs.get("output_attentions")
         wanted = module.config.output_attentions if wanted is None else wanted
-        resumes.append(suspend_forward_record() if wanted and not torch.compiler.is_compiling() else None)
+        resumes.append(_probabilities_call(module) if wanted and not torch.compiler.is_compiling() else None)
 
     def after(module, args, kwargs, output):
         resume = resumes.pop() if resumes else None
@@ -189,7 +244,8 @@ def apply(model, backend: str):
             if isinstance(module, FalconAttention):
                 module.__dict__[_ORIGINAL] = module.forward
                 module.__dict__[_CALL] = call
-                module.forward = types.MethodType(patched_forward, module)
+                module.forward = types.MethodType(
+                    patched_forward_taking_alibi if TAKES_ALIBI else patched_forward, module)
                 setattr(module, BACKEND_ATTR, backend)
                 names.append(f"{prefix}.{name}" if prefix else name)
                 undo.append(lambda m=module: [m.__dict__.pop(a, None)
@@ -222,7 +278,8 @@ FAMILY = Family(
     model_types=("falcon",),
     seam="instance_forward",
     touches="FalconAttention.forward (instance-bound)",
-    attentions="the attention module's original forward for that call (transformers' own probabilities)",
+    attentions=("the attention module's original forward for that call (transformers' own probabilities; eager "
+                "attention from transformers 5.25 on, where SDPA returns none)"),
     lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
     apply=apply,
     head_shape=head_shape,

@@ -264,3 +264,18 @@ def test_compiled_layers_hand_the_seam_qkv_as_the_kernels_read_them(variant, mon
         assert got_loss == want_loss
         for name in want:  # fp32 weight gradients: only summation order differs (as before this layout)
             assert (got[name] - want[name]).abs().max() <= 1e-6 * want[name].abs().max(), name
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values", "layer_past"])
+def test_a_training_call_given_a_kv_cache_runs_the_eager_layer(name):
+    """A layer called with a KV cache (transformers 5.25 passes it as `cache=`, earlier versions as
+    `past_key_values=`, Falcon as `layer_past=`) leaves the compiled path even in training mode: the cache's update
+    would otherwise be traced into the training graph."""
+    from transformers import DynamicCache
+
+    from hf_accel.fused.compiling import TrainingCompiled
+
+    layer = torch.nn.Linear(4, 4).train()
+    compiled = TrainingCompiled(layer, AOT_EAGER)
+    assert compiled.takes_compiled_path({})
+    assert not compiled.takes_compiled_path({name: DynamicCache()})

@@ -176,7 +176,7 @@ def routing_hooks(body: torch.nn.Module, patched_name: str) -> list[Callable[[],
         stock = reported if reported != ATTN_NAME else (patched_name if patched_name != ATTN_NAME else "sdpa")
         probabilities = wants_attentions(config, kwargs)
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[1] if len(args) > 1 else None)
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # `cache=` from transformers 5.25 on
         token = _ROUTE.set(Route(stock, leaves_forward_to_stock(module, mask, cache, kwargs.get("use_cache")),
                                  probabilities, mask if getattr(mask, "ndim", None) == 2 else None))
         undo = [lambda: _ROUTE.reset(token)]

@@ -122,7 +122,8 @@ class TrainingCompiled:
         layer = self.layer
         if not (layer.training and torch.is_grad_enabled()):
             return False
-        if kwargs.get("past_key_values") is not None or kwargs.get("layer_past") is not None:
+        # a KV cache (`cache=` from transformers 5.25 on, `past_key_values=` before, Falcon's `layer_past=`)
+        if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "layer_past")):
             return False
         if kwargs.get("use_cache"):
             return False

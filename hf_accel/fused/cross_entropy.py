@@ -283,6 +283,10 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    # the output's cache field: `cache` from transformers 5.25 on (`past_key_values` a deprecated alias), before it
+    # `past_key_values`
+    cache_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
     stock = model.forward
 
     def forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
@@ -300,7 +304,7 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
                                           shift_labels=shift_labels, target_rows=target_rows, chunk_size=chunk_size,
                                           method=method, softcap=softcap)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None))
+        return CausalLMOutputWithPast(loss=loss, logits=None, **{cache_field: getattr(out, cache_field, None)})
 
     # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.
     stock_sig = inspect.signature(stock)
