@@ -50,7 +50,8 @@ CONFIG_LABELS = {
     "hf_accel-offload": "`hf_accel.patch(model, checkpointing=\"offload\")`",
     "hf_accel-offload-mlp4k": "`hf_accel.patch(model, checkpointing=\"offload\", mlp_chunks=4096)`",
     "hf_accel-qlora-offload": "QLoRA, `hf_accel.patch(model, checkpointing=\"offload\")`",
-    "hf_accel-qlora-budget": "QLoRA, `hf_accel.patch(model, checkpointing=\"budget:14.5GiB\")`",
+    "hf_accel-qlora-budget": "QLoRA, a budget plan: `hf_accel.patch(model, checkpointing=\"budget:14.5GiB\")` or the "
+                             "run's `--best-checkpointing`",
 }
 ROLE_LABELS = {"stock": "stock anchor", "defaults": "hf_accel defaults", "best": "hf_accel best",
                "plain": "hf_accel, fast paths off", "hf_accel": "hf_accel"}
