@@ -35,6 +35,7 @@ from transformers.models.falcon.modeling_falcon import (
 from hf_accel.attention.hf_attention import (
     BACKEND_ATTR,
     collator_metadata,
+    kernel_layout,
     runs_stock,
     seam_attention,
     suspend_forward_record,
@@ -152,6 +153,8 @@ def _seam_forward(self: FalconAttention, hidden_states, attention_mask, position
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
     if layer_past is not None:  # a prefill that starts a cache: store it the way the stock decode steps read it
         layer_past.update(_cache_layout(self, k), _cache_layout(self, v), self.layer_idx)
+    if torch.compiler.is_compiling():  # a compiled layer's training call: lay q/k/v out before the graph break
+        q, k, v = (kernel_layout(t) for t in (q, k, v))
     out = _attend(self, q, k, v, attention_mask, position_ids, with_alibi=with_alibi)
     return self.dense(out.reshape(*out.shape[:2], -1)), None
 

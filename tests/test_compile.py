@@ -230,14 +230,16 @@ def test_lora_cast_skip_traces_without_new_graph_breaks():
     assert breaks and all("hf_accel_attention" in reason for reason in breaks), list(breaks)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qk-norm"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qk-norm", "falcon-7b-mqa", "falcon-rw-alibi"])
 def test_compiled_layers_hand_the_seam_qkv_as_the_kernels_read_them(variant, monkeypatch):
     """Inside a compiled layer, q/k/v leave the graph (B, S, H, D)-contiguous and in the autocast dtype, so inductor
     writes them so from RoPE's kernel; after the graph break the layout change and the cast were eager copies both
     ways (~40 ms of the 1.43 s Llama-3-8B QLoRA step, run 24's --op-sites profile). fp32 weights under bf16
     autocast (kbit preparation's case): the loss equals the eager patched model's and every gradient agrees to
-    summation order (the same as without the layout change)."""
+    summation order (the same as without the layout change). Falcon's seam (its attention module's forward) too:
+    there split_qkv's views of the fused projection were copied after the break."""
     from hf_accel.attention import hf_attention
+    from hf_accel.patches import falcon as falcon_patch
 
     seen = []
     real = hf_attention.seam_attention
@@ -247,6 +249,7 @@ def test_compiled_layers_hand_the_seam_qkv_as_the_kernels_read_them(variant, mon
         return real(module, q_bshd, k_bshd, v_bshd, **kw)
 
     monkeypatch.setattr(hf_attention, "seam_attention", recording)
+    monkeypatch.setattr(falcon_patch, "seam_attention", recording)  # Falcon's seam calls it from its own module
     eager = make(variant).train()
     compiled = copy.deepcopy(eager)
     hf_accel.patch(eager, backend="reference")

@@ -143,16 +143,20 @@ def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, 
 
 
 def _varlen_layout(t_bhsd: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) as the varlen kernels read it: (B, S, H, D)-contiguous storage (seen as a (B, H, S, D) view), in
-    the autocast dtype where autocast is on, as ``kernels.varlen_attention`` would cast it. Inside a compiled layer
-    inductor writes RoPE's (or the projection's) output so directly, and its backward takes the gradient so; after
-    the graph break the same layout change and cast were eager copies both ways (~40 ms of a Llama-3-8B QLoRA step
-    of 1.43 s, whose fp32 q/k/v came out of the graph head-major). The same values: a layout change and the cast
-    the kernel call made."""
-    device_type = t_bhsd.device.type
-    if torch.is_autocast_enabled(device_type) and t_bhsd.is_floating_point():
-        t_bhsd = t_bhsd.to(torch.get_autocast_dtype(device_type))
-    return t_bhsd.transpose(1, 2).contiguous().transpose(1, 2)
+    """(B, H, S, D) as the varlen kernels read it: `kernel_layout` of its (B, S, H, D) view, seen as (B, H, S, D)."""
+    return kernel_layout(t_bhsd.transpose(1, 2)).transpose(1, 2)
+
+
+def kernel_layout(t_bshd: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) as the varlen kernels read it: contiguous, in the autocast dtype where autocast is on, as
+    ``kernels.varlen_attention`` would cast it. For a seam called from a compiled layer, just before its graph
+    break: inductor then writes RoPE's (or the projection's) output so directly, where after the break the layout
+    change and the cast were eager copies (~40 ms of a Llama-3-8B QLoRA step of 1.43 s, whose fp32 q/k/v came out of
+    the graph head-major). The same values: a layout change and the cast the kernel call made."""
+    device_type = t_bshd.device.type
+    if torch.is_autocast_enabled(device_type) and t_bshd.is_floating_point():
+        t_bshd = t_bshd.to(torch.get_autocast_dtype(device_type))
+    return t_bshd.contiguous()
 
 
 def register() -> None:
