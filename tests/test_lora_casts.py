@@ -189,3 +189,27 @@ def test_plain_lora_layers_get_no_stand_down_note():
     report = hf_accel.patch(model, backend="reference")
     assert lora_casts.left_to_peft(model) == {}
     assert not any(n.startswith("LoRA cast skip") for n in report.notes)
+
+
+def test_patching_a_model_without_adapters_imports_neither_peft_nor_bitsandbytes():
+    """A model holds PEFT's LoRA layers only once PEFT is imported, so patch() looks for them only then: importing
+    PEFT for every patch cost its import and, where bitsandbytes is installed, bitsandbytes' (which PEFT pulls in),
+    whose first CPU kernel lookup tries the hub and logs an exception holding the caller's frames (a handler that
+    keeps records then kept the patched model alive). In a fresh interpreter. LoRA added after patch() is bound at
+    its first forward (PEFT imported by then): test_lora_added_after_patch_is_bound_and_unpatch_removes_it."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys, transformers, hf_accel
+config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+model = transformers.LlamaForCausalLM(config).train()
+hf_accel.patch(model, backend="reference")
+print(sorted(name for name in ("peft", "bitsandbytes") if name in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -27,6 +27,7 @@ imported.
 """
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 
@@ -37,20 +38,27 @@ _ATTR = "_cast_input_dtype"
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _lora_linear_cls() -> type | None:
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:  # PEFT not installed: nothing to bind
+def _peft_lora_layers():
+    """``peft.tuners.lora.layer`` where PEFT is imported, else None. A model holds PEFT's LoRA layers only once PEFT
+    is imported; importing it here would cost every patch() PEFT's import and, where bitsandbytes is installed,
+    bitsandbytes' (whose first CPU kernel lookup tries the hub and logs an exception with the caller's frames)."""
+    if "peft" not in sys.modules:
         return None
-    return Linear
+    try:
+        from peft.tuners.lora import layer
+    except ImportError:
+        return None
+    return layer
+
+
+def _lora_linear_cls() -> type | None:
+    layers = _peft_lora_layers()
+    return None if layers is None else layers.Linear
 
 
 def _lora_layer_cls() -> type | None:
-    try:
-        from peft.tuners.lora.layer import LoraLayer
-    except ImportError:
-        return None
-    return LoraLayer
+    layers = _peft_lora_layers()
+    return None if layers is None else layers.LoraLayer
 
 
 # PEFT LoRA layers on quantized bases whose forward casts as ``peft.tuners.lora.layer.Linear`` does (module, name):
