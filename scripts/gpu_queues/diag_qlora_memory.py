@@ -5,7 +5,8 @@ patched after its LoRA in each variant in turn (compiled layers, eager layers, c
 buffers, compiled without liger-kernel): the allocator's peak over two steps after three warm-up steps, and the
 memory planner's one-layer backward probe. Writes $OUT/diag_qlora_memory.json (one H200: ~4 minutes).
 The record benchmarks/results/diag_qlora_memory_2026-12-03T0611.json came from an earlier draft of this script
-(the same variants and measurements, with the probe wrapped in a try); this form has not run on the GPU yet.
+(the same variants and measurements, with the probe wrapped in a try); this form ran on 2026-12-04
+(diag_qlora_memory_2026-12-04T0255.json: defaults and two amb= variants).
 Arguments name other variants: ``amb=F`` is the compiled defaults with the partitioner's
 ``torch._functorch.config.activation_memory_budget`` at F (1.0: save what min-cut picks; lower: recompute more of
 each layer's forward inside its backward), e.g. ``defaults amb=0.9 amb=0.8``.
@@ -89,6 +90,7 @@ def main() -> None:
         rows[name] = run_variant(name, model, batches)
         print(name, json.dumps(rows[name]), flush=True)
         Path(os.environ.get("OUT", "."), "diag_qlora_memory.json").write_text(json.dumps(rows, indent=1))
+
 
 if __name__ == "__main__":
     main()
