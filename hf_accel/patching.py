@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._compat import check_transformers_version
+from .attention.kernels.base import DeviceInfo
 from .errors import ConfigurationError, UnsupportedModel
 from .kernel_choice import KernelChoice, choose, fp32_calls_note
 from .memory.context import RunContext
@@ -93,6 +94,7 @@ class _Decisions:
     speedups: dict[str, Speedup]
     compile_options: dict | None
     chunking: object  # memory.mlp_chunks.MlpChunking or None
+    device: DeviceInfo  # where training calls run
 
     def on(self, name: str) -> bool:
         return self.speedups[name].on
@@ -115,6 +117,7 @@ class _Applied:
     compiled_layers: int = 0
     chunked_mlps: int = 0
     fp8_linears: list[str] = field(default_factory=list)
+    checkpointing: str | None = None  # the defaults' choice for the model's own checkpointing, where they made one
     notes: list[str] = field(default_factory=list)
 
 
@@ -226,7 +229,8 @@ def _decide(model_hf: torch.nn.Module, options: PatchOptions) -> _Decisions:
     speedups = resolve_speedups(model_hf, request.device, fused_ce=options.fused_ce, fused_ops=options.fused_ops,
                                 compile=options.compile, compile_stand_down=options.compile_stand_down)
     chunking = mlp_chunking.resolve(options.mlp_chunks, family.mlp_width(model_hf.config), request.dtype.itemsize)
-    return _Decisions(options, family, speedups, options.compile_options(speedups["compile"].on), chunking)
+    return _Decisions(options, family, speedups, options.compile_options(speedups["compile"].on), chunking,
+                      request.device)
 
 
 def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context: RunContext | None,
@@ -270,10 +274,26 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     fp32_note = fp32_calls_note(model_hf, choice.request, backend)
     applied.notes += [fp32_note] if fp32_note else []
     policy = decisions.options.policy
+    if decisions.options.checkpointing is None:
+        storage = checkpoint_storage(model, decisions.device)
+        policy, applied.checkpointing = storage.policy, storage.describe() if storage.policy is not None else None
     if policy is not None:  # last: a memory budget's probe forward must see the loss and layers training will run
         policy.apply(model, _run_context(context, model_hf, compiled))
         undo.append(lambda: policy.remove(model))
     return applied
+
+
+def checkpoint_storage(model: torch.nn.Module, device: DeviceInfo | None = None):
+    """Where the defaults keep the saved inputs of the model's own checkpointing (``memory.defaults``): its
+    ``policy`` (None: as they are) and why. patch() applies it; hf_accel's Trainers again once ``train()`` has turned
+    the model's checkpointing on."""
+    from .fused.quantized import four_bit_base
+    from .kernel_choice import training_request
+    from .memory.defaults import checkpoint_storage as storage_for
+
+    model_hf = _transformers_model(model)
+    device = device or training_request(model_hf, family_of(model_hf.config), None).device
+    return storage_for(model, device, base_4bit=four_bit_base(model_hf))
 
 
 def _bind_fused_ops(model_hf, family: Family, compiled: bool, notes: list[str]) -> list[Callable[[], None]]:
@@ -302,7 +322,7 @@ def _report(model_hf, decisions: _Decisions, choice: KernelChoice, applied: _App
         model_type=model_hf.config.model_type, backend_requested=options.backend,
         backend=choice.selection.backend.name, selection=choice.selection.explain(),
         patched_modules=applied.attention_modules, touches=family.touches, lora_targets=family.lora_targets,
-        checkpointing=options.describe_checkpointing(), fused_ops=decisions.on("fused_ops"),
+        checkpointing=options.describe_checkpointing() or applied.checkpointing, fused_ops=decisions.on("fused_ops"),
         fused_ce=decisions.on("fused_ce"), compiled_layers=applied.compiled_layers, mlp_chunks=mlp_chunks,
         precision=_precision_line(applied),
         speedups=[s.line() for s in decisions.speedups.values()],

@@ -70,6 +70,26 @@ def test_offload_moves_each_layer_input_and_frees_the_original(family):
         assert entry.host.device.type == "cpu" and tensor.data_ptr() == entry.host.data_ptr()
 
 
+def test_a_host_limit_keeps_the_inputs_past_it_on_the_device():
+    """Room in host memory for one and a half layer inputs: the first layer's input goes there, every later one stays
+    on the device (counted), and the gradients are still those of full checkpointing."""
+    batch = packed_batch()
+    layer_bytes = batch["input_ids"].numel() * HIDDEN * 4
+    full_model = tiny_llama()
+    model = copy.deepcopy(full_model)
+    FullCheckpointing().apply(full_model)
+    policy = OffloadedCheckpointing(host_limit=layer_bytes * 3 // 2)
+    policy.apply(model)
+    assert "up to" in policy.describe()
+    assert layer_inputs_alive_after_forward(model, batch) == [False] + [True] * (NUM_LAYERS - 1)
+    stats = policy.offloader.stats
+    assert (stats.packed, stats.over_limit, stats.host_peak_bytes) == (1, NUM_LAYERS - 1, layer_bytes)
+    loss_full, grads_full = step(full_model, batch)
+    loss, grads = step(model, batch)
+    assert torch.equal(loss_full, loss) and grads.keys() == grads_full.keys()
+    assert all(torch.equal(grad, grads[name]) for name, grad in grads_full.items())
+
+
 def test_offload_spec_apply_remove_and_reentrant_refused():
     model = tiny_llama()
     policy = policy_from_spec(" Offload ")

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import hf_accel
+from hf_accel.attention.kernels import DeviceInfo
 from hf_accel.fused import lora_casts
 from hf_accel.fused.compiling import compiled_layers
 
@@ -163,3 +164,98 @@ def test_auto_speedups_with_a_4bit_base_and_stand_down_on_8bit(saved_llama):
     model.model.layers[0].mlp.down_proj = bnb.nn.Linear8bitLt(128, 64, has_fp16_weights=False)
     compile_ = resolve_speedups(model, h200, liger_installed=True)["compile"]
     assert not compile_.on and "Linear8bitLt layers" in compile_.why and "4-bit" in compile_.why
+
+
+# ---- the defaults' checkpoint storage for a 4-bit base (hf_accel.memory.defaults): the choice is made for CUDA (a
+# faked device); the offload it chooses runs on the CPU here, where its "host" copies are plain copies
+H200 = DeviceInfo("cuda", (9, 0))
+
+
+def test_the_defaults_offload_a_4bit_base_s_checkpointed_inputs_with_the_same_bits(saved_llama):
+    from hf_accel.memory.checkpointing import OffloadedCheckpointing, applied_policy
+    from hf_accel.memory.defaults import checkpoint_storage
+
+    ref = qlora(saved_llama, compute=torch.float32)
+    ours = qlora(saved_llama, compute=torch.float32)
+    storage = checkpoint_storage(ours, H200, base_4bit=True, host_free=8 << 30, processes=2)
+    policy = storage.policy
+    assert isinstance(policy, OffloadedCheckpointing) and not policy.explicit and policy.host_limit == 2 << 30
+    assert "auto: a 4-bit base" in storage.describe() and "2 processes" in storage.describe()
+    policy.apply(ours)
+    assert applied_policy(ours) is policy
+    for seed, lengths in enumerate(STEPS):
+        loss, grads = step(ours, packed(lengths, seed), autocast=False)
+        ref_loss, ref_grads = step(ref, packed(lengths, seed), autocast=False)
+        assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys() and grads
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    assert policy.offloader.stats.packed == 2 * len(STEPS)  # every layer's input, every step
+
+
+def test_patch_leaves_a_4bit_base_s_checkpointing_alone_off_cuda(saved_llama):
+    from hf_accel.memory.checkpointing import applied_policy
+    from hf_accel.patching import checkpoint_storage
+
+    model = qlora(saved_llama)
+    assert checkpoint_storage(model).why == "host-memory offload runs on CUDA only"
+    report = hf_accel.patch(model, backend="reference")
+    assert report.checkpointing is None and applied_policy(model) is None
+
+
+@pytest.mark.parametrize("case", ["not 4-bit", "no checkpointing", "context_fn", "hf_accel policy", "reentrant"])
+def test_where_the_defaults_keep_the_model_s_checkpointing(saved_llama, case):
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from hf_accel.memory.checkpointing import policy_from_spec
+    from hf_accel.memory.defaults import checkpoint_storage
+    from hf_accel.memory.targets import decoder_layers
+
+    model = qlora(saved_llama, kbit=case != "no checkpointing")
+    if case == "context_fn":  # a selective checkpoint of the user's own
+        for layer in decoder_layers(model):
+            layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False,
+                                                                   context_fn=lambda: None)
+    if case == "hf_accel policy":
+        policy_from_spec("every_2").apply(model)
+    if case == "reentrant":  # prepare_model_for_kbit_training's own default: the same gradients, so offload too
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    storage = checkpoint_storage(model, H200, base_4bit=case != "not 4-bit", host_free=1 << 30)
+    why = {"not 4-bit": "not a 4-bit base", "no checkpointing": "does not checkpoint every decoder layer",
+           "context_fn": "a function or options of their own", "hf_accel policy": "an hf_accel checkpointing policy",
+           "reentrant": None}[case]
+    assert (storage.policy is None) == (why is not None) and (why is None or why in storage.why), storage
+
+
+def test_hf_accel_trainer_offloads_the_checkpointing_train_turns_on(saved_llama, tmp_path, monkeypatch):
+    """The model has no checkpointing when the Trainer patches it; TrainingArguments(gradient_checkpointing=True)
+    turns it on in train(), and the Trainer then applies the defaults' choice (on a faked CUDA device). The trained
+    adapters are those of a run that keeps the model's own checkpointing, bit for bit."""
+    import transformers
+
+    import hf_accel.patching
+    from hf_accel.memory.checkpointing import OffloadedCheckpointing, applied_policy
+
+    real = hf_accel.patching.checkpoint_storage
+    monkeypatch.setattr(hf_accel.patching, "checkpoint_storage", lambda model, device=None: real(model, H200))
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in (9, 14, 6, 11, 8, 12)]
+    trained = {}
+    for checkpointing in (None, "full"):
+        model = qlora(saved_llama, compute=torch.float32, kbit=False)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(checkpointing)), max_steps=2, per_device_train_batch_size=3,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, use_cpu=True,
+            report_to="none", save_strategy="no", disable_tqdm=True, seed=0, optim="sgd", learning_rate=0.05,
+            lr_scheduler_type="constant", dataloader_num_workers=0, train_sampling_strategy="sequential")
+        trainer = hf_accel.Trainer(model=model, args=args, train_dataset=data, accel=hf_accel.AccelArguments(
+            backend="reference", checkpointing=checkpointing, print_summary=False))
+        assert trainer.patch_report.checkpointing in (None, "full")  # nothing to keep in host memory yet
+        trainer.train()
+        policy = applied_policy(model)
+        if checkpointing is None:
+            assert isinstance(policy, OffloadedCheckpointing) and policy.offloader.stats.packed == 2 * 2
+            assert "auto: a 4-bit base" in trainer.patch_report.checkpointing
+        trained[checkpointing] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert trained[None].keys() == trained["full"].keys() and trained[None]
+    assert all(torch.equal(trained[None][n], trained["full"][n]) for n in trained[None])

@@ -27,6 +27,11 @@ def compile_checked(cls: type) -> bool:
     return any((c.__module__.split(".")[0], c.__name__) in COMPILE_CHECKED_LAYERS for c in cls.__mro__)
 
 
+def four_bit_base(model: nn.Module) -> bool:
+    """Whether the model's linears include bitsandbytes 4-bit ones (a QLoRA base)."""
+    return any(compile_checked(type(module)) for module in model.modules())
+
+
 def compile_stand_down(model: nn.Module) -> str | None:
     """Why compiled layers should stand down on this model's quantized weights (one line), or None: no quantized
     layers, or bitsandbytes 4-bit ones only."""

@@ -58,11 +58,12 @@ class OffloadStats:
     unpacked: int = 0  # tensors handed back for a recompute
     prefetched: int = 0  # of those, host -> device copies started ahead of their unpack
     kept: int = 0  # saved tensors left where they were (empty, or below min_bytes)
+    over_limit: int = 0  # saved tensors left on the device because the host copies had reached host_limit
     host_bytes: int = 0  # host bytes held by copies alive now
     host_peak_bytes: int = 0  # the most they held at once
 
     def reset(self) -> None:
-        self.packed = self.packed_bytes = self.unpacked = self.prefetched = self.kept = 0
+        self.packed = self.packed_bytes = self.unpacked = self.prefetched = self.kept = self.over_limit = 0
         self.host_peak_bytes = self.host_bytes
 
     def _hold(self, nbytes: int) -> None:
@@ -107,11 +108,14 @@ class ActivationOffloader:
 
     min_bytes: saved tensors smaller than this stay where they are. pin_memory: page-locked host buffers for CUDA
     tensors (asynchronous copies need them). prefetch: start the next recompute's copy back when one is unpacked.
+    host_limit: the most bytes of host copies alive at once (None: no limit); a tensor that would pass it stays
+    where it is, counted in ``stats.over_limit``.
     """
 
     min_bytes: int = 0
     pin_memory: bool = True
     prefetch: bool = True
+    host_limit: int | None = None
     stats: OffloadStats = field(default_factory=OffloadStats)
     _streams: dict = field(default_factory=dict, repr=False)
     _last: Any = field(default=None, repr=False)  # weakref to the newest entry
@@ -127,6 +131,9 @@ class ActivationOffloader:
             self.stats.kept += 1
             return tensor
         copied, nbytes = None, tensor.numel() * tensor.element_size()
+        if self.host_limit is not None and self.stats.host_bytes + nbytes > self.host_limit:
+            self.stats.over_limit += 1
+            return tensor
         if tensor.device.type == "cuda":
             compute, side = torch.cuda.current_stream(tensor.device), self._side_stream(tensor.device)
             side.wait_stream(compute)  # the tensor's producer must finish before the copy reads it

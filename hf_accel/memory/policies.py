@@ -318,6 +318,7 @@ class OffloadedCheckpointing(CheckpointingPolicy):
 
     min_bytes: int = 0  # saved inputs smaller than this stay on the device
     prefetch: bool = True
+    host_limit: int | None = None  # bytes of host copies alive at once; past it a layer's input stays on the device
     offloader: ActivationOffloader = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -326,13 +327,17 @@ class OffloadedCheckpointing(CheckpointingPolicy):
                 "offloaded checkpointing works through non-reentrant checkpointing (it hooks the inputs that "
                 "checkpoint saves); got use_reentrant=True. Use checkpointing='offload' with use_reentrant=False."
             )
-        self.offloader = ActivationOffloader(min_bytes=self.min_bytes, prefetch=self.prefetch)
+        self.offloader = ActivationOffloader(min_bytes=self.min_bytes, prefetch=self.prefetch,
+                                             host_limit=self.host_limit)
 
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
         return ["offload"] * len(layers)
 
     def describe(self) -> str:
-        return "full checkpointing of every decoder layer, saved inputs offloaded to host memory"
+        text = "full checkpointing of every decoder layer, saved inputs offloaded to host memory"
+        if self.host_limit is not None:
+            text += f" (up to {self.host_limit / (1 << 30):.1f} GiB of them; past it they stay on the device)"
+        return text
 
 
 def _offloader_of(policy: CheckpointingPolicy) -> ActivationOffloader:

@@ -149,6 +149,17 @@ class AccelMixin(CheckpointFilesMixin):
             # for masked positions. Only then: a stock forward must not receive the key.
             self.data_collator.target_rows = True
 
+    def _accel_default_storage(self) -> None:
+        """patch()'s default for the model's own checkpointing (``memory.defaults``), applied to the checkpointing
+        ``train()`` turned on; the report says what it chose."""
+        from ..patching import checkpoint_storage
+
+        storage = checkpoint_storage(self.model)
+        if storage.policy is not None:
+            storage.policy.apply(self.model)
+            self.patch_report.checkpointing = storage.describe()
+            logger.info("hf_accel: checkpointing: %s", self.patch_report.checkpointing)
+
     # ---- each concern lives in its own module; these name them for the Trainers (and for tests' stand-ins) ------
     def _accel_sequence_parallel(self) -> None:
         sequence_parallel.wire(self)
@@ -174,11 +185,14 @@ class AccelMixin(CheckpointFilesMixin):
     # ---- training loop hooks -------------------------------------------------------------------------------------
 
     def _inner_training_loop(self, *args, **kwargs):
-        # Trainer.train() has just (re-)enabled checkpointing from its args; put our policy's choices back.
-        if self.accel.checkpointing is not None:
-            from ..memory.checkpointing import reapply_checkpointing
+        # Trainer.train() has just (re-)enabled checkpointing from its args: put our policy's choices back, or, where
+        # patch() found no checkpointing to keep in host memory, decide again now that there may be some.
+        from ..memory.checkpointing import applied_policy, reapply_checkpointing
 
+        if applied_policy(self.model) is not None:
             reapply_checkpointing(self.model)
+        elif self.accel.checkpointing is None and self.patch_report is not None:
+            self._accel_default_storage()
         self._meter = ThroughputMeter(self.model, self.args.device)
         return super()._inner_training_loop(*args, **kwargs)
 

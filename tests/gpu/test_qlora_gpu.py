@@ -1,7 +1,8 @@
 """QLoRA through PEFT with hf_accel.patch (issues 20b, 38b): a small random Llama saved and reloaded in bitsandbytes
 NF4 (bf16 compute), prepare_model_for_kbit_training (its checkpointing on), PEFT LoRA on every linear, then
 `hf_accel.patch(model)` with its defaults, which now include compiled decoder layers on the 4-bit base (bitsandbytes'
-matmul and dequantize stay custom ops inside the graphs) and the LoRA cast skip on PEFT's 4-bit layers. Over 20 AdamW
+matmul and dequantize stay custom ops inside the graphs), the LoRA cast skip on PEFT's 4-bit layers and the
+checkpointed layers' inputs in pinned host memory (issue 38c: the defaults' storage for a 4-bit base). Over 20 AdamW
 steps the per-step losses (and the first step's LoRA gradients) stay within the bf16 error of the unpatched QLoRA
 model, measured in the same test against the same quantized model computing in fp32 (flash-attn's test rule). The
 fused loss and liger's fused ops stay on; the report says what ran.
@@ -113,3 +114,9 @@ def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved
     assert not any(n.startswith("LoRA cast skip") for n in report.notes), report.notes
     assert counters["stats"]["unique_graphs"] > 0
     assert all("hf_accel_attention" in reason for reason in counters["graph_break"]), list(counters["graph_break"])
+    # and the checkpointed layers' inputs went to host memory (the defaults' storage for a 4-bit base)
+    from hf_accel.memory.checkpointing import applied_policy
+
+    policy = applied_policy(ours) or applied_policy(ours.get_base_model())
+    assert report.checkpointing and "auto: a 4-bit base" in report.checkpointing, str(report)
+    assert policy.offloader.stats.packed >= 4 and policy.offloader.stats.over_limit == 0, policy.offloader.stats
