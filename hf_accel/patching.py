@@ -275,25 +275,26 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     applied.notes += [fp32_note] if fp32_note else []
     policy = decisions.options.policy
     if decisions.options.checkpointing is None:
-        storage = checkpoint_storage(model, decisions.device)
-        policy, applied.checkpointing = storage.policy, storage.describe() if storage.policy is not None else None
+        default = checkpoint_default(model, decisions.device)
+        policy, applied.checkpointing = default.policy, default.describe() if default.policy is not None else None
     if policy is not None:  # last: a memory budget's probe forward must see the loss and layers training will run
         policy.apply(model, _run_context(context, model_hf, compiled))
         undo.append(lambda: policy.remove(model))
     return applied
 
 
-def checkpoint_storage(model: torch.nn.Module, device: DeviceInfo | None = None):
-    """Where the defaults keep the saved inputs of the model's own checkpointing (``memory.defaults``): its
-    ``policy`` (None: as they are) and why. patch() applies it; hf_accel's Trainers again once ``train()`` has turned
-    the model's checkpointing on."""
+def checkpoint_default(model: torch.nn.Module, device: DeviceInfo | None = None):
+    """What the defaults do with the model's own checkpointing (``memory.defaults``): its ``policy`` (None: keep it)
+    and why. patch() applies it; hf_accel's Trainers again once ``train()`` has turned the model's checkpointing on."""
     from .fused.quantized import four_bit_base
     from .kernel_choice import training_request
-    from .memory.defaults import checkpoint_storage as storage_for
+    from .memory.defaults import checkpoint_default as default_for
 
     model_hf = _transformers_model(model)
-    device = device or training_request(model_hf, family_of(model_hf.config), None).device
-    return storage_for(model, device, base_4bit=four_bit_base(model_hf))
+    family = family_of(model_hf.config)
+    device = device or training_request(model_hf, family, None).device
+    return default_for(model, device, base_4bit=four_bit_base(model_hf),
+                       output_projections=tuple(family.output_projections(model_hf.config)))
 
 
 def _bind_fused_ops(model_hf, family: Family, compiled: bool, notes: list[str]) -> list[Callable[[], None]]:

@@ -55,6 +55,10 @@ def _no_softcap(config: Any) -> float | None:
     return None
 
 
+def _no_output_projections(config: Any) -> tuple[str, ...]:
+    return ()
+
+
 def config_dropout(config: Any) -> float:
     """Attention dropout in training: transformers passes config.attention_dropout to the kernel."""
     return float(getattr(config, "attention_dropout", 0.0) or 0.0)
@@ -82,6 +86,10 @@ class Family:
     stock_packing: bool = True
     # the attn_implementation to build the unpatched reference with (transformers refuses SDPA for Gemma 2)
     reference_attention: str = "sdpa"
+    # config -> paths (inside a decoder layer) of the projections whose output nothing but the layer's output reads
+    # (residual adds, dropout): a checkpointed layer's recompute may skip their frozen matmuls (hf_accel.memory.trim).
+    # Never list one whose output a norm, a product or the next projection reads (Gemma's post-MLP norm).
+    output_projections: Callable[[Any], tuple[str, ...]] = _no_output_projections
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the PatchReport adds for every model of the family
 
     def layer_attentions(self, config: Any) -> list[LayerAttention]:

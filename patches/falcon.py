@@ -276,6 +276,14 @@ def layer_bytes(config, b: int) -> LayerBytes:
     return LayerBytes(none, op, h * b)
 
 
+def output_projections(config) -> tuple[str, ...]:
+    """The MLP's output projection only joins the residual stream (added to the attention's output first in the
+    parallel layouts); with parallel attention the attention's ``dense`` too (sequential: it feeds the second
+    LayerNorm)."""
+    parallel = config.new_decoder_architecture or config.parallel_attn
+    return ("self_attention.dense", "mlp.dense_4h_to_h") if parallel else ("mlp.dense_4h_to_h",)
+
+
 FAMILY = Family(
     name="falcon",
     model_types=("falcon",),
@@ -292,4 +300,5 @@ FAMILY = Family(
     training_dropout=training_dropout,
     layer_attention=lambda config, layer_idx: LayerAttention(alibi=bool(config.alibi)),
     stock_packing=False,  # stock Falcon builds its mask without position_ids: packed documents attend to each other
+    output_projections=output_projections,
 )

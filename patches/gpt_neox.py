@@ -26,6 +26,12 @@ def layer_bytes(config, b: int) -> LayerBytes:
     return LayerBytes(none, op, h * b)
 
 
+def output_projections(config) -> tuple[str, ...]:
+    """The MLP's output projection only joins the residual stream; with the parallel residual the attention's too
+    (sequential: the attention's output feeds the second LayerNorm)."""
+    return ("attention.dense", "mlp.dense_4h_to_h") if config.use_parallel_residual else ("mlp.dense_4h_to_h",)
+
+
 FAMILY = Family(
     name="gpt_neox",
     model_types=("gpt_neox",),
@@ -38,4 +44,5 @@ FAMILY = Family(
     mlp_width=lambda config: config.intermediate_size,
     layer_bytes=layer_bytes,
     fusable=fusable_by_class(affine_layer_norm),
+    output_projections=output_projections,
 )

@@ -10,6 +10,8 @@ from ._family import SILU, Family, LayerBytes, fusable_by_class
 from ._registry_family import ATTENTIONS, patch_registry_family
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the MLP's down projection only joins the residual stream (the attention's output feeds the post-attention norm)
+OUTPUT_PROJECTIONS = ("mlp.down_proj",)
 
 
 def head_shape(config) -> tuple[int, int, int]:
@@ -64,4 +66,5 @@ FAMILY = Family(
     mlp_width=mlp_width,
     layer_bytes=llama_layer_bytes,
     fusable=fusable_by_class(llama_kinds(LlamaRMSNorm, LlamaMLP)),
+    output_projections=lambda config: OUTPUT_PROJECTIONS,
 )

@@ -9,7 +9,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention, Mistr
 
 from ._family import Family, LayerAttention, fusable_by_class
 from ._registry_family import ATTENTIONS, patch_registry_family
-from .llama import PROJECTIONS, head_shape, llama_kinds, llama_layer_bytes, mlp_width
+from .llama import OUTPUT_PROJECTIONS, PROJECTIONS, head_shape, llama_kinds, llama_layer_bytes, mlp_width
 
 FAMILY = Family(
     name="mistral",
@@ -23,5 +23,6 @@ FAMILY = Family(
     mlp_width=mlp_width,
     layer_bytes=llama_layer_bytes,
     fusable=fusable_by_class(llama_kinds(MistralRMSNorm, MistralMLP)),
+    output_projections=lambda config: OUTPUT_PROJECTIONS,
     layer_attention=lambda config, i: LayerAttention(window=getattr(config, "sliding_window", None)),
 )

@@ -10,7 +10,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Q
 
 from ._family import Family, LayerAttention, fusable_by_class, sliding_layers
 from ._registry_family import ATTENTIONS, patch_registry_family
-from .llama import PROJECTIONS, head_shape, llama_kinds, llama_layer_bytes, mlp_width
+from .llama import OUTPUT_PROJECTIONS, PROJECTIONS, head_shape, llama_kinds, llama_layer_bytes, mlp_width
 
 FAMILY = Family(
     name="qwen2",
@@ -24,5 +24,6 @@ FAMILY = Family(
     mlp_width=mlp_width,
     layer_bytes=llama_layer_bytes,
     fusable=fusable_by_class(llama_kinds(Qwen2RMSNorm, Qwen2MLP)),
+    output_projections=lambda config: OUTPUT_PROJECTIONS,
     layer_attention=lambda config, i: LayerAttention(window=sliding_layers(config, i)),
 )

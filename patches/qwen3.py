@@ -11,7 +11,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3MLP, Q
 
 from ._family import Family, LayerAttention, fusable_by_class, sliding_layers
 from ._registry_family import ATTENTIONS, patch_registry_family
-from .llama import PROJECTIONS, head_shape, llama_kinds, llama_layer_bytes, mlp_width
+from .llama import OUTPUT_PROJECTIONS, PROJECTIONS, head_shape, llama_kinds, llama_layer_bytes, mlp_width
 
 FAMILY = Family(
     name="qwen3",
@@ -25,5 +25,6 @@ FAMILY = Family(
     mlp_width=mlp_width,
     layer_bytes=lambda config, b: llama_layer_bytes(config, b, qk_norm=True),
     fusable=fusable_by_class(llama_kinds(Qwen3RMSNorm, Qwen3MLP)),  # q_norm / k_norm included, as liger binds them
+    output_projections=lambda config: OUTPUT_PROJECTIONS,
     layer_attention=lambda config, i: LayerAttention(window=sliding_layers(config, i)),
 )

@@ -173,11 +173,12 @@ H200 = DeviceInfo("cuda", (9, 0))
 
 def test_the_defaults_offload_a_4bit_base_s_checkpointed_inputs_with_the_same_bits(saved_llama):
     from hf_accel.memory.checkpointing import OffloadedCheckpointing, applied_policy
-    from hf_accel.memory.defaults import checkpoint_storage
+    from hf_accel.memory.defaults import checkpoint_default
 
     ref = qlora(saved_llama, compute=torch.float32)
     ours = qlora(saved_llama, compute=torch.float32)
-    storage = checkpoint_storage(ours, H200, base_4bit=True, host_free=8 << 30, processes=2)
+    storage = checkpoint_default(ours, H200, base_4bit=True, output_projections=("mlp.down_proj",),
+                                 host_free=8 << 30, processes=2)
     policy = storage.policy
     assert isinstance(policy, OffloadedCheckpointing) and not policy.explicit and policy.host_limit == 2 << 30
     assert "auto: a 4-bit base" in storage.describe() and "2 processes" in storage.describe()
@@ -191,14 +192,35 @@ def test_the_defaults_offload_a_4bit_base_s_checkpointed_inputs_with_the_same_bi
     assert policy.offloader.stats.packed == 2 * len(STEPS)  # every layer's input, every step
 
 
-def test_patch_leaves_a_4bit_base_s_checkpointing_alone_off_cuda(saved_llama):
-    from hf_accel.memory.checkpointing import applied_policy
-    from hf_accel.patching import checkpoint_storage
+def test_off_cuda_the_defaults_trim_a_4bit_base_s_recompute_with_the_same_bits(saved_llama, monkeypatch):
+    """On the CPU the defaults keep the checkpointed inputs on the device and take over the model's checkpointing to
+    trim its recompute (memory.trim): each layer's recompute skips the frozen 4-bit down_proj matmul. The skipped
+    outputs are NaN here, so any use of them would show; the steps equal, bit for bit, those of the same patch with
+    the untrimmed recompute, and stay within summation order of PEFT's unpatched QLoRA model."""
+    from hf_accel.memory import trim
+    from hf_accel.memory.checkpointing import FullCheckpointing, applied_policy
+    from hf_accel.patching import checkpoint_default
 
-    model = qlora(saved_llama)
-    assert checkpoint_storage(model).why == "host-memory offload runs on CUDA only"
-    report = hf_accel.patch(model, backend="reference")
-    assert report.checkpointing is None and applied_policy(model) is None
+    monkeypatch.setattr(trim, "FILL", float("nan"))
+    ref = qlora(saved_llama, compute=torch.float32)
+    untrimmed = qlora(saved_llama, compute=torch.float32)
+    ours = qlora(saved_llama, compute=torch.float32)
+    default = checkpoint_default(ours)
+    assert isinstance(default.policy, FullCheckpointing) and "mlp.down_proj" in default.why, default
+    report = hf_accel.patch(ours, backend="reference", compile=False)
+    assert isinstance(applied_policy(ours), FullCheckpointing) and "skips the mlp.down_proj" in report.checkpointing
+    hf_accel.patch(untrimmed, backend="reference", compile=False, checkpointing=FullCheckpointing(trim_recompute=False))
+    for seed, lengths in enumerate(STEPS):
+        skipped = trim.STATS.skipped
+        loss, grads = step(ours, packed(lengths, seed), autocast=False)
+        assert trim.STATS.skipped - skipped == 2  # one 4-bit down_proj per layer, in its recompute
+        plain_loss, plain_grads = step(untrimmed, packed(lengths, seed), autocast=False)
+        assert torch.equal(loss, plain_loss) and grads.keys() == plain_grads.keys() and grads
+        assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+        ref_loss, ref_grads = step(ref, packed(lengths, seed), autocast=False)
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        for name, g in ref_grads.items():
+            assert ((grads[name] - g).abs().max() / g.abs().max()).item() <= 1e-4, name
 
 
 @pytest.mark.parametrize("case", ["not 4-bit", "no checkpointing", "context_fn", "hf_accel policy", "reentrant"])
@@ -208,7 +230,7 @@ def test_where_the_defaults_keep_the_model_s_checkpointing(saved_llama, case):
     from torch.utils.checkpoint import checkpoint
 
     from hf_accel.memory.checkpointing import policy_from_spec
-    from hf_accel.memory.defaults import checkpoint_storage
+    from hf_accel.memory.defaults import checkpoint_default
     from hf_accel.memory.targets import decoder_layers
 
     model = qlora(saved_llama, kbit=case != "no checkpointing")
@@ -220,8 +242,10 @@ def test_where_the_defaults_keep_the_model_s_checkpointing(saved_llama, case):
         policy_from_spec("every_2").apply(model)
     if case == "reentrant":  # prepare_model_for_kbit_training's own default: the same gradients, so offload too
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    storage = checkpoint_storage(model, H200, base_4bit=case != "not 4-bit", host_free=1 << 30)
-    why = {"not 4-bit": "not a 4-bit base", "no checkpointing": "does not checkpoint every decoder layer",
+    storage = checkpoint_default(model, H200, base_4bit=case != "not 4-bit", output_projections=(),
+                                 host_free=1 << 30)
+    why = {"not 4-bit": "no output projection a recompute may skip",
+           "no checkpointing": "does not checkpoint every decoder layer",
            "context_fn": "a function or options of their own", "hf_accel policy": "an hf_accel checkpointing policy",
            "reentrant": None}[case]
     assert (storage.policy is None) == (why is not None) and (why is None or why in storage.why), storage
@@ -236,8 +260,8 @@ def test_hf_accel_trainer_offloads_the_checkpointing_train_turns_on(saved_llama,
     import hf_accel.patching
     from hf_accel.memory.checkpointing import OffloadedCheckpointing, applied_policy
 
-    real = hf_accel.patching.checkpoint_storage
-    monkeypatch.setattr(hf_accel.patching, "checkpoint_storage", lambda model, device=None: real(model, H200))
+    real = hf_accel.patching.checkpoint_default
+    monkeypatch.setattr(hf_accel.patching, "checkpoint_default", lambda model, device=None: real(model, H200))
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in (9, 14, 6, 11, 8, 12)]
     trained = {}

@@ -1,13 +1,20 @@
 """What ``patch(model)`` does with the model's own checkpointing when ``checkpointing`` is left alone (None).
 
-A 4-bit base under transformers' own checkpointing of every decoder layer (PEFT's ``prepare_model_for_kbit_training``
-turns it on) keeps each layer's saved input on the device until backward: fp32 after the kbit preparation, 256 MiB a
-layer at 16k tokens of Llama-3-8B, 8 GiB for its 32 layers. On CUDA the defaults keep those inputs in pinned host
-memory instead (``OffloadedCheckpointing``: the same recompute, the same gradients bit for bit), as long as the copies
-fit in a share of the host memory that is free when patch() runs; past it a layer's input stays on the device. The
-copies travel on a side stream behind a layer's compute: Llama-3-8B QLoRA trained at the on-device speed in 15.0 GiB
-instead of 21.5 (docs/qlora.md, one H200). Every other model keeps its checkpointing as it is (``checkpointing=
-"offload"`` asks for the same there), and ``checkpointing="full"`` keeps a 4-bit base's inputs on the device.
+A model that checkpoints every decoder layer through torch's checkpoint (transformers' own, as its enable method or
+PEFT's ``prepare_model_for_kbit_training`` turns it on) gets hf_accel's equivalent policy: the same recompute and the
+same gradients bit for bit, plus what transformers' function cannot do.
+
+- Its recompute is trimmed (``memory.trim``): where the family has output projections (Llama's ``mlp.down_proj``) and
+  their weights are frozen (LoRA, QLoRA), the recompute skips their matmuls, which only the discarded layer output
+  reads: a quarter of the recomputed matmul FLOPs on Llama-3-8B shapes.
+- A 4-bit base on CUDA keeps each layer's saved input in pinned host memory instead of on the device
+  (``OffloadedCheckpointing``): fp32 after the kbit preparation, 256 MiB a layer at 16k tokens of Llama-3-8B, 8 GiB for
+  its 32 layers. The copies travel on a side stream behind a layer's compute: Llama-3-8B QLoRA trained at the
+  on-device speed in 15.0 GiB instead of 21.5 (docs/qlora.md, one H200). They may take a share of the host memory free
+  when patch() runs; past it a layer's input stays on the device.
+
+``checkpointing="full"`` asks for the trimmed policy on the device whatever the base; a policy object with
+``trim_recompute=False`` (``FullCheckpointing(trim_recompute=False)``) for the untrimmed recompute.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .policies import OffloadedCheckpointing, applied_policy
+from .policies import CheckpointingPolicy, FullCheckpointing, OffloadedCheckpointing, applied_policy
 from .targets import decoder_layers, fsdp_activation_checkpointing_active
 from ..attention.kernels.base import DeviceInfo
 
@@ -26,11 +33,11 @@ HOST_SHARE = 0.5  # of the host memory free at patch time (split between the pro
 
 
 @dataclass(frozen=True)
-class CheckpointStorage:
-    """Where the defaults keep checkpointed layers' saved inputs: ``policy`` None leaves the model's checkpointing as
-    it is; ``why`` says why, one line."""
+class CheckpointDefault:
+    """The defaults' choice for the model's own checkpointing: ``policy`` None leaves it as it is; ``why`` says why,
+    one line."""
 
-    policy: OffloadedCheckpointing | None
+    policy: CheckpointingPolicy | None
     why: str
 
     def describe(self) -> str:
@@ -39,27 +46,32 @@ class CheckpointStorage:
         return f"{self.policy.describe()} (auto: {self.why})"
 
 
-def checkpoint_storage(model: nn.Module, device: DeviceInfo, *, base_4bit: bool, host_free: int | None = None,
-                       processes: int | None = None) -> CheckpointStorage:
+def checkpoint_default(model: nn.Module, device: DeviceInfo, *, base_4bit: bool, output_projections: tuple[str, ...],
+                       host_free: int | None = None, processes: int | None = None) -> CheckpointDefault:
     """The defaults' choice for ``model`` on ``device``. ``base_4bit``: its linears are 4-bit (bitsandbytes
-    ``Linear4bit``). ``host_free`` (bytes) and ``processes`` (on this machine) default to what the host reports
-    (``LOCAL_WORLD_SIZE``); tests pass them."""
-    if not base_4bit:
-        return CheckpointStorage(None, "not a 4-bit base")
-    if device.type != "cuda":
-        return CheckpointStorage(None, "host-memory offload runs on CUDA only")
+    ``Linear4bit``); ``output_projections``: its family's (``Family.output_projections``). ``host_free`` (bytes) and
+    ``processes`` (on this machine) default to what the host reports (``LOCAL_WORLD_SIZE``); tests pass them."""
     why_not = _plain_full_checkpointing(model)
     if why_not is not None:
-        return CheckpointStorage(None, why_not)
-    host_free = _host_free() if host_free is None else host_free
-    processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if processes is None else processes)
-    limit = int(HOST_SHARE * host_free / processes)
-    return CheckpointStorage(
-        OffloadedCheckpointing(explicit=False, host_limit=limit),
-        f"a 4-bit base under the model's checkpointing of every layer; the host copies may take half of the host's "
-        f"free memory{', split between its ' + str(processes) + ' processes' if processes > 1 else ''}; "
-        "checkpointing='full' keeps them on the device",
-    )
+        return CheckpointDefault(None, why_not)
+    trimmed = (f"its recompute skips the {' and '.join(output_projections)} matmul"
+               f"{'s' if len(output_projections) > 1 else ''} where frozen (LoRA, QLoRA): only the discarded layer "
+               "output reads them")
+    if base_4bit and device.type == "cuda":
+        host_free = _host_free() if host_free is None else host_free
+        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if processes is None else processes)
+        limit = int(HOST_SHARE * host_free / processes)
+        return CheckpointDefault(
+            OffloadedCheckpointing(explicit=False, host_limit=limit),
+            f"a 4-bit base under the model's checkpointing of every layer; the host copies may take half of the "
+            f"host's free memory{', split between its ' + str(processes) + ' processes' if processes > 1 else ''}"
+            f"{'; ' + trimmed if output_projections else ''}; checkpointing='full' keeps them on the device",
+        )
+    if not output_projections:
+        return CheckpointDefault(None, "its family has no output projection a recompute may skip"
+                                 if not base_4bit else "host-memory offload runs on CUDA only")
+    return CheckpointDefault(FullCheckpointing(explicit=False),
+                             f"the model's checkpointing of every layer, as hf_accel's policy: {trimmed}")
 
 
 def _plain_full_checkpointing(model: nn.Module) -> str | None:

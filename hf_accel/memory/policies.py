@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable, Sequence
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from . import trim
 from .context import RunContext
 from .offload import ActivationOffloader, offloaded_checkpoint
 from .spacing import Spacer
@@ -55,10 +57,13 @@ def _remember(applied: _Applied, module: nn.Module, attr: str) -> None:
 # ----------------------------------------------------------------------------------------------- policies
 @dataclass(kw_only=True)
 class CheckpointingPolicy:
-    """Base class. `explicit`: the user asked for this policy (a clash with FSDP's checkpointing then raises)."""
+    """Base class. `explicit`: the user asked for this policy (a clash with FSDP's checkpointing then raises).
+    `trim_recompute`: the recompute of a fully checkpointed layer (non-reentrant) skips its frozen output
+    projections' matmuls, which only the discarded output reads (`memory.trim`; the same gradients)."""
 
     use_reentrant: bool = False
     explicit: bool = True
+    trim_recompute: bool = True
     # whether apply() plans from its RunContext (a memory budget does): callers gather the run's facts only then
     needs_run_context: ClassVar[bool] = False
 
@@ -97,9 +102,10 @@ class CheckpointingPolicy:
         remove_checkpointing(model)
 
     # -- internals
-    def _layer_function(self, choice: LayerChoice, head: bool = False) -> Callable:
+    def _layer_function(self, choice: LayerChoice, head: bool = False, layer: nn.Module | None = None,
+                        trimmed: tuple[str, ...] = ()) -> Callable:
         """The checkpoint function for `choice`; `head`: the layer above is spaced (this one keeps its span's
-        input)."""
+        input); `trimmed`: the output projections (paths in `layer`) its recompute may skip (`memory.trim`)."""
         if (choice == "spaced" or head) and self.use_reentrant:
             raise ConfigurationError(
                 "spaced checkpointing works through non-reentrant checkpointing (it hooks the inputs that checkpoint "
@@ -120,8 +126,12 @@ class CheckpointingPolicy:
             setattr(func, OP_LEVEL_ATTR, True)
             return func
         if choice == "offload":
-            return functools.partial(offloaded_checkpoint, _offloader_of(self))
-        return functools.partial(checkpoint, use_reentrant=self.use_reentrant)
+            func = functools.partial(offloaded_checkpoint, _offloader_of(self))
+        else:
+            func = functools.partial(checkpoint, use_reentrant=self.use_reentrant)
+        if self.trim_recompute and trimmed and layer is not None and not self.use_reentrant:
+            return _TrimmedCheckpoint(func, layer, trimmed, _bindings_of(self))
+        return func
 
     def _set_layers(self, model: nn.Module, applied: _Applied, snapshot: bool) -> None:
         layers = decoder_layers(model)
@@ -143,11 +153,12 @@ class CheckpointingPolicy:
             if self.use_reentrant and not getattr(hf_model, "_require_grads_hooks", None):
                 hf_model.enable_input_require_grads()  # reentrant: frozen-input layers would get no LoRA grads
             applied.added_input_grad_hooks |= not had_hooks
+        trimmed = _output_projections(hf_model) if self.trim_recompute else ()
         for i, (layer, choice) in enumerate(zip(layers, choices)):
             layer.gradient_checkpointing = choice != "none"
             if choice != "none":
                 head = i + 1 < len(choices) and choices[i + 1] == "spaced"
-                layer._gradient_checkpointing_func = self._layer_function(choice, head)
+                layer._gradient_checkpointing_func = self._layer_function(choice, head, layer, trimmed)
 
     def _wrap_modules(self, model: nn.Module, applied: _Applied) -> None:
         selector = self.module_selector()
@@ -164,6 +175,39 @@ class CheckpointingPolicy:
 def default_save_ops_for(policy: CheckpointingPolicy) -> frozenset:
     ops = getattr(policy, "save_ops", None)
     return default_save_ops() if ops is None else frozenset(_as_packet(op) for op in ops)
+
+
+def _output_projections(hf_model: nn.Module) -> tuple[str, ...]:
+    """The family's output projections (paths inside a decoder layer; `Family.output_projections`), () for a model
+    of no supported family."""
+    from ..errors import UnsupportedModel
+    from ..patches import family_of
+
+    try:
+        return tuple(family_of(hf_model).output_projections(hf_model.config))
+    except UnsupportedModel:
+        return ()
+
+
+class _TrimmedCheckpoint:
+    """A layer's checkpoint function (`func`: torch's non-reentrant checkpoint, or the offloaded one) whose recompute
+    skips the layer's frozen output projections where `trim.prepare` finds them at this call (`memory.trim`)."""
+
+    def __init__(self, func: Callable, layer: nn.Module, paths: tuple[str, ...], bindings: trim.Bindings):
+        self.func, self.layer, self.paths, self.bindings = func, weakref.ref(layer), paths, bindings
+
+    def __call__(self, function: Callable, *args, **kwargs):
+        layer = self.layer()
+        if layer is not None and "context_fn" not in kwargs and trim.prepare(layer, self.paths, self.bindings):
+            kwargs["context_fn"] = trim.context_fn
+        return self.func(function, *args, **kwargs)
+
+
+def _bindings_of(policy: CheckpointingPolicy) -> trim.Bindings:
+    """The trimmed forwards the policy bound (one record per policy, undone when it is removed)."""
+    if getattr(policy, "trim_bindings", None) is None:
+        policy.trim_bindings = trim.Bindings([])
+    return policy.trim_bindings
 
 
 def _checkpointed_forward(module: nn.Module, forward: Callable, use_reentrant: bool) -> Callable:
@@ -183,6 +227,9 @@ def remove_checkpointing(model: nn.Module) -> None:
     if applied is None:
         return
     hf_model = base_model(model)
+    bindings = getattr(applied.policy, "trim_bindings", None)
+    if bindings is not None:
+        bindings.unbind()
     if applied.added_input_grad_hooks:
         for hook in getattr(hf_model, "_require_grads_hooks", None) or []:
             hook.remove()
@@ -196,7 +243,8 @@ def remove_checkpointing(model: nn.Module) -> None:
             setattr(module, attr, old)
         elif attr in module.__dict__:
             delattr(module, attr)
-    delattr(model, _STATE_ATTR)
+    # applied to the transformers model and found through a PEFT wrapper added since (its getattr forwards)
+    delattr(model if _STATE_ATTR in model.__dict__ else base_model(model), _STATE_ATTR)
 
 
 def reapply_checkpointing(model: nn.Module) -> None:

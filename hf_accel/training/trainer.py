@@ -149,15 +149,16 @@ class AccelMixin(CheckpointFilesMixin):
             # for masked positions. Only then: a stock forward must not receive the key.
             self.data_collator.target_rows = True
 
-    def _accel_default_storage(self) -> None:
-        """patch()'s default for the model's own checkpointing (``memory.defaults``), applied to the checkpointing
-        ``train()`` turned on; the report says what it chose."""
-        from ..patching import checkpoint_storage
+    def _accel_default_checkpointing(self) -> None:
+        """patch()'s default for the model's own checkpointing (``memory.defaults``: trimmed recompute, a 4-bit
+        base's inputs in host memory), applied to the checkpointing ``train()`` turned on; the report says what it
+        chose."""
+        from ..patching import checkpoint_default
 
-        storage = checkpoint_storage(self.model)
-        if storage.policy is not None:
-            storage.policy.apply(self.model)
-            self.patch_report.checkpointing = storage.describe()
+        default = checkpoint_default(self.model)
+        if default.policy is not None:
+            default.policy.apply(self.model)
+            self.patch_report.checkpointing = default.describe()
             logger.info("hf_accel: checkpointing: %s", self.patch_report.checkpointing)
 
     # ---- each concern lives in its own module; these name them for the Trainers (and for tests' stand-ins) ------
@@ -186,13 +187,13 @@ class AccelMixin(CheckpointFilesMixin):
 
     def _inner_training_loop(self, *args, **kwargs):
         # Trainer.train() has just (re-)enabled checkpointing from its args: put our policy's choices back, or, where
-        # patch() found no checkpointing to keep in host memory, decide again now that there may be some.
+        # patch() found no checkpointing of the model's to take over (memory.defaults), decide again now.
         from ..memory.checkpointing import applied_policy, reapply_checkpointing
 
         if applied_policy(self.model) is not None:
             reapply_checkpointing(self.model)
         elif self.accel.checkpointing is None and self.patch_report is not None:
-            self._accel_default_storage()
+            self._accel_default_checkpointing()
         self._meter = ThroughputMeter(self.model, self.args.device)
         return super()._inner_training_loop(*args, **kwargs)
 

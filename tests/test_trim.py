@@ -1,0 +1,173 @@
+"""Trimmed recompute (hf_accel.memory.trim): a checkpointed layer's recompute skips the frozen output projections'
+matmuls. Every family variant with LoRA on every projection takes the same step, bit for bit, as with the untrimmed
+recompute, while the skipped outputs are NaN (any use of them would show), and the skips are counted; where a trim
+could change a result (a projection the layer reads again, DoRA, reentrant or spaced checkpointing, no grad) it does
+not happen. The QLoRA case is in tests/test_qlora.py, the GPU run in tests/gpu/test_qlora_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import hf_accel
+from hf_accel.memory import policies, trim
+from hf_accel.memory.checkpointing import FullCheckpointing, PerLayer
+from hf_accel.patches import family_of
+
+from tiny_models import VARIANTS, loss_and_grads, make
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# variants whose every output projection can be trimmed (Falcon-RW's have biases, which FalconLinear adds apart;
+# Gemma's down_proj feeds a norm)
+UNTRIMMED = {"falcon-rw-alibi", "gemma2-softcap", "gemma3-text"}
+AOT_EAGER = {"backend": "aot_eager"}  # dynamo + AOTAutograd without code generation: the graphs inductor would get
+
+
+@pytest.fixture(autouse=True)
+def _nan_fill(monkeypatch):
+    monkeypatch.setattr(trim, "FILL", float("nan"))
+
+
+def batch(lengths=(5, 9, 3), seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 96, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return dict(input_ids=ids, position_ids=pos, labels=ids.masked_fill(pos == 0, -100))
+
+
+def lora_model(name: str, policy, *, patch_first: bool = True, compile=False, **lora):
+    """A tiny family variant with LoRA (random B) on every projection, patched with ``policy`` before or after
+    PEFT wraps it (the bench patches first)."""
+    model = make(name).train()
+    targets = list(family_of(model).lora_targets)
+    if patch_first:
+        hf_accel.patch(model, backend="reference", checkpointing=policy, compile=compile)
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
+                                             **lora))
+    if not patch_first:
+        hf_accel.patch(model, backend="reference", checkpointing=policy, compile=compile)
+    return model
+
+
+def trimmed_step(model, data) -> tuple[float, dict, int]:
+    skipped = trim.STATS.skipped
+    loss, grads = loss_and_grads(model, data)
+    return loss, grads, trim.STATS.skipped - skipped
+
+
+def assert_equal_steps(a, b) -> None:
+    assert a[0] == b[0] and a[1].keys() == b[1].keys() and a[1]
+    bad = [n for n in a[1] if not torch.equal(a[1][n], b[1][n])]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_trimmed_recompute_takes_the_untrimmed_step_bit_for_bit(name):
+    model = make(name)
+    expected = 0 if name in UNTRIMMED else len(family_of(model).output_projections(model.config))
+    ours = trimmed_step(lora_model(name, FullCheckpointing()), batch())
+    plain = trimmed_step(lora_model(name, FullCheckpointing(trim_recompute=False)), batch())
+    assert_equal_steps(ours, plain)
+    assert ours[2] == expected * model.config.num_hidden_layers and plain[2] == 0
+
+
+@pytest.mark.parametrize("name,paths", [("llama-gqa", ("self_attn.o_proj",)), ("gemma2-softcap", ("mlp.down_proj",)),
+                                        ("neox-sequential", ("attention.dense",))])
+def test_a_projection_the_layer_reads_again_must_not_be_declared(name, paths, monkeypatch):
+    """The check above can fail: declare a projection whose output the layer reads again (the post-attention norm,
+    Gemma's post-MLP norm, the sequential residual) and the recompute's NaN reaches the gradients."""
+    monkeypatch.setattr(policies, "_output_projections", lambda model: paths)
+    loss, grads, skipped = trimmed_step(lora_model(name, FullCheckpointing()), batch())
+    assert skipped == 2 and any(g.isnan().any() for g in grads.values())
+
+
+def test_lora_added_before_patch_and_the_second_step_trim_too():
+    ours = lora_model("llama-gqa", FullCheckpointing(), patch_first=False)
+    plain = lora_model("llama-gqa", FullCheckpointing(trim_recompute=False), patch_first=False)
+    for seed, lengths in enumerate([(5, 9, 3), (7, 11, 4, 6)]):
+        a, b = trimmed_step(ours, batch(lengths, seed)), trimmed_step(plain, batch(lengths, seed))
+        assert_equal_steps(a, b)
+        assert a[2] == 2
+
+
+def test_compiled_layers_trim_at_run_time_in_one_graph(fresh_dynamo):
+    """Under torch.compile the op stays one opaque call in the layer's graph (no graph break of its own): the forward
+    and the recompute run the same graph and the op decides at run time."""
+    from torch._dynamo.utils import counters
+
+    ours = trimmed_step(lora_model("llama-gqa", FullCheckpointing(), compile=AOT_EAGER), batch())
+    assert ours[2] == 2 and counters["stats"]["unique_graphs"] > 0
+    assert counters["graph_break"] and all("hf_accel_attention" in r for r in counters["graph_break"])
+    plain = trimmed_step(lora_model("llama-gqa", FullCheckpointing(trim_recompute=False)), batch())
+    assert ours[0] == pytest.approx(plain[0], rel=1e-6)
+    for n, g in plain[1].items():
+        assert ((ours[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n
+
+
+@pytest.mark.parametrize("case", ["dora", "full fine-tune", "reentrant", "spaced", "op-level"])
+def test_no_trim_where_it_could_change_a_result(case):
+    """DoRA scales the base output (its backward reads it), a trained weight's gradient needs the recomputed input
+    (not the output, but the op has no weight gradient), a reentrant recompute's output is backpropagated, a spaced
+    span rebuilds the layer above from this one's output, op-level layers keep matmul outputs by their own policy.
+    The same steps as unpatched checkpointing there, and no skip."""
+    policy = {"reentrant": FullCheckpointing(use_reentrant=True), "spaced": PerLayer(choices=["full", "spaced"]),
+              "op-level": PerLayer(choices=["op", "op"])}.get(case, FullCheckpointing())
+    plain = {"reentrant": FullCheckpointing(use_reentrant=True, trim_recompute=False),
+             "spaced": PerLayer(choices=["full", "spaced"], trim_recompute=False),
+             "op-level": PerLayer(choices=["op", "op"], trim_recompute=False)}.get(
+        case, FullCheckpointing(trim_recompute=False))
+    if case == "full fine-tune":
+        ours, ref = (make("llama-gqa").train() for _ in range(2))
+        hf_accel.patch(ours, backend="reference", checkpointing=policy, compile=False)
+        hf_accel.patch(ref, backend="reference", checkpointing=plain, compile=False)
+    else:
+        lora = {"use_dora": True} if case == "dora" else {}
+        ours, ref = lora_model("llama-gqa", policy, **lora), lora_model("llama-gqa", plain, **lora)
+    a, b = trimmed_step(ours, batch()), trimmed_step(ref, batch())
+    assert_equal_steps(a, b)
+    assert a[2] == 0
+
+
+def test_a_partial_plan_trims_its_fully_checkpointed_layers_only():
+    a = trimmed_step(lora_model("llama-gqa", PerLayer(choices=["full", "none"])), batch())
+    b = trimmed_step(lora_model("llama-gqa", PerLayer(choices=["full", "none"], trim_recompute=False)), batch())
+    assert_equal_steps(a, b)
+    assert a[2] == 1
+
+
+def test_evaluation_and_unpatch_leave_the_stock_forward():
+    model = lora_model("llama-gqa", FullCheckpointing())
+    trimmed_step(model, batch())
+    bases = [layer.mlp.down_proj.get_base_layer() for layer in model.get_base_model().model.layers]
+    assert all("forward" in base.__dict__ for base in bases)
+    computed = trim.STATS.computed
+    with torch.no_grad():
+        model.eval()(**batch())
+    assert trim.STATS.computed == computed  # the stock forward ran
+    hf_accel.unpatch(model)
+    assert not any("forward" in base.__dict__ for base in bases)
+
+
+def test_the_defaults_take_over_the_model_s_own_checkpointing():
+    """patch(model) with no checkpointing argument on a model checkpointing every layer (non-reentrant): the trimmed
+    policy, the report says so, and the step is the unpatched model's."""
+    from hf_accel.memory.checkpointing import applied_policy
+
+    ref = make("llama-gqa").train()
+    ours = make("llama-gqa").train()
+    for model in (ref, ours):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    report = hf_accel.patch(ours, backend="reference", compile=False)
+    assert isinstance(applied_policy(ours), FullCheckpointing) and "skips the mlp.down_proj" in report.checkpointing
+    targets = list(family_of(ours).lora_targets)
+    peft_models = []
+    for model in (ours, ref):
+        torch.manual_seed(1)
+        peft_models.append(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                            init_lora_weights=False)))
+    a, b = trimmed_step(peft_models[0], batch()), trimmed_step(peft_models[1], batch())
+    assert a[2] == 2 and a[0] == pytest.approx(b[0], rel=1e-6)
+    for n, g in b[1].items():
+        assert ((a[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n
