@@ -171,3 +171,14 @@ def test_the_defaults_take_over_the_model_s_own_checkpointing():
     assert a[2] == 2 and a[0] == pytest.approx(b[0], rel=1e-6)
     for n, g in b[1].items():
         assert ((a[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n
+
+
+@pytest.mark.slow
+def test_inductor_compiled_layers_trim(fresh_dynamo):
+    """The same through inductor's generated code (CPU): the op is an extern call in the layer's kernel graph."""
+    ours = trimmed_step(lora_model("llama-gqa", FullCheckpointing(), compile=True), batch())
+    plain = trimmed_step(lora_model("llama-gqa", FullCheckpointing(trim_recompute=False), compile=True), batch())
+    assert ours[2] == 2 and plain[2] == 0
+    assert ours[0] == pytest.approx(plain[0], rel=1e-6)
+    for n, g in plain[1].items():
+        assert ((ours[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n

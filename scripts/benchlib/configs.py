@@ -217,15 +217,22 @@ def _apply_checkpointing(model: nn.Module, spec: str, tokens_per_step: int, timi
 
 
 def _patched(base: Callable[[RunSettings, str], nn.Module] | None = None, all_rows: bool = False,
-             **patch_kwargs: Any) -> Callable[..., nn.Module]:
+             untrimmed: str | None = None, **patch_kwargs: Any) -> Callable[..., nn.Module]:
     """`hf_accel.patch(model, **patch_kwargs)` on the workload's model from ``base`` (default: the random-init model;
     or the NF4 QLoRA base), then its LoRA and hf_accel's packing; no --best-* option reaches it. With no arguments:
     whatever the library chooses by itself (issue 18's "hf_accel defaults"). Where that binds the fused loss the
-    collator lists the target rows, as hf_accel.Trainer does (``all_rows``: it does not, the loss takes every row)."""
+    collator lists the target rows, as hf_accel.Trainer does (``all_rows``: it does not, the loss takes every row).
+    ``untrimmed``: the name of a policy class in hf_accel.memory.checkpointing, applied with trim_recompute=False (a
+    fresh one per run): the defaults' checkpointing without the trimmed recompute, for a same-run comparison."""
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         model = (base or build_model)(settings, "sdpa")
-        report = hf_accel.patch(model, **patch_kwargs)
+        kwargs = dict(patch_kwargs)
+        if untrimmed is not None:
+            from hf_accel.memory import checkpointing
+
+            kwargs["checkpointing"] = getattr(checkpointing, untrimmed)(trim_recompute=False, explicit=False)
+        report = hf_accel.patch(model, **kwargs)
         timing.notes.append(f"patch: {report}")
         rows = bool(getattr(report, "fused_ce", False)) and not all_rows
         if getattr(report, "fused_ce", False):
@@ -325,6 +332,10 @@ CONFIGS: dict[str, BenchConfig] = {
                     "as hf_accel-defaults, the fused loss over every row (the collator lists no target rows): "
                     "the LM head's work on masked positions, as before issue 39",
                     launched=_hf_accel_trainer("defaults-all-rows")),
+        BenchConfig("hf_accel-untrimmed", False, ("hf_accel",), _patched(untrimmed="FullCheckpointing"),
+                    "as hf_accel-defaults, the recompute untrimmed (the checkpointing before 2026-12-04: "
+                    "FullCheckpointing(trim_recompute=False)); on workloads that checkpoint, what the trimmed "
+                    "recompute gains"),
         BenchConfig("hf_accel-sdpa", False, ("hf_accel",), _patched(backend="sdpa"),
                     "hf_accel.patch(model, backend='sdpa'), otherwise no arguments: the path ALiBi took before flex "
                     "(documents regrouped into padded rows with a dense float bias)"),
@@ -410,6 +421,11 @@ CONFIGS.update({
                     "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True", sites=BNB_SITES),
         BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "hf_accel"), _patched(qlora_base),
                     "the same QLoRA model with hf_accel.patch(model), no arguments, + hf_accel's packing",
+                    sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-untrimmed", False, ("bitsandbytes", "hf_accel"),
+                    _patched(qlora_base, untrimmed="OffloadedCheckpointing"),
+                    "as hf_accel-qlora, the recompute untrimmed (the defaults before 2026-12-04: "
+                    "OffloadedCheckpointing(trim_recompute=False)): what the trimmed recompute gains",
                     sites=BNB_SITES),
         BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "hf_accel"),
                     _patched(qlora_base, checkpointing="offload"),

@@ -97,8 +97,14 @@ def test_compiled_train_steps_match_eager(name):
         assert torch.equal(ours(input_ids=ids).logits, ref16(input_ids=ids).logits)
 
 
-def test_compiled_lora_under_full_checkpointing():
+def test_compiled_lora_under_full_checkpointing(monkeypatch):
+    """Compiled layers with the trimmed recompute (memory.trim: each layer's recompute skips the frozen down_proj,
+    its skipped output NaN here) against eager layers with the untrimmed one."""
+    from hf_accel.memory import trim
+    from hf_accel.memory.checkpointing import FullCheckpointing
+
     peft = pytest.importorskip("peft")
+    monkeypatch.setattr(trim, "FILL", float("nan"))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                          num_attention_heads=16, num_key_value_heads=4, attn_implementation="sdpa")
@@ -111,13 +117,15 @@ def test_compiled_lora_under_full_checkpointing():
             for b in module.lora_B.values():
                 torch.nn.init.normal_(b.weight, std=0.02)
     compiled = copy.deepcopy(eager)
-    hf_accel.patch(eager, checkpointing="full", **PLAIN)
+    hf_accel.patch(eager, checkpointing=FullCheckpointing(trim_recompute=False), **PLAIN)
     report = hf_accel.patch(compiled, checkpointing="full", **{**PLAIN, "compile": True})
     assert report.compiled_layers == 4
     batch = packed(config.vocab_size)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss_e, g_e = step(eager, batch)
+        skipped = trim.STATS.skipped
         loss_c, g_c = step(compiled, batch)
+    assert trim.STATS.skipped - skipped == 4  # one down_proj per layer, in its recompute
     assert g_c.numel() == g_e.numel() > 0  # adapters only, all of them with gradients
     assert abs(loss_c - loss_e) <= 1e-2 * abs(loss_e)
     assert ((g_c - g_e).norm() / g_e.norm()).item() <= 2e-2

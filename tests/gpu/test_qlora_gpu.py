@@ -2,7 +2,8 @@
 NF4 (bf16 compute), prepare_model_for_kbit_training (its checkpointing on), PEFT LoRA on every linear, then
 `hf_accel.patch(model)` with its defaults, which now include compiled decoder layers on the 4-bit base (bitsandbytes'
 matmul and dequantize stay custom ops inside the graphs), the LoRA cast skip on PEFT's 4-bit layers and the
-checkpointed layers' inputs in pinned host memory (issue 38c: the defaults' storage for a 4-bit base). Over 20 AdamW
+checkpointed layers' inputs in pinned host memory (issue 38c: the defaults' storage for a 4-bit base) and the trimmed
+recompute (each layer's recompute skips the frozen 4-bit down_proj; its skipped output is NaN here). Over 20 AdamW
 steps the per-step losses (and the first step's LoRA gradients) stay within the bf16 error of the unpatched QLoRA
 model, measured in the same test against the same quantized model computing in fp32 (flash-attn's test rule). The
 fused loss and liger's fused ops stay on; the report says what ran.
@@ -82,8 +83,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("order", ["after-lora", "before-lora"])
-def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved_llama, order):
+def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved_llama, order, monkeypatch):
     from torch._dynamo.utils import counters
+
+    from hf_accel.memory import trim
+
+    monkeypatch.setattr(trim, "FILL", float("nan"))  # the trimmed recompute's skipped outputs: nothing may read them
 
     torch._dynamo.reset()
     counters.clear()
@@ -94,7 +99,9 @@ def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved
     losses16, grads16 = train(ref16, autocast=True)
     del ref16
     ours, report = qlora(saved_llama, torch.bfloat16, patch=order)
+    skipped = trim.STATS.skipped
     losses, grads = train(ours, autocast=True)
+    skipped = trim.STATS.skipped - skipped
     print(report, "\nlosses fp32", losses32, "\nunpatched bf16", losses16, "\npatched", losses)
 
     baseline = max(abs(a - b) / abs(b) for a, b in zip(losses16, losses32))
@@ -120,3 +127,5 @@ def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved
     policy = applied_policy(ours) or applied_policy(ours.get_base_model())
     assert report.checkpointing and "auto: a 4-bit base" in report.checkpointing, str(report)
     assert policy.offloader.stats.packed >= 4 and policy.offloader.stats.over_limit == 0, policy.offloader.stats
+    # and each layer's recompute skipped its frozen 4-bit down_proj (memory.trim), every step
+    assert "skips the mlp.down_proj" in report.checkpointing and skipped == 4 * STEPS, (skipped, str(report))
