@@ -130,6 +130,27 @@ def test_no_trim_where_it_could_change_a_result(case):
     assert a[2] == 0
 
 
+def test_a_forward_of_someone_else_s_is_left_alone():
+    """A base layer whose instance forward is already someone else's (accelerate's device hooks wrap it so) keeps it:
+    that layer's recompute is not trimmed."""
+    import functools
+
+    ours = lora_model("llama-gqa", FullCheckpointing())
+    base = ours.get_base_model().model.layers[1].mlp.down_proj.get_base_layer()
+    calls = []
+
+    def hooked(module, x):
+        calls.append(1)
+        return torch.nn.Linear.forward(module, x)
+
+    base.forward = functools.partial(hooked, base)
+    a = trimmed_step(ours, batch())
+    b = trimmed_step(lora_model("llama-gqa", FullCheckpointing(trim_recompute=False)), batch())
+    assert_equal_steps(a, b)
+    assert a[2] == 1 and len(calls) == 2  # layer 0 trimmed; layer 1's forward and recompute ran the hook
+    assert base.__dict__["forward"].func is hooked
+
+
 def test_a_partial_plan_trims_its_fully_checkpointed_layers_only():
     a = trimmed_step(lora_model("llama-gqa", PerLayer(choices=["full", "none"])), batch())
     b = trimmed_step(lora_model("llama-gqa", PerLayer(choices=["full", "none"], trim_recompute=False)), batch())

@@ -156,7 +156,7 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward (``F.linear``) through ``linear_unless_recomputing``, casting as autocast would."""
     weight, bias = self.weight, self.bias
     if not (torch.is_grad_enabled() and _frozen(weight, bias)):
-        return F.linear(x, weight, bias)
+        return type(self).forward(self, x)
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -258,7 +258,9 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
         if forward is None or not _frozen(getattr(base, "weight", None), getattr(base, "bias", None)):
             return False
         current = base.__dict__.get("forward")
-        if getattr(current, "__func__", None) is not forward:
-            bindings.bound.append((base, "forward" in base.__dict__, current))
+        if current is None:
+            bindings.bound.append((base, False, None))
             base.forward = types.MethodType(forward, base)
+        elif getattr(current, "__func__", None) is not forward:
+            return False  # a forward of someone else's (accelerate's device hooks, a user's wrapper): left alone
     return True
