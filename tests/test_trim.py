@@ -203,3 +203,14 @@ def test_inductor_compiled_layers_trim(fresh_dynamo):
     assert ours[0] == pytest.approx(plain[0], rel=1e-6)
     for n, g in plain[1].items():
         assert ((ours[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n
+
+
+def test_the_defaults_leave_reentrant_checkpointing_alone():
+    """A reentrant recompute's output is backpropagated (nothing to trim) and reentrant may be a launcher's
+    requirement (DeepSpeed ZeRO-3 with PEFT): patch() keeps the model's own."""
+    from hf_accel.memory.checkpointing import applied_policy
+
+    model = make("llama-gqa").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    report = hf_accel.patch(model, backend="reference", compile=False)
+    assert applied_policy(model) is None and report.checkpointing is None

@@ -70,6 +70,10 @@ def checkpoint_default(model: nn.Module, device: DeviceInfo, *, base_4bit: bool,
     if not output_projections:
         return CheckpointDefault(None, "its family has no output projection a recompute may skip"
                                  if not base_4bit else "host-memory offload runs on CUDA only")
+    if not all(_non_reentrant(getattr(layer, "_gradient_checkpointing_func", None)) for layer in decoder_layers(model)):
+        # a reentrant recompute's output is used (no trim there), and reentrant may be someone's requirement
+        # (DeepSpeed ZeRO-3 with PEFT): left as it is
+        return CheckpointDefault(None, "the model checkpoints reentrant")
     return CheckpointDefault(FullCheckpointing(explicit=False),
                              f"the model's checkpointing of every layer, as hf_accel's policy: {trimmed}")
 
@@ -95,6 +99,10 @@ def _torch_checkpoint(func) -> bool:
     if isinstance(func, functools.partial):
         return func.func is checkpoint and not func.args and set(func.keywords) <= {"use_reentrant"}
     return func is checkpoint
+
+
+def _non_reentrant(func) -> bool:
+    return isinstance(func, functools.partial) and func.keywords.get("use_reentrant") is False
 
 
 def _host_free() -> int:
