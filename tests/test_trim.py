@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import hf_accel
-from hf_accel.memory import policies, trim
+from hf_accel.memory import trim
 from hf_accel.memory.checkpointing import FullCheckpointing, PerLayer
 from hf_accel.patches import family_of
 
@@ -78,7 +78,7 @@ def test_trimmed_recompute_takes_the_untrimmed_step_bit_for_bit(name):
 def test_a_projection_the_layer_reads_again_must_not_be_declared(name, paths, monkeypatch):
     """The check above can fail: declare a projection whose output the layer reads again (the post-attention norm,
     Gemma's post-MLP norm, the sequential residual) and the recompute's NaN reaches the gradients."""
-    monkeypatch.setattr(policies, "_output_projections", lambda model: paths)
+    monkeypatch.setattr(trim, "output_projections", lambda model: paths)
     loss, grads, skipped = trimmed_step(lora_model(name, FullCheckpointing()), batch())
     assert skipped == 2 and any(g.isnan().any() for g in grads.values())
 

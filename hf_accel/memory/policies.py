@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Iterable, Sequence
 
@@ -130,7 +129,7 @@ class CheckpointingPolicy:
         else:
             func = functools.partial(checkpoint, use_reentrant=self.use_reentrant)
         if self.trim_recompute and trimmed and layer is not None and not self.use_reentrant:
-            return _TrimmedCheckpoint(func, layer, trimmed, _bindings_of(self))
+            return trim.TrimmedCheckpoint(func, layer, trimmed, _bindings_of(self))
         return func
 
     def _set_layers(self, model: nn.Module, applied: _Applied, snapshot: bool) -> None:
@@ -153,7 +152,7 @@ class CheckpointingPolicy:
             if self.use_reentrant and not getattr(hf_model, "_require_grads_hooks", None):
                 hf_model.enable_input_require_grads()  # reentrant: frozen-input layers would get no LoRA grads
             applied.added_input_grad_hooks |= not had_hooks
-        trimmed = _output_projections(hf_model) if self.trim_recompute else ()
+        trimmed = trim.output_projections(hf_model) if self.trim_recompute else ()
         for i, (layer, choice) in enumerate(zip(layers, choices)):
             layer.gradient_checkpointing = choice != "none"
             if choice != "none":
@@ -175,32 +174,6 @@ class CheckpointingPolicy:
 def default_save_ops_for(policy: CheckpointingPolicy) -> frozenset:
     ops = getattr(policy, "save_ops", None)
     return default_save_ops() if ops is None else frozenset(_as_packet(op) for op in ops)
-
-
-def _output_projections(hf_model: nn.Module) -> tuple[str, ...]:
-    """The family's output projections (paths inside a decoder layer; `Family.output_projections`), () for a model
-    of no supported family."""
-    from ..errors import UnsupportedModel
-    from ..patches import family_of
-
-    try:
-        return tuple(family_of(hf_model).output_projections(hf_model.config))
-    except UnsupportedModel:
-        return ()
-
-
-class _TrimmedCheckpoint:
-    """A layer's checkpoint function (`func`: torch's non-reentrant checkpoint, or the offloaded one) whose recompute
-    skips the layer's frozen output projections where `trim.prepare` finds them at this call (`memory.trim`)."""
-
-    def __init__(self, func: Callable, layer: nn.Module, paths: tuple[str, ...], bindings: trim.Bindings):
-        self.func, self.layer, self.paths, self.bindings = func, weakref.ref(layer), paths, bindings
-
-    def __call__(self, function: Callable, *args, **kwargs):
-        layer = self.layer()
-        if layer is not None and "context_fn" not in kwargs and trim.prepare(layer, self.paths, self.bindings):
-            kwargs["context_fn"] = trim.context_fn
-        return self.func(function, *args, **kwargs)
 
 
 def _bindings_of(policy: CheckpointingPolicy) -> trim.Bindings:

@@ -9,14 +9,15 @@ alone and the recompute's matmul is wasted: on Llama-3-8B shapes a quarter of th
 output_projections``); a projection whose output a norm or a product reads (Gemma's post-MLP norm, DoRA's magnitude)
 does not.
 
-How: the checkpoint functions of hf_accel's policies (``policies``) hand a trimmed layer's non-reentrant checkpoint a
-``context_fn`` whose recompute context marks this thread as recomputing, after checking the layer's projections at
-that call (``prepare``): each frozen base layer (``nn.Linear``; bitsandbytes ``Linear4bit``) gets an instance forward
-that computes through a custom op, ``hf_accel::linear_unless_recomputing`` or ``hf_accel::gemm_4bit_unless_recomputing``,
-which calls the kernel the stock forward calls (``F.linear``; bitsandbytes' ``gemm_4bit``) and, while the thread is
-recomputing, returns ``FILL`` in the output's shape instead. Being an opaque op, torch.compile keeps one graph for the
-forward and the recompute and the choice is made at run time; it is marked unsafe for CUDA graphs (a replay would
-not look at the flag). Its backward is the stock one: the input's gradient through the (dequantized) weight.
+How: a policy's checkpoint function for a trimmed layer (``TrimmedCheckpoint``, built by ``policies``) hands its
+non-reentrant checkpoint a ``context_fn`` whose recompute context marks this thread as recomputing, after checking
+the layer's projections at that call (``prepare``): each frozen base layer (``nn.Linear``; bitsandbytes
+``Linear4bit``) gets an instance forward that computes through a custom op, ``hf_accel::linear_unless_recomputing``
+or ``hf_accel::gemm_4bit_unless_recomputing``, which calls the kernel the stock forward calls (``F.linear``;
+bitsandbytes' ``gemm_4bit``) and, while the thread is recomputing, returns ``FILL`` in the output's shape instead.
+Being an opaque op, torch.compile keeps one graph for the forward and the recompute and the choice is made at run
+time; it is marked unsafe for CUDA graphs (a replay would not look at the flag). Its backward is the stock one: the
+input's gradient through the (dequantized) weight.
 
 The stock forward runs wherever the skip could change a result: no grad mode, a weight or bias that trains (full
 fine-tuning), a bitsandbytes layer with a bias or an orientation other than [out, in], a LoRA adapter with a variant
@@ -30,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
+import weakref
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,8 @@ _state = threading.local()  # recomputes run on the autograd engine's threads: t
 
 @dataclass
 class TrimStats:
-    """Calls of the trimmed projections' ops, process-wide: ``skipped`` in a trimmed recompute, ``computed`` otherwise."""
+    """Calls of the trimmed projections' ops, process-wide: ``skipped`` in a trimmed recompute, ``computed``
+    otherwise."""
 
     skipped: int = 0
     computed: int = 0
@@ -264,3 +267,29 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
         elif getattr(current, "__func__", None) is not forward:
             return False  # a forward of someone else's (accelerate's device hooks, a user's wrapper): left alone
     return True
+
+
+class TrimmedCheckpoint:
+    """A layer's checkpoint function (``func``: torch's non-reentrant checkpoint, or the offloaded one) whose recompute
+    skips the layer's frozen output projections (``paths``) where ``prepare`` finds them at this call."""
+
+    def __init__(self, func: Callable, layer: nn.Module, paths: tuple[str, ...], bindings: Bindings):
+        self.func, self.layer, self.paths, self.bindings = func, weakref.ref(layer), paths, bindings
+
+    def __call__(self, function: Callable, *args, **kwargs):
+        layer = self.layer()
+        if layer is not None and "context_fn" not in kwargs and prepare(layer, self.paths, self.bindings):
+            kwargs["context_fn"] = context_fn
+        return self.func(function, *args, **kwargs)
+
+
+def output_projections(hf_model: nn.Module) -> tuple[str, ...]:
+    """The family's output projections (paths inside a decoder layer; ``Family.output_projections``), () for a model
+    of no supported family."""
+    from ..errors import UnsupportedModel
+    from ..patches import family_of
+
+    try:
+        return tuple(family_of(hf_model).output_projections(hf_model.config))
+    except UnsupportedModel:
+        return ()
