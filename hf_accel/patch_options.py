@@ -93,7 +93,11 @@ class PatchOptions:
         if self.checkpointing is None:
             return None
         describe = getattr(self.checkpointing, "describe", None)
-        return describe() if callable(describe) else str(self.checkpointing)
+        text = describe() if callable(describe) else str(self.checkpointing)
+        policy = self.policy
+        if policy is not None and policy.trims():
+            text += "; its recompute skips frozen output projections (memory.trim)"
+        return text
 
 
 @dataclass(frozen=True)

@@ -274,7 +274,8 @@ def test_hf_accel_trainer_offloads_the_checkpointing_train_turns_on(saved_llama,
             lr_scheduler_type="constant", dataloader_num_workers=0, train_sampling_strategy="sequential")
         trainer = hf_accel.Trainer(model=model, args=args, train_dataset=data, accel=hf_accel.AccelArguments(
             backend="reference", checkpointing=checkpointing, print_summary=False))
-        assert trainer.patch_report.checkpointing in (None, "full")  # nothing to keep in host memory yet
+        assert checkpointing is None or trainer.patch_report.checkpointing.startswith("full")
+        assert checkpointing is not None or trainer.patch_report.checkpointing is None  # nothing to take over yet
         trainer.train()
         policy = applied_policy(model)
         if checkpointing is None:

@@ -214,3 +214,11 @@ def test_the_defaults_leave_reentrant_checkpointing_alone():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     report = hf_accel.patch(model, backend="reference", compile=False)
     assert applied_policy(model) is None and report.checkpointing is None
+
+
+@pytest.mark.parametrize("spec,trims", [("full", True), ("offload", True), ("op", False), ("none", False),
+                                        (FullCheckpointing(trim_recompute=False), False),
+                                        (FullCheckpointing(use_reentrant=True), False)])
+def test_the_report_says_whether_the_recompute_is_trimmed(spec, trims):
+    report = hf_accel.patch(make("llama-gqa").train(), backend="reference", compile=False, checkpointing=spec)
+    assert ("skips frozen output projections" in report.checkpointing) == trims, report.checkpointing

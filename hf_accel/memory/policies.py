@@ -77,6 +77,10 @@ class CheckpointingPolicy:
     def describe(self) -> str:
         return type(self).__name__
 
+    def trims(self) -> bool:
+        """Whether layers this policy checkpoints fully get the trimmed recompute (where their projections allow)."""
+        return self.trim_recompute and not self.use_reentrant
+
     def apply(self, model: nn.Module, context: RunContext | None = None) -> None:
         """Checkpoint `model` as this policy says (replaces any policy applied before). `context`: the run it is
         applied for (what a memory budget plans with; the fixed policies need none of it)."""
@@ -240,6 +244,9 @@ class NoCheckpointing(CheckpointingPolicy):
     def describe(self) -> str:
         return "no checkpointing"
 
+    def trims(self) -> bool:
+        return False
+
 
 @dataclass(kw_only=True)
 class FullCheckpointing(CheckpointingPolicy):
@@ -297,6 +304,9 @@ class OpLevel(CheckpointingPolicy):
     def describe(self) -> str:
         return "op-level selective checkpointing (save matmul and attention outputs, recompute element-wise ops)"
 
+    def trims(self) -> bool:
+        return False
+
 
 @dataclass(kw_only=True)
 class PerLayer(CheckpointingPolicy):
@@ -320,6 +330,9 @@ class PerLayer(CheckpointingPolicy):
                 "one 'full' or 'offload'."
             )
         return list(self.choices)
+
+    def trims(self) -> bool:
+        return super().trims() and any(c in ("full", "offload") for c in self.choices)
 
     def describe(self) -> str:
         counts = {c: list(self.choices).count(c) for c in ("full", "op", "none", "offload", "spaced")}
