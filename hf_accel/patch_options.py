@@ -87,16 +87,17 @@ class PatchOptions:
             return None
         return dict(self.compile) if isinstance(self.compile, dict) else {}
 
-    def describe_checkpointing(self) -> str | None:
+    def describe_checkpointing(self, output_projections: tuple[str, ...] = ()) -> str | None:
         """The report's checkpointing line: a policy's own description (after apply, a budget's plan), else the
-        spec as given."""
+        spec as given; with the projections its recompute skips where frozen (the family's ``output_projections``),
+        if the policy trims."""
         if self.checkpointing is None:
             return None
         describe = getattr(self.checkpointing, "describe", None)
         text = describe() if callable(describe) else str(self.checkpointing)
         policy = self.policy
-        if policy is not None and policy.trims():
-            text += "; its recompute skips frozen output projections (memory.trim)"
+        if policy is not None and policy.trims() and output_projections:
+            text += f"; its recompute skips {' and '.join(output_projections)} where frozen (memory.trim)"
         return text
 
 

@@ -323,7 +323,9 @@ def _report(model_hf, decisions: _Decisions, choice: KernelChoice, applied: _App
         model_type=model_hf.config.model_type, backend_requested=options.backend,
         backend=choice.selection.backend.name, selection=choice.selection.explain(),
         patched_modules=applied.attention_modules, touches=family.touches, lora_targets=family.lora_targets,
-        checkpointing=options.describe_checkpointing() or applied.checkpointing, fused_ops=decisions.on("fused_ops"),
+        checkpointing=(options.describe_checkpointing(tuple(family.output_projections(model_hf.config)))
+                       or applied.checkpointing),
+        fused_ops=decisions.on("fused_ops"),
         fused_ce=decisions.on("fused_ce"), compiled_layers=applied.compiled_layers, mlp_chunks=mlp_chunks,
         precision=_precision_line(applied),
         speedups=[s.line() for s in decisions.speedups.values()],
