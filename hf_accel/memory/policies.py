@@ -132,7 +132,7 @@ class CheckpointingPolicy:
             func = functools.partial(offloaded_checkpoint, _offloader_of(self))
         else:
             func = functools.partial(checkpoint, use_reentrant=self.use_reentrant)
-        if self.trim_recompute and trimmed and layer is not None and not self.use_reentrant:
+        if trimmed and layer is not None and self.trims():
             return trim.TrimmedCheckpoint(func, layer, trimmed, _bindings_of(self))
         return func
 
@@ -156,7 +156,7 @@ class CheckpointingPolicy:
             if self.use_reentrant and not getattr(hf_model, "_require_grads_hooks", None):
                 hf_model.enable_input_require_grads()  # reentrant: frozen-input layers would get no LoRA grads
             applied.added_input_grad_hooks |= not had_hooks
-        trimmed = trim.output_projections(hf_model) if self.trim_recompute else ()
+        trimmed = trim.output_projections(hf_model) if self.trims() else ()
         for i, (layer, choice) in enumerate(zip(layers, choices)):
             layer.gradient_checkpointing = choice != "none"
             if choice != "none":
