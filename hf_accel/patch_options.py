@@ -89,7 +89,7 @@ class PatchOptions:
 
     def describe_checkpointing(self, output_projections: tuple[str, ...] = ()) -> str | None:
         """The report's checkpointing line: a policy's own description (after apply, a budget's plan), else the
-        spec as given; with the projections its recompute skips where frozen (the family's ``output_projections``),
+        spec as given; with the projections its recompute skips (the family's ``output_projections``),
         if the policy trims."""
         if self.checkpointing is None:
             return None
@@ -97,7 +97,7 @@ class PatchOptions:
         text = describe() if callable(describe) else str(self.checkpointing)
         policy = self.policy
         if policy is not None and policy.trims() and output_projections:
-            text += f"; its recompute skips {' and '.join(output_projections)} where frozen (memory.trim)"
+            text += f"; its recompute skips {' and '.join(output_projections)} (memory.trim)"
         return text
 
 

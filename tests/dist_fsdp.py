@@ -37,7 +37,12 @@ CASES = {  # name: (tiny model, extra config, sharding layout)
     "llama-tied": ("llama-gqa", {"tie_word_embeddings": True}, "accelerate"),
     "neox": ("neox-parallel", {}, "head-unit"),
     "falcon": ("falcon-40b-newarch", {}, "accelerate"),
+    "llama-checkpointed": ("llama-gqa", {}, "accelerate"),
 }
+# Cases whose decoder layers are checkpointed (hf_accel's FullCheckpointing, every layer): the sharded run's recompute
+# trimmed (memory.trim: the trained down_proj's matmul skipped, its weight gradient from the recomputed input), the
+# reference's not, so the comparison holds the trim under FSDP2's gather / reshard and reduce-scatter.
+CHECKPOINTED_CASES = ("llama-checkpointed",)
 # The sharded run of these cases takes the collator's target rows (the fused loss computes the head on them only);
 # the 1-process reference computes every row, so the comparison also holds the gathered path under FSDP2.
 TARGET_ROWS_CASES = ("llama-tied", "neox")
@@ -46,7 +51,9 @@ CHUNK = 16  # tokens per fused-CE chunk: several chunks per micro-batch, as a re
 LR = 0.5  # plain SGD: a gradient that is off by any factor shows in the weights (Adam would normalise it away)
 
 
-def build(name: str, overrides: dict) -> torch.nn.Module:
+def build(name: str, overrides: dict, checkpointing: bool = False, trim: bool = True) -> torch.nn.Module:
+    from hf_accel.memory.checkpointing import FullCheckpointing
+
     torch.manual_seed(0)
     model = tiny_models.VARIANTS[name]()
     if overrides:
@@ -57,7 +64,7 @@ def build(name: str, overrides: dict) -> torch.nn.Module:
         model = type(model)(config)
     model.config.use_cache = False
     model.float().train()
-    hf_accel.patch(model)
+    hf_accel.patch(model, checkpointing=FullCheckpointing(trim_recompute=trim) if checkpointing else None)
     bind_fused_loss(model, chunk_size=CHUNK)
     return model
 
@@ -132,9 +139,12 @@ def run_case(case: str, out: Path, rank: int, world: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
+    from hf_accel.memory import trim
+
     name, overrides, layout = CASES[case]
-    model = shard(build(name, overrides), layout)
+    model = shard(build(name, overrides, checkpointing=case in CHECKPOINTED_CASES), layout)
     report = {"layout": layout, "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+    skipped = trim.STATS.skipped
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls = head_calls(model)
     head_rows = []
@@ -165,6 +175,7 @@ def run_case(case: str, out: Path, rank: int, world: int) -> dict:
         dist.all_reduce(total)
         losses.append(total.item())
     report["losses"] = losses
+    report["trim_skipped"] = trim.STATS.skipped - skipped
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)  # accelerate's
     state = get_model_state_dict(model, options=options)
     if rank == 0:
@@ -178,7 +189,7 @@ def train_reference(case: str, out: Path, world: int) -> list[float]:
     from safetensors.torch import save_file
 
     name, overrides, _ = CASES[case]
-    model = build(name, overrides)
+    model = build(name, overrides, checkpointing=case in CHECKPOINTED_CASES, trim=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):

@@ -289,7 +289,7 @@ def fsdp_run(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama-tied", "neox", "falcon"])
+@pytest.mark.parametrize("case", ["llama-tied", "neox", "falcon", "llama-checkpointed"])
 def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
     """FSDP2 over gloo, every parameter a sharded DTensor (accelerate's layout for Llama and Falcon, tied embeddings;
     for GPT-NeoX the LM head as its own unit, freed after forward). Fused loss in 16-token chunks, so ranks run
@@ -301,13 +301,17 @@ def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
     It failed before the loss ran as one call of the head: a call per chunk made one reduce-scatter per chunk, ranks
     with different chunk counts mismatched their collectives (gloo: "Received data size doesn't match"; NCCL: a
     hang), and torch <= 2.12 recomputed a chunk against the already re-sharded weight ("mixed torch.Tensor and
-    DTensor")."""
+    DTensor").
+
+    llama-checkpointed checkpoints every decoder layer with a trimmed recompute (its trained down_proj's matmul
+    skipped, 2 layers x 3 steps), the reference untrimmed."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     out, reports = fsdp_run
     report = reports[case]
     assert report["sharded"], "FSDP2 left some parameter unsharded: the run would not test sharding"
+    assert report["trim_skipped"] == (2 * dist_fsdp.STEPS if case in dist_fsdp.CHECKPOINTED_CASES else 0)
     assert report["head_calls_forward_backward"] == 1, "the fused loss must call the LM head module exactly once"
     # the collator's target rows (llama-tied, neox): the head computed those rows only, and trained like every row
     want_rows = report["targets"] if report["target_rows"] else report["positions"]

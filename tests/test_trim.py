@@ -1,6 +1,6 @@
-"""Trimmed recompute (hf_accel.memory.trim): a checkpointed layer's recompute skips the frozen output projections'
-matmuls. Every family variant with LoRA on every projection takes the same step, bit for bit, as with the untrimmed
-recompute, while the skipped outputs are NaN (any use of them would show), and the skips are counted; where a trim
+"""Trimmed recompute (hf_accel.memory.trim): a checkpointed layer's recompute skips the output projections' matmuls.
+Every family variant, with LoRA on every projection and fully fine-tuned, takes the same step, bit for bit, as with the
+untrimmed recompute, while the skipped outputs are NaN (any use of them would show), and the skips are counted; where a trim
 could change a result (a projection the layer reads again, DoRA, reentrant or spaced checkpointing, no grad) it does
 not happen. The QLoRA case is in tests/test_qlora.py, the GPU run in tests/gpu/test_qlora_gpu.py."""
 from __future__ import annotations
@@ -106,25 +106,58 @@ def test_compiled_layers_trim_at_run_time_in_one_graph(fresh_dynamo):
         assert ((ours[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n
 
 
-@pytest.mark.parametrize("case", ["dora", "full fine-tune", "reentrant", "spaced", "op-level"])
+def full_ft_model(name: str, policy, *, compile=False):
+    model = make(name).train()
+    hf_accel.patch(model, backend="reference", checkpointing=policy, compile=compile)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_full_fine_tuning_trims_with_the_same_weight_gradients(name):
+    """Trained output projections (weights and GPT-NeoX's biases): their gradients need the recomputed input, never
+    the output, so the recompute skips their matmuls too, and every gradient is the untrimmed one bit for bit."""
+    model = make(name)
+    expected = 0 if name in UNTRIMMED else len(family_of(model).output_projections(model.config))
+    ours = trimmed_step(full_ft_model(name, FullCheckpointing()), batch())
+    plain = trimmed_step(full_ft_model(name, FullCheckpointing(trim_recompute=False)), batch())
+    assert_equal_steps(ours, plain)
+    assert ours[2] == expected * model.config.num_hidden_layers and plain[2] == 0
+    projection = family_of(model).output_projections(model.config)[:1]
+    if projection:  # the trimmed projections' own gradients are among those compared
+        assert any(n.endswith(f"{projection[0]}.weight") for n in ours[1])
+
+
+def test_full_fine_tuning_under_bf16_autocast_trims_bit_for_bit():
+    """Under autocast the op gets the weight cast to bf16; its gradient flows back through the cast to the fp32
+    weight as the stock linear's does."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = trimmed_step(full_ft_model("neox-parallel", FullCheckpointing()), batch())
+        plain = trimmed_step(full_ft_model("neox-parallel", FullCheckpointing(trim_recompute=False)), batch())
+    assert_equal_steps(ours, plain)
+    assert ours[2] > 0 and all(g.dtype == torch.float32 for g in ours[1].values())
+
+
+def test_compiled_full_fine_tuning_trims(fresh_dynamo):
+    ours = trimmed_step(full_ft_model("llama-gqa", FullCheckpointing(), compile=AOT_EAGER), batch())
+    plain = trimmed_step(full_ft_model("llama-gqa", FullCheckpointing(trim_recompute=False)), batch())
+    assert ours[2] == 2 and ours[0] == pytest.approx(plain[0], rel=1e-6)
+    for n, g in plain[1].items():
+        assert ((ours[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n
+
+
+@pytest.mark.parametrize("case", ["dora", "reentrant", "spaced", "op-level"])
 def test_no_trim_where_it_could_change_a_result(case):
-    """DoRA scales the base output (its backward reads it), a trained weight's gradient needs the recomputed input
-    (not the output, but the op has no weight gradient), a reentrant recompute's output is backpropagated, a spaced
-    span rebuilds the layer above from this one's output, op-level layers keep matmul outputs by their own policy.
-    The same steps as unpatched checkpointing there, and no skip."""
+    """DoRA scales the base output (its backward reads it), a reentrant recompute's output is backpropagated, a
+    spaced span rebuilds the layer above from this one's output, op-level layers keep matmul outputs by their own
+    policy. The same steps as unpatched checkpointing there, and no skip."""
     policy = {"reentrant": FullCheckpointing(use_reentrant=True), "spaced": PerLayer(choices=["full", "spaced"]),
               "op-level": PerLayer(choices=["op", "op"])}.get(case, FullCheckpointing())
     plain = {"reentrant": FullCheckpointing(use_reentrant=True, trim_recompute=False),
              "spaced": PerLayer(choices=["full", "spaced"], trim_recompute=False),
              "op-level": PerLayer(choices=["op", "op"], trim_recompute=False)}.get(
         case, FullCheckpointing(trim_recompute=False))
-    if case == "full fine-tune":
-        ours, ref = (make("llama-gqa").train() for _ in range(2))
-        hf_accel.patch(ours, backend="reference", checkpointing=policy, compile=False)
-        hf_accel.patch(ref, backend="reference", checkpointing=plain, compile=False)
-    else:
-        lora = {"use_dora": True} if case == "dora" else {}
-        ours, ref = lora_model("llama-gqa", policy, **lora), lora_model("llama-gqa", plain, **lora)
+    lora = {"use_dora": True} if case == "dora" else {}
+    ours, ref = lora_model("llama-gqa", policy, **lora), lora_model("llama-gqa", plain, **lora)
     a, b = trimmed_step(ours, batch()), trimmed_step(ref, batch())
     assert_equal_steps(a, b)
     assert a[2] == 0
@@ -221,7 +254,7 @@ def test_the_defaults_leave_reentrant_checkpointing_alone():
                                         (FullCheckpointing(use_reentrant=True), False)])
 def test_the_report_says_whether_the_recompute_is_trimmed(spec, trims):
     report = hf_accel.patch(make("llama-gqa").train(), backend="reference", compile=False, checkpointing=spec)
-    assert ("recompute skips mlp.down_proj where frozen" in report.checkpointing) == trims, report.checkpointing
+    assert ("recompute skips mlp.down_proj (memory.trim)" in report.checkpointing) == trims, report.checkpointing
     if trims:  # a family with no output projection to skip (Gemma's MLP output goes through a norm)
         report = hf_accel.patch(make("gemma2-softcap").train(), backend="reference", compile=False,
                                 checkpointing=spec)

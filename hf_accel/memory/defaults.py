@@ -4,9 +4,9 @@ A model that checkpoints every decoder layer through torch's checkpoint (transfo
 PEFT's ``prepare_model_for_kbit_training`` turns it on) gets hf_accel's equivalent policy: the same recompute and the
 same gradients bit for bit, plus what transformers' function cannot do.
 
-- Its recompute is trimmed (``memory.trim``): where the family has output projections (Llama's ``mlp.down_proj``) and
-  their weights are frozen (LoRA, QLoRA), the recompute skips their matmuls, which only the discarded layer output
-  reads: a quarter of the recomputed matmul FLOPs on Llama-3-8B shapes.
+- Its recompute is trimmed (``memory.trim``): where the family has output projections (Llama's ``mlp.down_proj``),
+  the recompute skips their matmuls, which only the discarded layer output reads (their weights' gradients, where they
+  train, need the input alone): a quarter of the recomputed matmul FLOPs on Llama-3-8B shapes.
 - A 4-bit base on CUDA keeps each layer's saved input in pinned host memory instead of on the device
   (``OffloadedCheckpointing``): fp32 after the kbit preparation, 256 MiB a layer at 16k tokens of Llama-3-8B, 8 GiB for
   its 32 layers. The copies travel on a side stream behind a layer's compute: Llama-3-8B QLoRA trained at the
@@ -55,8 +55,7 @@ def checkpoint_default(model: nn.Module, device: DeviceInfo, *, base_4bit: bool,
     if why_not is not None:
         return CheckpointDefault(None, why_not)
     trimmed = (f"its recompute skips the {' and '.join(output_projections)} matmul"
-               f"{'s' if len(output_projections) > 1 else ''} where frozen (LoRA, QLoRA): only the discarded layer "
-               "output reads them")
+               f"{'s' if len(output_projections) > 1 else ''}: only the discarded layer output reads them")
     if base_4bit and device.type == "cuda":
         host_free = _host_free() if host_free is None else host_free
         processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if processes is None else processes)

@@ -57,8 +57,8 @@ def _remember(applied: _Applied, module: nn.Module, attr: str) -> None:
 @dataclass(kw_only=True)
 class CheckpointingPolicy:
     """Base class. `explicit`: the user asked for this policy (a clash with FSDP's checkpointing then raises).
-    `trim_recompute`: the recompute of a fully checkpointed layer (non-reentrant) skips its frozen output
-    projections' matmuls, which only the discarded output reads (`memory.trim`; the same gradients)."""
+    `trim_recompute`: the recompute of a fully checkpointed layer (non-reentrant) skips its output projections'
+    matmuls, which only the discarded output reads (`memory.trim`; the same gradients)."""
 
     use_reentrant: bool = False
     explicit: bool = True

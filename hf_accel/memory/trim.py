@@ -1,26 +1,26 @@
-"""Trimmed recompute: a checkpointed decoder layer's recompute skips the frozen matmuls only its discarded output reads.
+"""Trimmed recompute: a checkpointed decoder layer's recompute skips the matmuls only its discarded output reads.
 
 Non-reentrant checkpointing runs a layer's forward a second time in backward for one purpose, to make again what
 autograd saved inside it; the output of that second run is thrown away. A layer's last projection (Llama's
 ``mlp.down_proj``; with a parallel residual also the attention's output projection) feeds nothing but that output,
-through residual adds, so where its weight is frozen (the base layer under LoRA or QLoRA) backward needs the weight
-alone and the recompute's matmul is wasted: on Llama-3-8B shapes a quarter of the recomputed matmul FLOPs (a 14336 x
-4096 projection of a layer's 53248 x 4096). The family says which projections qualify (``Family.
+through residual adds, so backward needs its weight (for the input's gradient) and its input (for the weight's
+gradient, where it trains) but never its output, and the recompute's matmul is wasted: on Llama-3-8B shapes a quarter
+of the recomputed matmul FLOPs (a 14336 x 4096 projection of a layer's 53248 x 4096). The family says which projections qualify (``Family.
 output_projections``); a projection whose output a norm or a product reads (Gemma's post-MLP norm, DoRA's magnitude)
 does not.
 
 How: a policy's checkpoint function for a trimmed layer (``TrimmedCheckpoint``, built by ``policies``) hands its
 non-reentrant checkpoint a ``context_fn`` whose recompute context marks this thread as recomputing, after checking
-the layer's projections at that call (``prepare``): each frozen base layer (``nn.Linear``; bitsandbytes
-``Linear4bit``) gets an instance forward that computes through a custom op, ``hf_accel::linear_unless_recomputing``
+the layer's projections at that call (``prepare``): each base layer (``nn.Linear``, trained or frozen; a frozen
+bitsandbytes ``Linear4bit``) gets an instance forward that computes through a custom op, ``hf_accel::linear_unless_recomputing``
 or ``hf_accel::gemm_4bit_unless_recomputing``, which calls the kernel the stock forward calls (``F.linear``;
 bitsandbytes' ``gemm_4bit``) and, while the thread is recomputing, returns ``FILL`` in the output's shape instead.
 Being an opaque op, torch.compile keeps one graph for the forward and the recompute and the choice is made at run
 time; it is marked unsafe for CUDA graphs (a replay would not look at the flag). Its backward is the stock one: the
-input's gradient through the (dequantized) weight.
+input's gradient through the (dequantized) weight, and a trained weight's and bias's gradients from the saved input
+with the matmuls autograd's ``mm`` backward makes.
 
-The stock forward runs wherever the skip could change a result: no grad mode, a weight or bias that trains (full
-fine-tuning), a bitsandbytes layer with a bias or an orientation other than [out, in], a LoRA adapter with a variant
+The stock forward runs wherever the skip could change a result: no grad mode, a bitsandbytes layer with a bias or an orientation other than [out, in], a LoRA adapter with a variant
 (DoRA reads the base output), reentrant checkpointing (its recompute's output is used), and layers not checkpointed
 by a trimmed function (op-level, spaced, a spaced span's head). Gradients are those of full checkpointing, bit for
 bit: the same kernels on the same values, and the skipped outputs reach nothing backward reads (the tests fill them
@@ -92,12 +92,20 @@ def _(x, weight, bias):
 
 
 def _linear_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[1])  # the weight: a frozen linear's input gradient needs nothing else
+    x, weight, bias = inputs
+    # the input's gradient needs the weight; a trained weight's gradient needs the input too (never the output)
+    ctx.save_for_backward(weight, x if weight.requires_grad else None)
 
 
 def _linear_backward(ctx, grad):
-    (weight,) = ctx.saved_tensors
-    return (grad.matmul(weight) if ctx.needs_input_grad[0] else None), None, None
+    """F.linear's gradients as autograd's matmul / mm backward makes them for a [..., in] input and an [out, in]
+    weight: the input's ``grad @ W``, the weight's ``grad^T @ x`` over the flattened tokens, the bias's token sum."""
+    weight, x = ctx.saved_tensors
+    grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+    flat = grad.reshape(-1, grad.shape[-1])
+    grad_w = flat.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+    grad_b = flat.sum(0) if ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
 
 
 linear_unless_recomputing.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -158,7 +166,7 @@ def _frozen(*params: torch.Tensor | None) -> bool:
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward (``F.linear``) through ``linear_unless_recomputing``, casting as autocast would."""
     weight, bias = self.weight, self.bias
-    if not (torch.is_grad_enabled() and _frozen(weight, bias)):
+    if not torch.is_grad_enabled():
         return type(self).forward(self, x)
     device = x.device.type
     if torch.is_autocast_enabled(device):
@@ -246,9 +254,9 @@ class Bindings:
 
 
 def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> bool:
-    """Whether ``layer``'s recompute may be trimmed now: every projection at ``paths`` has a frozen base layer of a
-    kind with a trimmed forward (bound here on first sight, recorded in ``bindings``). Checked at each checkpoint
-    call, so LoRA added after ``patch()`` and weights frozen later are seen."""
+    """Whether ``layer``'s recompute may be trimmed now: every projection at ``paths`` has a base layer of a kind
+    with a trimmed forward (bound here on first sight, recorded in ``bindings``). Checked at each checkpoint call, so
+    LoRA added after ``patch()`` is seen."""
     if not paths:
         return False
     for path in paths:
@@ -258,7 +266,7 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
             return False
         base = _base_of(module)
         forward = None if base is None else _trimmed_forward(base)
-        if forward is None or not _frozen(getattr(base, "weight", None), getattr(base, "bias", None)):
+        if forward is None:
             return False
         current = base.__dict__.get("forward")
         if current is None:
@@ -271,7 +279,7 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
 
 class TrimmedCheckpoint:
     """A layer's checkpoint function (``func``: torch's non-reentrant checkpoint, or the offloaded one) whose recompute
-    skips the layer's frozen output projections (``paths``) where ``prepare`` finds them at this call."""
+    skips the layer's output projections (``paths``) where ``prepare`` finds them at this call."""
 
     def __init__(self, func: Callable, layer: nn.Module, paths: tuple[str, ...], bindings: Bindings):
         self.func, self.layer, self.paths, self.bindings = func, weakref.ref(layer), paths, bindings
