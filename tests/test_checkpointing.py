@@ -9,8 +9,9 @@ from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from hf_accel.memory.checkpointing import (EveryN, FullCheckpointing, NoCheckpointing, OpLevel, SelectiveModules,
-                                    applied_policy, decoder_layers, policy_from_spec, reapply_checkpointing)
+from hf_accel.memory.checkpointing import (EveryN, FullCheckpointing, MemoryBudget, NoCheckpointing,
+                                           OffloadedCheckpointing, OpLevel, SelectiveModules, applied_policy,
+                                           decoder_layers, policy_from_spec, reapply_checkpointing)
 from hf_accel.memory.targets import _hf_enable_function
 from hf_accel.errors import ConfigurationError
 from hf_accel.memory.plan import live_activation_bytes
@@ -244,6 +245,10 @@ def test_policy_from_spec_parsing_and_errors():
             policy_from_spec(bad)
     with pytest.raises(ConfigurationError, match="non-reentrant"):
         OpLevel(use_reentrant=True).apply(tiny_llama())
+    for make_bad in (lambda: FullCheckpointing(trim_recompute="no"), lambda: EveryN(n=2, use_reentrant=1),
+                     lambda: OffloadedCheckpointing(trim_recompute=None), lambda: MemoryBudget(budget=0.8, explicit=0)):
+        with pytest.raises(ConfigurationError, match="takes True or False"):
+            make_bad()
     for policy in (NoCheckpointing(), FullCheckpointing(), EveryN(n=2), OpLevel(), policy_from_spec(is_mlp)):
         assert policy.describe()
 

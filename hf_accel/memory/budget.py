@@ -86,6 +86,7 @@ class MemoryBudget(CheckpointingPolicy):
     _asked: dict = field(default=None, init=False, repr=False, compare=False)  # the run facts given here
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._asked = {name: getattr(self, name) for name in _RUN_FACTS}
 
     def context_for(self, context: RunContext | None) -> RunContext:

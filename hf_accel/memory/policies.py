@@ -66,6 +66,12 @@ class CheckpointingPolicy:
     # whether apply() plans from its RunContext (a memory budget does): callers gather the run's facts only then
     needs_run_context: ClassVar[bool] = False
 
+    def __post_init__(self) -> None:
+        for flag in ("use_reentrant", "explicit", "trim_recompute"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigurationError(f"{type(self).__name__}({flag}=...) takes True or False, got "
+                                         f"{getattr(self, flag)!r}.")
+
     def layer_choices(self, layers: Sequence[nn.Module]) -> list[LayerChoice]:
         """Per decoder layer (in forward order): "none", "op" or "full"."""
         return ["none"] * len(layers)
@@ -266,6 +272,7 @@ class EveryN(CheckpointingPolicy):
     n: int = 2
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.n, int) or self.n < 1:
             raise ConfigurationError(f"EveryN needs an integer n >= 1, got {self.n!r}; e.g. EveryN(n=2).")
 
@@ -356,6 +363,7 @@ class OffloadedCheckpointing(CheckpointingPolicy):
     offloader: ActivationOffloader = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.use_reentrant:
             raise ConfigurationError(
                 "offloaded checkpointing works through non-reentrant checkpointing (it hooks the inputs that "
