@@ -1,6 +1,6 @@
-"""Version gate: hf_accel supports transformers 5.17 through the latest 5.x.
+"""Version gate: hf_accel supports transformers 5.17 through the latest 5.x; and the names that differ across them.
 
-Read from the installed package's metadata, so the check costs no import of transformers (``import hf_accel`` and
+The version is read from the installed package's metadata, so the check costs no import of transformers (``import hf_accel`` and
 the ``hf-accel`` command stay light until something heavy is used).
 """
 from __future__ import annotations
@@ -33,3 +33,13 @@ def check_transformers_version(version: str | None = None) -> None:
             f"hf_accel supports transformers >=5.17,<6 but found {found}. "
             'Install a supported release, e.g. `pip install "transformers>=5.17,<6"`.'
         )
+
+
+# A forward's KV-cache keyword: `cache=` from transformers 5.25 on (`past_key_values=` still accepted there),
+# `past_key_values=` before it.
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_kwarg(kwargs: dict, default=None):
+    """The KV cache a forward was given by keyword (the first of CACHE_KWARGS that is not None), else ``default``."""
+    return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), default)

@@ -32,6 +32,7 @@ from transformers.models.falcon.modeling_falcon import (
     build_alibi_tensor,
 )
 
+from hf_accel._compat import cache_kwarg
 from hf_accel.attention.hf_attention import (
     BACKEND_ATTR,
     collator_metadata,
@@ -215,9 +216,7 @@ def _call_hooks(falcon: FalconModel) -> list:
 
     def before(module, args, kwargs):
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[2] if len(args) > 2 else None)
-        # the cache: `cache=` from transformers 5.25 on (`past_key_values=` still accepted), else `past_key_values=`
-        cache = next((kwargs[name] for name in ("cache", "past_key_values") if name in kwargs),
-                     args[1] if len(args) > 1 else None)
+        cache = cache_kwarg(kwargs, args[1] if len(args) > 1 else None)
         call = module.__dict__[_CALL]
         call.mask_ndim = None if mask is None else mask.ndim
         call.stock_forward = not torch.compiler.is_compiling() and leaves_forward_to_stock(

@@ -33,6 +33,8 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .._compat import cache_kwarg
+
 # Our own name: never containing "flash" (transformers treats such names as its own flash path and fetches kernels).
 ATTN_NAME = "hf_accel"
 PROBABILITIES = "eager"  # what serves a forward asking for attention probabilities (always available)
@@ -176,7 +178,7 @@ def routing_hooks(body: torch.nn.Module, patched_name: str) -> list[Callable[[],
         stock = reported if reported != ATTN_NAME else (patched_name if patched_name != ATTN_NAME else "sdpa")
         probabilities = wants_attentions(config, kwargs)
         mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[1] if len(args) > 1 else None)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # `cache=` from transformers 5.25 on
+        cache = cache_kwarg(kwargs)
         token = _ROUTE.set(Route(stock, leaves_forward_to_stock(module, mask, cache, kwargs.get("use_cache")),
                                  probabilities, mask if getattr(mask, "ndim", None) == 2 else None))
         undo = [lambda: _ROUTE.reset(token)]

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import cache_kwarg
 from ..memory.targets import CALL_SLOT as SLOT, OP_LEVEL_ATTR, decoder_layers
 from ..errors import BackendUnavailable
 
@@ -122,8 +123,7 @@ class TrainingCompiled:
         layer = self.layer
         if not (layer.training and torch.is_grad_enabled()):
             return False
-        # a KV cache (`cache=` from transformers 5.25 on, `past_key_values=` before, Falcon's `layer_past=`)
-        if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "layer_past")):
+        if cache_kwarg(kwargs) is not None or kwargs.get("layer_past") is not None:  # a KV cache (Falcon's layer_past)
             return False
         if kwargs.get("use_cache"):
             return False
