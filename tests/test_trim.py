@@ -63,14 +63,27 @@ def assert_equal_steps(a, b) -> None:
     assert not bad, bad
 
 
+def full_ft_model(name: str, policy, *, compile=False):
+    model = make(name).train()
+    hf_accel.patch(model, backend="reference", checkpointing=policy, compile=compile)
+    return model
+
+
+@pytest.mark.parametrize("training", ["lora", "full"])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_trimmed_recompute_takes_the_untrimmed_step_bit_for_bit(name):
+def test_trimmed_recompute_takes_the_untrimmed_step_bit_for_bit(name, training):
+    """LoRA (frozen base projections) and full fine-tuning (trained projections, GPT-NeoX's biases too: their
+    gradients need the recomputed input, never the output)."""
+    build = lora_model if training == "lora" else full_ft_model
     model = make(name)
-    expected = 0 if name in UNTRIMMED else len(family_of(model).output_projections(model.config))
-    ours = trimmed_step(lora_model(name, FullCheckpointing()), batch())
-    plain = trimmed_step(lora_model(name, FullCheckpointing(trim_recompute=False)), batch())
+    projections = family_of(model).output_projections(model.config)
+    expected = 0 if name in UNTRIMMED else len(projections)
+    ours = trimmed_step(build(name, FullCheckpointing()), batch())
+    plain = trimmed_step(build(name, FullCheckpointing(trim_recompute=False)), batch())
     assert_equal_steps(ours, plain)
     assert ours[2] == expected * model.config.num_hidden_layers and plain[2] == 0
+    if training == "full" and projections:  # the trimmed projections' own gradients are among those compared
+        assert any(n.endswith(f"{projections[0]}.weight") for n in ours[1])
 
 
 @pytest.mark.parametrize("name,paths", [("llama-gqa", ("self_attn.o_proj",)), ("gemma2-softcap", ("mlp.down_proj",)),
@@ -104,27 +117,6 @@ def test_compiled_layers_trim_at_run_time_in_one_graph(fresh_dynamo):
     assert ours[0] == pytest.approx(plain[0], rel=1e-6)
     for n, g in plain[1].items():
         assert ((ours[1][n] - g).abs().max() / g.abs().max()).item() < 1e-5, n
-
-
-def full_ft_model(name: str, policy, *, compile=False):
-    model = make(name).train()
-    hf_accel.patch(model, backend="reference", checkpointing=policy, compile=compile)
-    return model
-
-
-@pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_full_fine_tuning_trims_with_the_same_weight_gradients(name):
-    """Trained output projections (weights and GPT-NeoX's biases): their gradients need the recomputed input, never
-    the output, so the recompute skips their matmuls too, and every gradient is the untrimmed one bit for bit."""
-    model = make(name)
-    expected = 0 if name in UNTRIMMED else len(family_of(model).output_projections(model.config))
-    ours = trimmed_step(full_ft_model(name, FullCheckpointing()), batch())
-    plain = trimmed_step(full_ft_model(name, FullCheckpointing(trim_recompute=False)), batch())
-    assert_equal_steps(ours, plain)
-    assert ours[2] == expected * model.config.num_hidden_layers and plain[2] == 0
-    projection = family_of(model).output_projections(model.config)[:1]
-    if projection:  # the trimmed projections' own gradients are among those compared
-        assert any(n.endswith(f"{projection[0]}.weight") for n in ours[1])
 
 
 def test_full_fine_tuning_under_bf16_autocast_trims_bit_for_bit():
