@@ -264,7 +264,9 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     if decisions.chunking is not None:
         from .memory import mlp_chunks as mlp_chunking
 
-        chunked, chunk_undo = mlp_chunking.apply(model_hf, decisions.chunking)
+        in_mlp = tuple(path.removeprefix("mlp.") for path in family.output_projections(model_hf.config)
+                       if path.startswith("mlp."))
+        chunked, chunk_undo = mlp_chunking.apply(model_hf, decisions.chunking, trimmed=in_mlp)
         undo += chunk_undo
         applied.chunked_mlps = len(chunked)
     if decisions.on("fused_ce"):

@@ -78,6 +78,22 @@ def test_chunked_mlp_gives_the_same_loss_and_gradients(variant, checkpointing):
     assert counter.calls == (2 * chunks if checkpointing is None else 3 * chunks - 1) * mlps
 
 
+@pytest.mark.parametrize("checkpointing", [None, "full"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-mha"])
+def test_a_chunk_s_recompute_skips_the_mlp_output_projection(variant, checkpointing, monkeypatch):
+    """A chunk's recompute throws its output away, so it skips the MLP's output projection (memory.trim): with NaN
+    in the skipped outputs the step is still the unchunked one, and each chunk's recompute skipped one matmul (a
+    checkpointed layer's recompute too, whose chunks run inside it)."""
+    from hf_accel.memory import trim
+
+    monkeypatch.setattr(trim, "FILL", float("nan"))
+    ours, ref = chunked_pair(variant, checkpointing)
+    skipped = trim.STATS.skipped
+    assert_same_step(ours, ref, packed_batch())
+    chunks, mlps = -(-sum(LENGTHS) // CHUNK), len(decoder_mlps(ours))
+    assert trim.STATS.skipped - skipped >= chunks * mlps
+
+
 def test_chunked_mlp_with_op_level_checkpointing():
     ours, ref = chunked_pair("llama-gqa", "op")
     assert_same_step(ours, ref, packed_batch())
@@ -129,9 +145,12 @@ def test_unpatch_restores_each_mlp_forward():
     report = hf_accel.patch(model, backend="reference", mlp_chunks=CHUNK)
     assert all(mlp_chunks.chunking_of(mlp) is not None for mlp in mlps)
     assert f"mlp_chunks: training calls over {CHUNK} tokens" in str(report)
+    loss_and_grads(model, packed_batch())  # a chunked step binds the trimmed down_proj forwards
+    assert all("forward" in mlp.down_proj.__dict__ for mlp in mlps)
     hf_accel.unpatch(model)
     assert "forward" not in mlps[0].__dict__
     assert mlps[1].__dict__["forward"] is own
+    assert not any("forward" in mlp.down_proj.__dict__ for mlp in mlps)
 
 
 def test_the_bound_forward_is_what_runs_per_chunk():

@@ -13,7 +13,8 @@ Only *training* calls over the threshold are chunked (module in train mode, grad
 ``min_tokens``); evaluation, no-grad and shorter calls run the forward that was bound before, unchanged. That forward
 is whatever was there at bind time (the class's, liger's fused SwiGLU bound by ``fused_ops``), and the projections
 are still called as modules, so PEFT LoRA adapters inside the MLP train as before. Chunk checkpoints nest inside
-the decoder layer's own (full, offloaded, op-level).
+the decoder layer's own (full, offloaded, op-level). A chunk's recompute skips the MLP's output projection (the
+family's ``output_projections`` inside ``mlp``, e.g. ``down_proj``), whose output it throws away (``memory.trim``).
 
 Inside a compiled decoder layer (``hf_accel.fused.compiling``) the chunk loop is kept out of the graph
 (``torch._dynamo.disable``): a chunked call breaks the layer's graph around its MLP, which then runs eagerly; calls
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import trim
 from .targets import decoder_mlps
 from ..errors import ConfigurationError
 
@@ -120,34 +122,42 @@ def resolve(setting, intermediate_size: int, element_size: int) -> MlpChunking |
 
 @torch._dynamo.disable  # a chunked call runs eagerly even inside a compiled decoder layer (see the module docstring)
 def run_in_chunks(forward: Callable[[torch.Tensor], torch.Tensor], hidden_states: torch.Tensor,
-                  chunk_tokens: int) -> torch.Tensor:
+                  chunk_tokens: int, trimmed: bool = False) -> torch.Tensor:
     """``forward(hidden_states)`` for a per-token ``forward``, over chunks of ``chunk_tokens`` tokens, each chunk
-    under its own non-reentrant checkpoint. hidden_states: (..., H); the leading dimensions are the tokens."""
+    under its own non-reentrant checkpoint (``trimmed``: with the trimmed recompute, ``memory.trim``).
+    hidden_states: (..., H); the leading dimensions are the tokens."""
     hidden_th = hidden_states.reshape(-1, hidden_states.shape[-1])
-    outs_th = [checkpoint(forward, chunk_th, use_reentrant=False)
+    context = {"context_fn": trim.context_fn} if trimmed else {}
+    outs_th = [checkpoint(forward, chunk_th, use_reentrant=False, **context)
                for chunk_th in hidden_th.split(chunk_tokens, dim=0)]
     out_th = torch.cat(outs_th, dim=0)
     return out_th.view(*hidden_states.shape[:-1], out_th.shape[-1])
 
 
-def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking) -> Callable:
+def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking, trimmed: tuple[str, ...],
+                     bindings: trim.Bindings) -> Callable:
     @functools.wraps(forward)
     def chunked(*args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
             return forward(*args, **kwargs)
         chunk = chunking.chunk_for(args[0], module.training)
-        return run_in_chunks(forward, args[0], chunk) if chunk else forward(args[0])
+        if not chunk:
+            return forward(args[0])
+        return run_in_chunks(forward, args[0], chunk, trimmed=trim.prepare(module, trimmed, bindings))
 
     chunked.__hf_accel_mlp_chunks__ = chunking
     return chunked
 
 
-def apply(model: nn.Module, chunking: MlpChunking) -> tuple[list[str], list[Callable[[], None]]]:
-    """Bind the chunked forward to each decoder layer's MLP; the MLP names and the undo actions."""
-    names, undo = [], []
+def apply(model: nn.Module, chunking: MlpChunking, trimmed: tuple[str, ...] = ()) -> tuple[list[str],
+                                                                                        list[Callable[[], None]]]:
+    """Bind the chunked forward to each decoder layer's MLP; the MLP names and the undo actions. ``trimmed``: paths
+    inside an MLP of the projections a chunk's recompute may skip (``memory.trim``)."""
+    bindings = trim.Bindings([])
+    names, undo = [], [bindings.unbind]
     for name, mlp in decoder_mlps(model):
         had_own, previous = "forward" in mlp.__dict__, mlp.__dict__.get("forward")
-        mlp.forward = _chunked_forward(mlp, mlp.forward, chunking)
+        mlp.forward = _chunked_forward(mlp, mlp.forward, chunking, trimmed, bindings)
 
         def restore(mlp=mlp, had_own=had_own, previous=previous) -> None:
             if had_own:
