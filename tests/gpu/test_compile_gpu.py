@@ -1,5 +1,6 @@
 """patch(compile=True) on the GPU: compiled bf16 train steps against the fp32 eager model, within the error bf16 itself
-introduces (eager bf16 vs fp32); steps of new lengths reuse the compiled graphs; LoRA under full checkpointing."""
+introduces (eager bf16 vs fp32); steps of new lengths reuse the compiled graphs; LoRA and full fine-tuning under
+trimmed full checkpointing."""
 from __future__ import annotations
 
 import contextlib
@@ -97,9 +98,11 @@ def test_compiled_train_steps_match_eager(name):
         assert torch.equal(ours(input_ids=ids).logits, ref16(input_ids=ids).logits)
 
 
-def test_compiled_lora_under_full_checkpointing(monkeypatch):
-    """Compiled layers with the trimmed recompute (memory.trim: each layer's recompute skips the frozen down_proj,
-    its skipped output NaN here) against eager layers with the untrimmed one."""
+@pytest.mark.parametrize("training", ["lora", "full"])
+def test_compiled_layers_under_trimmed_full_checkpointing(monkeypatch, training):
+    """Compiled layers with the trimmed recompute (memory.trim: each layer's recompute skips the down_proj, frozen
+    under LoRA, trained in full fine-tuning; its skipped output NaN here) against eager layers with the untrimmed
+    one."""
     from hf_accel.memory import trim
     from hf_accel.memory.checkpointing import FullCheckpointing
 
@@ -111,7 +114,7 @@ def test_compiled_lora_under_full_checkpointing(monkeypatch):
     base = LlamaForCausalLM(config).cuda().to(torch.bfloat16).train()
     lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    eager = peft.get_peft_model(copy.deepcopy(base), lora)
+    eager = peft.get_peft_model(copy.deepcopy(base), lora) if training == "lora" else copy.deepcopy(base)
     for module in eager.modules():  # non-zero B: adapters contribute to the forward, and A gets gradients
         if hasattr(module, "lora_B"):
             for b in module.lora_B.values():
@@ -126,6 +129,6 @@ def test_compiled_lora_under_full_checkpointing(monkeypatch):
         skipped = trim.STATS.skipped
         loss_c, g_c = step(compiled, batch)
     assert trim.STATS.skipped - skipped == 4  # one down_proj per layer, in its recompute
-    assert g_c.numel() == g_e.numel() > 0  # adapters only, all of them with gradients
+    assert g_c.numel() == g_e.numel() > 0  # adapters only (LoRA), all of them with gradients
     assert abs(loss_c - loss_e) <= 1e-2 * abs(loss_e)
     assert ((g_c - g_e).norm() / g_e.norm()).item() <= 2e-2
