@@ -4,27 +4,28 @@ Non-reentrant checkpointing runs a layer's forward a second time in backward for
 autograd saved inside it; the output of that second run is thrown away. A layer's last projection (Llama's
 ``mlp.down_proj``; with a parallel residual also the attention's output projection) feeds nothing but that output,
 through residual adds, so backward needs its weight (for the input's gradient) and its input (for the weight's
-gradient, where it trains) but never its output, and the recompute's matmul is wasted: on Llama-3-8B shapes a quarter
-of the recomputed matmul FLOPs (a 14336 x 4096 projection of a layer's 53248 x 4096). The family says which projections qualify (``Family.
-output_projections``); a projection whose output a norm or a product reads (Gemma's post-MLP norm, DoRA's magnitude)
-does not.
+gradient, where it trains) but never its output, and the recompute's matmul is wasted: on Llama-3-8B shapes a
+quarter of the recomputed matmul FLOPs (a 14336 x 4096 projection of a layer's 53248 x 4096). The family says which
+projections qualify (``Family.output_projections``); a projection whose output a norm or a product reads (Gemma's
+post-MLP norm, DoRA's magnitude) does not.
 
 How: a policy's checkpoint function for a trimmed layer (``TrimmedCheckpoint``, built by ``policies``) hands its
 non-reentrant checkpoint a ``context_fn`` whose recompute context marks this thread as recomputing, after checking
 the layer's projections at that call (``prepare``): each base layer (``nn.Linear``, trained or frozen; a frozen
-bitsandbytes ``Linear4bit``) gets an instance forward that computes through a custom op, ``hf_accel::linear_unless_recomputing``
-or ``hf_accel::gemm_4bit_unless_recomputing``, which calls the kernel the stock forward calls (``F.linear``;
-bitsandbytes' ``gemm_4bit``) and, while the thread is recomputing, returns ``FILL`` in the output's shape instead.
-Being an opaque op, torch.compile keeps one graph for the forward and the recompute and the choice is made at run
-time; it is marked unsafe for CUDA graphs (a replay would not look at the flag). Its backward is the stock one: the
-input's gradient through the (dequantized) weight, and a trained weight's and bias's gradients from the saved input
-with the matmuls autograd's ``mm`` backward makes.
+bitsandbytes ``Linear4bit``) gets an instance forward that computes through a custom op,
+``hf_accel::linear_unless_recomputing`` or ``hf_accel::gemm_4bit_unless_recomputing``, which calls the kernel the
+stock forward calls (``F.linear``; bitsandbytes' ``gemm_4bit``) and, while the thread is recomputing, returns
+``FILL`` in the output's shape instead. Being an opaque op, torch.compile keeps one graph for the forward and the
+recompute and the choice is made at run time; it is marked unsafe for CUDA graphs (a replay would not look at the
+flag). Its backward is the stock one: the input's gradient through the (dequantized) weight, and a trained weight's
+and bias's gradients from the saved input with the matmuls autograd's ``mm`` backward makes.
 
-The stock forward runs wherever the skip could change a result: no grad mode, a bitsandbytes layer with a bias or an orientation other than [out, in], a LoRA adapter with a variant
-(DoRA reads the base output), reentrant checkpointing (its recompute's output is used), and layers not checkpointed
-by a trimmed function (op-level, spaced, a spaced span's head). Gradients are those of full checkpointing, bit for
-bit: the same kernels on the same values, and the skipped outputs reach nothing backward reads (the tests fill them
-with NaN).
+The stock forward runs wherever the skip could change a result: no grad mode, a bitsandbytes layer with a bias or an
+orientation other than [out, in], a LoRA adapter with a variant (DoRA reads the base output), reentrant
+checkpointing (its recompute's output is used), and layers not checkpointed by a trimmed function (op-level, spaced,
+a spaced span's head). Gradients are those of full checkpointing, bit for bit: the same kernels on the same values,
+and the skipped outputs reach nothing backward reads (the tests fill them with NaN). ``mlp_chunks`` trims its chunks'
+recomputes the same way.
 """
 from __future__ import annotations
 
