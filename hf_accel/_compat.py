@@ -1,7 +1,7 @@
 """Version gate: hf_accel supports transformers 5.17 through the latest 5.x; and the names that differ across them.
 
-The version is read from the installed package's metadata, so the check costs no import of transformers (``import hf_accel`` and
-the ``hf-accel`` command stay light until something heavy is used).
+The version is read from the installed package's metadata, so the check costs no import of transformers
+(``import hf_accel`` and the ``hf-accel`` command stay light until something heavy is used).
 """
 from __future__ import annotations
 

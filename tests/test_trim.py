@@ -1,8 +1,8 @@
 """Trimmed recompute (hf_accel.memory.trim): a checkpointed layer's recompute skips the output projections' matmuls.
-Every family variant, with LoRA on every projection and fully fine-tuned, takes the same step, bit for bit, as with the
-untrimmed recompute, while the skipped outputs are NaN (any use of them would show), and the skips are counted; where a trim
-could change a result (a projection the layer reads again, DoRA, reentrant or spaced checkpointing, no grad) it does
-not happen. The QLoRA case is in tests/test_qlora.py, the GPU run in tests/gpu/test_qlora_gpu.py."""
+Every family variant, with LoRA on every projection and fully fine-tuned, takes the same step, bit for bit, as with
+the untrimmed recompute, while the skipped outputs are NaN (any use of them would show), and the skips are counted;
+where a trim could change a result (a projection the layer reads again, DoRA, reentrant or spaced checkpointing, no
+grad) it does not happen. The QLoRA case is in tests/test_qlora.py, the GPU run in tests/gpu/test_qlora_gpu.py."""
 from __future__ import annotations
 
 import pytest
