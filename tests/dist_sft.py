@@ -4,7 +4,7 @@ A folder per rank keeps each process's files apart (rank 0 writes metrics.json a
 metrics.rank<R>.json). Each folder also gets ``logs.jsonl``: every log the Trainer made on that rank (the loss
 and the throughput fields are global over ranks), for the per-step comparisons in docs/MULTI_GPU.md, and
 ``state.json``: the distributed type accelerate ran under (under DeepSpeed: the ZeRO stage and how many parameters
-were partitioned).
+were partitioned) and how many matmuls the trimmed recompute skipped (memory.trim).
 With ``HF_ACCEL_HANG_DUMP_S=N`` every thread's Python stack goes to stderr every N seconds (to see where a rank waits).
 Used by tests/test_distributed.py and tests/test_zero3.py.
 """
@@ -14,6 +14,7 @@ import os
 import sys
 
 from hf_accel.cli import sft
+from hf_accel.memory import trim
 from hf_accel.training.trainer import AccelMixin
 
 
@@ -55,7 +56,7 @@ def main(argv: list[str]) -> None:
     with open(os.path.join(argv[at], "logs.jsonl"), "w") as f:
         f.writelines(json.dumps(r, default=float) + "\n" for r in records)
     with open(os.path.join(argv[at], "state.json"), "w") as f:
-        json.dump(_distributed_state(trained[-1] if trained else None), f)
+        json.dump({**_distributed_state(trained[-1] if trained else None), "trim_skipped": trim.STATS.skipped}, f)
     faulthandler.cancel_dump_traceback_later()
 
 

@@ -48,13 +48,13 @@ def zero3_inputs(deepspeed_cpu, tmp_path_factory) -> Path:
     return root
 
 
-def _run(root: Path, model: str, out: str, processes: int) -> Path:
+def _run(root: Path, model: str, out: str, processes: int, extra: tuple[str, ...] = ()) -> Path:
     """scripts/sft.py through tests/dist_sft.py: ZeRO-3 on 2 processes, or 1 plain process x grad-accum 2."""
     if processes == 2:
         cmd = zero3_cpu_launch(DIST_SFT)
     else:
         cmd = [sys.executable, str(DIST_SFT), "--grad-accum", "2"]
-    launch_or_fail(cmd + ["--model", model, *SFT_ARGS, "--output-dir", out], root, RUN_TIMEOUT_S,
+    launch_or_fail(cmd + ["--model", model, *SFT_ARGS, *extra, "--output-dir", out], root, RUN_TIMEOUT_S,
                    env={"OMP_NUM_THREADS": "1"})
     return root / out
 
@@ -66,22 +66,28 @@ def _state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tied", "untied"])
-def test_zero3_two_cpu_processes_match_one(zero3_inputs, model):
+@pytest.mark.parametrize("model,extra", [("tied", ()), ("untied", ()), ("untied", ("--checkpointing", "full"))],
+                         ids=["tied", "untied", "untied-checkpointed"])
+def test_zero3_two_cpu_processes_match_one(zero3_inputs, model, extra):
     """2 ranks x grad-accum 1 under ZeRO-3 cover the same 2 global micro-batches per step as 1 process x
     grad-accum 2 (the sampler deals batch i to rank i % 2): same per-step losses, same saved weights.
 
     Tried against breakage: the same launch under plain DDP (ddp_cpu.yaml) trains identically and fails only on
     state.json; an LM head that gets no gradient fails "untied" (the head keeps its initial weights). Reading the
     head's weight outside its own call (no `_one_head_call`) passes: DeepSpeed gathers a partitioned parameter read
-    during any module's forward (docs/MULTI_GPU.md)."""
-    two, one = _run(zero3_inputs, model, f"{model}-zero3", 2), _run(zero3_inputs, model, f"{model}-1p", 1)
+    during any module's forward (docs/MULTI_GPU.md).
+
+    untied-checkpointed: every layer checkpointed, its recompute trimmed (memory.trim: the trained down_proj's
+    matmul skipped while ZeRO-3 gathers and releases its partition around the recompute)."""
+    tag = model + "-checkpointed" * bool(extra)
+    two, one = (_run(zero3_inputs, model, f"{tag}-zero3", 2, extra), _run(zero3_inputs, model, f"{tag}-1p", 1, extra))
 
     for rank in range(2):
         state = json.loads((two / f"rank{rank}" / "state.json").read_text())
         assert (state["distributed_type"], state["zero_stage"], state["num_processes"], state["process_index"]) == (
             "DEEPSPEED", 3, 2, rank), f"rank {rank} did not run as ZeRO-3: {state}"
         assert state["zero3_partitioned"] == state["parameters"] > 0, f"rank {rank} held whole parameters: {state}"
+        assert (state["trim_skipped"] > 0) == bool(extra), state
     metrics = json.loads((two / "rank0" / "metrics.json").read_text())
     reference = json.loads((one / "rank0" / "metrics.json").read_text())
     assert json.loads((two / "rank1" / "metrics.rank1.json").read_text())["losses"] == metrics["losses"]
