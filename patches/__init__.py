@@ -41,7 +41,26 @@ def family_of(model) -> Family:
     model_type = getattr(config, "model_type", None)
     if model_type is None:
         raise UnsupportedModel(f"expected a transformers model or config, got {type(model).__name__}.")
+    if model_type not in supported_model_types():
+        _refuse_multimodal(model, config)
     return family_for(model_type)
+
+
+def _refuse_multimodal(model, config) -> None:
+    """A multimodal model whose text model hf_accel patches (Gemma 3 4B-27B, which AutoModelForCausalLM builds as
+    Gemma3ForConditionalGeneration): say how to train the text model patched."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text(decoder=True) if callable(get_text) else None
+    text_type = getattr(text, "model_type", None)
+    if text is None or text is config or text_type not in supported_model_types():
+        return
+    raise UnsupportedModel(
+        f"{type(model).__name__} (model_type {config.model_type!r}) is a multimodal model: hf_accel patches its "
+        f"text model (model_type {text_type!r}) but not the model around it (vision tower, image-token masks). "
+        "For text-only training, patch the text model on its own: build its CausalLM from config.text_config on "
+        "the meta device and give it this model's language model and LM head (the same weights; the recipe: "
+        "docs/families.md, 'Multimodal checkpoints'); or train this model unpatched."
+    )
 
 
 __all__ = ["FAMILIES", "Family", "FusableKind", "LayerAttention", "LayerBytes", "family_for", "family_of",

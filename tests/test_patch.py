@@ -218,6 +218,47 @@ def test_unsupported_model_lists_supported():
         hf_accel.patch(model)
 
 
+def _tiny_gemma3_multimodal():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tiny_models import _GEMMA
+
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=dict(_GEMMA), mm_tokens_per_image=4, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+    return Gemma3ForConditionalGeneration(config)
+
+
+def test_a_multimodal_gemma3_is_refused_with_the_text_model_recipe_which_computes_the_same():
+    """AutoModelForCausalLM builds Gemma 3 4B-27B as Gemma3ForConditionalGeneration: refused with the way to patch its
+    text model. The recipe (docs/families.md) shares the modules and gives the full model's text-only logits exactly;
+    patched, it trains like the unpatched multimodal model on a text batch."""
+    from transformers import Gemma3ForCausalLM
+
+    full = _tiny_gemma3_multimodal().train()
+    with pytest.raises(UnsupportedModel, match="multimodal.*'gemma3_text'.*Multimodal checkpoints"):
+        hf_accel.patch(full)
+    assert hf_accel.patch_report(full) is None
+    with torch.device("meta"):
+        text = Gemma3ForCausalLM(full.config.text_config)
+    text.model, text.lm_head = full.model.language_model, full.lm_head
+    assert not any(t.is_meta for t in [*text.parameters(), *text.buffers()])
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(text.eval()(input_ids=ids).logits, full.eval()(input_ids=ids).logits)
+    full.train()
+    loss_ref = full(input_ids=ids, labels=ids).loss
+    loss_ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in text.named_parameters()}
+    full.zero_grad(set_to_none=True)
+    assert hf_accel.patch(text.train(), backend="reference").model_type == "gemma3_text"
+    loss = text(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-5)
+    for name, g in ref_grads.items():
+        assert rel_err(dict(text.named_parameters())[name].grad, g) < GRAD_RTOL, name
+
+
 def test_forced_backend_that_cannot_serve_raises():
     model = make("llama-gqa")
     with pytest.raises(BackendUnavailable, match="fa4.*not installed|fa4.*device"):
