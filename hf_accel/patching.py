@@ -95,6 +95,7 @@ class _Decisions:
     compile_options: dict | None
     chunking: object  # memory.mlp_chunks.MlpChunking or None
     device: DeviceInfo  # where training calls run
+    output_projections: tuple[str, ...]  # the family's, for this config: what a trimmed recompute skips
 
     def on(self, name: str) -> bool:
         return self.speedups[name].on
@@ -230,7 +231,7 @@ def _decide(model_hf: torch.nn.Module, options: PatchOptions) -> _Decisions:
                                 compile=options.compile, compile_stand_down=options.compile_stand_down)
     chunking = mlp_chunking.resolve(options.mlp_chunks, family.mlp_width(model_hf.config), request.dtype.itemsize)
     return _Decisions(options, family, speedups, options.compile_options(speedups["compile"].on), chunking,
-                      request.device)
+                      request.device, tuple(family.output_projections(model_hf.config)))
 
 
 def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context: RunContext | None,
@@ -264,9 +265,7 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     if decisions.chunking is not None:
         from .memory import mlp_chunks as mlp_chunking
 
-        in_mlp = tuple(path.removeprefix("mlp.") for path in family.output_projections(model_hf.config)
-                       if path.startswith("mlp."))
-        chunked, chunk_undo = mlp_chunking.apply(model_hf, decisions.chunking, trimmed=in_mlp)
+        chunked, chunk_undo = mlp_chunking.apply(model_hf, decisions.chunking, decisions.output_projections)
         undo += chunk_undo
         applied.chunked_mlps = len(chunked)
     if decisions.on("fused_ce"):
@@ -325,8 +324,7 @@ def _report(model_hf, decisions: _Decisions, choice: KernelChoice, applied: _App
         model_type=model_hf.config.model_type, backend_requested=options.backend,
         backend=choice.selection.backend.name, selection=choice.selection.explain(),
         patched_modules=applied.attention_modules, touches=family.touches, lora_targets=family.lora_targets,
-        checkpointing=(options.describe_checkpointing(tuple(family.output_projections(model_hf.config)))
-                       or applied.checkpointing),
+        checkpointing=options.describe_checkpointing(decisions.output_projections) or applied.checkpointing,
         fused_ops=decisions.on("fused_ops"),
         fused_ce=decisions.on("fused_ce"), compiled_layers=applied.compiled_layers, mlp_chunks=mlp_chunks,
         precision=_precision_line(applied),

@@ -87,7 +87,7 @@ class Family:
     # the attn_implementation to build the unpatched reference with (transformers refuses SDPA for Gemma 2)
     reference_attention: str = "sdpa"
     # config -> paths (inside a decoder layer) of the projections whose output nothing but the layer's output reads
-    # (residual adds, dropout): a checkpointed layer's recompute may skip their frozen matmuls (hf_accel.memory.trim).
+    # (residual adds, dropout): a checkpointed layer's recompute may skip their matmuls (hf_accel.memory.trim).
     # Never list one whose output a norm, a product or the next projection reads (Gemma's post-MLP norm).
     output_projections: Callable[[Any], tuple[str, ...]] = _no_output_projections
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the PatchReport adds for every model of the family

@@ -149,10 +149,12 @@ def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking
     return chunked
 
 
-def apply(model: nn.Module, chunking: MlpChunking, trimmed: tuple[str, ...] = ()) -> tuple[list[str],
-                                                                                        list[Callable[[], None]]]:
-    """Bind the chunked forward to each decoder layer's MLP; the MLP names and the undo actions. ``trimmed``: paths
-    inside an MLP of the projections a chunk's recompute may skip (``memory.trim``)."""
+def apply(model: nn.Module, chunking: MlpChunking, output_projections: tuple[str, ...] = ()) -> tuple[
+        list[str], list[Callable[[], None]]]:
+    """Bind the chunked forward to each decoder layer's MLP; the MLP names and the undo actions.
+    ``output_projections``: the family's (paths in a decoder layer); those inside its ``mlp`` a chunk's recompute
+    skips (``memory.trim``)."""
+    trimmed = tuple(path.removeprefix("mlp.") for path in output_projections if path.startswith("mlp."))
     bindings = trim.Bindings([])
     names, undo = [], [bindings.unbind]
     for name, mlp in decoder_mlps(model):
