@@ -256,6 +256,7 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
 
     undo += forward_batch_hooks(model_hf)
     undo += lora_casts.apply(model_hf, applied.notes)  # notes a quantized base's LoRA layers it leaves to PEFT
+    undo += _keep_cpu_4bit_trainable(model_hf, applied.notes)
     if compiled:
         from .fused import compiling
 
@@ -296,6 +297,16 @@ def checkpoint_default(model: torch.nn.Module, device: DeviceInfo | None = None)
     device = device or training_request(model_hf, family, None).device
     return default_for(model, device, base_4bit=four_bit_base(model_hf),
                        output_projections=tuple(family.output_projections(model_hf.config)))
+
+
+def _keep_cpu_4bit_trainable(model_hf, notes: list[str]) -> list[Callable[[], None]]:
+    from .fused.quantized import keep_cpu_4bit_trainable
+
+    count, undo = keep_cpu_4bit_trainable(model_hf)
+    if count:
+        notes.append(f"bitsandbytes' CPU inference repacking off on {count} 4-bit layers: training after an "
+                     "evaluation would run its repacked kernel, which has no backward (wrong gradients)")
+    return undo
 
 
 def _bind_fused_ops(model_hf, family: Family, compiled: bool, notes: list[str]) -> list[Callable[[], None]]:

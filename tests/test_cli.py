@@ -41,6 +41,13 @@ REFUSED = {
     ("--resume", "--overwrite"): "--resume continues the run in --output-dir and --overwrite clears it",
     ("--resume",): "--resume: no run of tiny-task under runs/ holds a checkpoint",
     ("--config", "missing.yaml"): "--config missing.yaml: no such file",
+    ("--load-in-4bit",): "--load-in-4bit freezes the base in 4 bits and trains LoRA adapters on it (QLoRA): add "
+                         "--lora-r",
+    ("--use-bnb-nested-quant",): "--use-bnb-nested-quant applies to a 4-bit base: add --load-in-4bit",
+    ("--bnb-4bit-quant-type", "fp4"): "--bnb-4bit-quant-type applies to a 4-bit base",
+    ("--bnb-4bit-quant-type", "int4"): "--bnb-4bit-quant-type: invalid choice: 'int4'",
+    ("--load-in-4bit", "--lora-r", "4", "--model-shape", "llama-1b"): "--load-in-4bit loads saved weights in 4 bits, "
+                                                                      "and --model-shape llama-1b builds random",
 }
 
 
@@ -69,6 +76,18 @@ def test_every_refusal_is_one_line_before_torch_is_imported(tmp_path):
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("hf-accel sft: error: "), (argv, err)
         assert message in lines[0], (argv, lines[0])
         assert "usage:" not in err and "Traceback" not in err
+
+
+def test_load_in_4bit_without_bitsandbytes_or_under_sharding_is_refused(monkeypatch):
+    real = cli_args.importlib.util.find_spec
+    monkeypatch.setattr(cli_args.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else
+                        real(name))
+    with pytest.raises(UsageError, match=r"bitsandbytes, which is not installed: pip install 'hf_accel\[qlora\]'"):
+        cli_args.parse_sft_args(["--load-in-4bit", "--lora-r", "4"])
+    monkeypatch.setattr(cli_args.importlib.util, "find_spec", real)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(UsageError, match="--load-in-4bit under FSDP or DeepSpeed is not supported"):
+        cli_args.parse_sft_args(["--load-in-4bit", "--lora-r", "4"])
 
 
 def test_config_file_keys_are_the_flags_and_flags_override_it(tmp_path):

@@ -284,3 +284,38 @@ def test_hf_accel_trainer_offloads_the_checkpointing_train_turns_on(saved_llama,
         trained[checkpointing] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert trained[None].keys() == trained["full"].keys() and trained[None]
     assert all(torch.equal(trained[None][n], trained["full"][n]) for n in trained[None])
+
+
+def test_an_evaluation_before_training_leaves_the_gradients_unchanged(saved_llama):
+    """bitsandbytes' Linear4bit repacks its weight for a CPU inference kernel (without a backward) the first time it
+    runs in eval mode without gradients, on a CPU with AVX512-BF16. patch() turns that off, so a model evaluated (a
+    generate()) before training trains as a copy that never was; unpatch() gives the layers their flag back, and a
+    weight repacked before patch() is refused. (On a CPU without AVX512-BF16 bitsandbytes never repacks, and the
+    comparison holds either way.)"""
+    from hf_accel.errors import ConfigurationError
+    from hf_accel.fused.quantized import CPU_PACKING_FLAG
+
+    evaluated, ref = qlora(saved_llama, compute=torch.float32), qlora(saved_llama, compute=torch.float32)
+    flags = {m: getattr(m, CPU_PACKING_FLAG, False) for m in evaluated.modules() if isinstance(m, bnb.nn.Linear4bit)}
+    report = hf_accel.patch(evaluated, backend="reference", compile=False)
+    hf_accel.patch(ref, backend="reference", compile=False)
+    assert any(flags.values()) == any("CPU inference repacking off" in n for n in report.notes)
+    evaluated.eval()
+    with torch.no_grad():
+        evaluated.generate(input_ids=torch.tensor([[5, 7, 9]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    evaluated.train()
+    for seed, lengths in enumerate(STEPS):
+        loss, grads = step(evaluated, packed(lengths, seed), autocast=False)
+        ref_loss, ref_grads = step(ref, packed(lengths, seed), autocast=False)
+        assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), seed
+    hf_accel.unpatch(evaluated)
+    assert all(getattr(m, CPU_PACKING_FLAG, False) == flag for m, flag in flags.items())
+
+    if not any(flags.values()):
+        return
+    repacked = qlora(saved_llama, compute=torch.float32).eval()
+    with torch.no_grad():
+        repacked(input_ids=torch.tensor([[5, 7, 9]]))
+    with pytest.raises(ConfigurationError, match="repacked this 4-bit weight for CPU inference"):
+        hf_accel.patch(repacked, backend="reference", compile=False)

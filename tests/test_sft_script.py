@@ -409,3 +409,39 @@ def test_gguf_checkpoint_loads_as_the_same_model_and_trains(tmp_path, sft_module
     Trainer(model=model, args=targs, train_dataset=rows, processing_class=tok).train()
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed and len(changed) == len(before)
+
+
+@pytest.mark.filterwarnings("error:Could not find a config file")  # the adapter names no deleted temporary base
+def test_load_in_4bit_trains_as_stock_qlora_evaluated_or_not_and_resumes(tmp_path, sft_module):
+    """--load-in-4bit (QLoRA on bitsandbytes' CPU backend) on the default task: the patched run's losses are stock
+    PEFT QLoRA's (--no-patch); the base really is 4-bit (a LoRA run on the unquantized base has other losses); the
+    held-out evaluation before training leaves the training unchanged (bitsandbytes' CPU inference repacking is off:
+    fused.quantized); and a run resumed from its checkpoint continues exactly."""
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+    common = ["--lora-r", "4", "--max-steps", "4", "--logging-steps", "1", "--save-steps", "2", "--seed", "0"]
+    runs = {
+        "patched": ["--load-in-4bit", "--eval-examples", "4"],
+        "stock": ["--load-in-4bit", "--no-patch", "--eval-examples", "4"],
+        "stock, no evaluation": ["--load-in-4bit", "--no-patch", "--eval-examples", "0"],
+        "unquantized": ["--no-patch", "--eval-examples", "0"],
+    }
+    losses = {}
+    for name, extra in runs.items():
+        metrics = sft_module.main([*common, *extra, "--output-dir", str(tmp_path / name)])
+        losses[name] = metrics["losses"]
+        assert len(losses[name]) == 4 and metrics["args"]["load_in_4bit"] == ("--load-in-4bit" in extra)
+    torch.testing.assert_close(losses["patched"], losses["stock"], rtol=1e-5, atol=0)
+    assert losses["stock"] == losses["stock, no evaluation"]
+    assert abs(losses["stock"][0] - losses["unquantized"][0]) > 1e-4 * losses["unquantized"][0]
+    adapter = json.loads((tmp_path / "patched" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and not str(adapter["base_model_name_or_path"] or "").startswith(("/", "hf-accel-4bit"))
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    import shutil
+
+    shutil.copytree(tmp_path / "patched" / "checkpoint-2", resumed / "checkpoint-2")
+    metrics = sft_module.main([*common, *runs["patched"], "--output-dir", str(resumed), "--resume"])
+    steps = [(log["step"], log["loss"]) for log in metrics["log_history"] if "loss" in log]  # 1-2: the checkpoint's
+    assert [s for s, _ in steps] == [1, 2, 3, 4] and metrics["steps"] == 4
+    torch.testing.assert_close([loss for _, loss in steps[2:]], losses["patched"][2:], rtol=1e-6, atol=0)

@@ -126,6 +126,13 @@ class LoraOptions:
     lora_alpha: int | None = field(default=None, metadata=_help("default: 2 * r"))
     lora_targets: str | None = field(default=None, metadata=_help(
         "comma-separated module names (default: the family's)"))
+    load_in_4bit: bool = field(default=False, metadata=_help(
+        "QLoRA: the base model's linear layers in 4 bits (bitsandbytes; computed in the run's dtype, so add --bf16 "
+        "on a GPU), frozen, with LoRA adapters from --lora-r; needs pip install 'hf_accel[qlora]'"))
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] | None = field(default=None, metadata=_help(
+        "the 4-bit data type with --load-in-4bit (default: nf4)"))
+    use_bnb_nested_quant: bool = field(default=False, metadata=_help(
+        "with --load-in-4bit: quantize the 4-bit blocks' scales too (about 0.4 bits a weight less)"))
 
 
 @dataclass
@@ -295,11 +302,36 @@ def _check_lora(args: argparse.Namespace) -> None:
     for name in ("lora_alpha", "lora_targets"):
         if getattr(args, name) is not None and args.lora_r is None:
             raise UsageError(f"{_flag(name)} applies to LoRA: add --lora-r R (e.g. 16), or leave {_flag(name)} out")
+    _check_4bit(args)
     if args.lora_targets is not None:
         names = [n.strip() for n in args.lora_targets.split(",")]
         if not all(names):
             raise UsageError(f"--lora-targets {args.lora_targets!r}: expected comma-separated module names, e.g. "
                              "q_proj,v_proj")
+
+
+def _check_4bit(args: argparse.Namespace) -> None:
+    """--load-in-4bit (QLoRA) and its two options: what they need and what they cannot be combined with."""
+    for name in ("bnb_4bit_quant_type", "use_bnb_nested_quant"):
+        if getattr(args, name) not in (None, False) and not args.load_in_4bit:
+            raise UsageError(f"{_flag(name)} applies to a 4-bit base: add --load-in-4bit, or leave {_flag(name)} out")
+    if not args.load_in_4bit:
+        return
+    if args.lora_r is None:
+        raise UsageError("--load-in-4bit freezes the base in 4 bits and trains LoRA adapters on it (QLoRA): add "
+                         "--lora-r R (e.g. 16)")
+    if args.model_shape:
+        raise UsageError(f"--load-in-4bit loads saved weights in 4 bits, and --model-shape {args.model_shape} builds "
+                         "random bf16 ones on the GPU: pass --model PATH_OR_ID (scripts/bench.py --preset "
+                         "llama-8b-qlora measures random-init QLoRA)")
+    if args.sequence_parallel > 1 or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or \
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        raise UsageError("--load-in-4bit under FSDP or DeepSpeed is not supported by hf-accel sft (their sharding "
+                         "needs a 4-bit storage layout it does not set up): run one process per GPU (DDP: "
+                         "accelerate launch --multi_gpu) or one process")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError("--load-in-4bit stores the base through bitsandbytes, which is not installed: "
+                         "pip install 'hf_accel[qlora]'")
 
 
 def mlp_chunks_value(text: str) -> str | int:

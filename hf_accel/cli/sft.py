@@ -7,6 +7,7 @@
     hf-accel sft --model-shape llama-1b --max-steps 30 --no-patch   # the stock baseline for the same check
     accelerate launch --config_file examples/accelerate/fsdp2.yaml -m hf_accel.cli sft --model-shape llama-small
     hf-accel sft --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16
+    hf-accel sft --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16 --load-in-4bit    # QLoRA
 
 --model-shape: a random-init model of a benchmark workload's shapes, on CUDA in bf16, trained on random tokens of its
 vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b, falcon-1b, the long-context shapes
@@ -94,6 +95,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     from ..errors import ConfigurationError
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    quantization = four_bit_config(args, dtype)
     if args.model_shape:
         if not torch.cuda.is_available():
             raise ConfigurationError(f"--model-shape {args.model_shape} is a GPU run (random init, bf16); it needs "
@@ -109,17 +111,77 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     elif args.model:
         try:
             tok = AutoTokenizer.from_pretrained(args.model)
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa",
+                                                         **_quantized_loading(quantization))
         except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)
             raise ConfigurationError(f"--model {args.model}: not a local model folder, and loading it as a hub id "
                                      f"failed: {str(e).splitlines()[0]}") from e
     else:
         tok = default_task.build_tokenizer()
         model = default_task.tiny_llama(len(tok), seed=args.seed)
+    if quantization is not None and not getattr(model, "is_loaded_in_4bit", False):
+        model = reload_quantized(model, quantization, dtype)  # built in memory (the default task, --smollm2)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model.config.use_cache = False
+    if quantization is not None:
+        model = prepare_4bit(model, args)
     return model, tok
+
+
+# ---- QLoRA (--load-in-4bit) ----------------------------------------------------------------------------------------
+
+def four_bit_config(args: argparse.Namespace, dtype):
+    """The BitsAndBytesConfig of --load-in-4bit (computed in the run's dtype), or None."""
+    if not args.load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type or "nf4",
+                              bnb_4bit_use_double_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype)
+
+
+def _quantized_loading(quantization) -> dict[str, Any]:
+    """from_pretrained's keywords for a 4-bit base: the quantization and this process's device (bitsandbytes
+    quantizes a weight where it is placed, so the model is loaded straight there; none for an unquantized one)."""
+    if quantization is None:
+        return {}
+    import torch
+
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": quantization, "device_map": {"": device}}
+
+
+def reload_quantized(model, quantization, dtype):
+    """A model built in memory, in 4 bits: saved to a temporary folder and loaded back through transformers'
+    quantizer, as a model from a folder or the hub is."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="hf-accel-4bit-") as folder:
+        model.save_pretrained(folder)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                                         **_quantized_loading(quantization))
+    quantized.name_or_path = quantized.config._name_or_path = model.name_or_path  # not the temporary folder
+    return quantized
+
+
+def prepare_4bit(model, args: argparse.Namespace):
+    """PEFT's QLoRA preparation (docs/qlora.md): the non-quantized weights (norms, embeddings, head) in fp32, input
+    gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every layer (non-reentrant),
+    which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU inference repacking is
+    turned off (patched or not): the held-out evaluation before training would otherwise leave the weights in a layout
+    that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``)."""
+    from peft import prepare_model_for_kbit_training
+
+    from ..fused.quantized import keep_cpu_4bit_trainable
+
+    keep_cpu_4bit_trainable(model)
+    with warnings.catch_warnings():  # PEFT calls methods transformers 5.2x renamed: nothing a user can change
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing is None,
+                                               gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def configure_threads(args: argparse.Namespace, tiny_default: bool) -> dict[str, Any]:

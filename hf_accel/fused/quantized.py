@@ -12,7 +12,11 @@ recognised by the package and name of their classes.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
+
+from ..errors import ConfigurationError
 
 QUANTIZER_PACKAGES = ("bitsandbytes", "torchao", "auto_gptq", "gptqmodel", "awq", "hqq", "optimum", "quanto")
 COMPILE_CHECKED_LAYERS = (("bitsandbytes", "Linear4bit"),)  # (package, class name), subclasses included
@@ -48,3 +52,34 @@ def compile_stand_down(model: nn.Module) -> str | None:
         if package in QUANTIZER_PACKAGES and not compile_checked(cls):
             return f"{cls.__name__} layers: {_CHECKED}"
     return None
+
+
+CPU_PACKING_FLAG = "support_avx512bf16_for_cpu"  # Linear4bit's instance flag (bitsandbytes >= 0.49)
+
+
+def keep_cpu_4bit_trainable(model: nn.Module) -> tuple[int, list[Callable[[], None]]]:
+    """Turn off bitsandbytes' CPU inference repacking on the model's 4-bit layers; (layers changed, undo actions).
+
+    On a CPU with AVX512-BF16, a ``Linear4bit`` that runs in eval mode without gradients (an evaluation, a
+    ``generate()``) repacks its weight for a faster CPU kernel and keeps it so. A training step afterwards goes through
+    that kernel (``bitsandbytes::gemv_4bit``), which has no backward: the gradients reaching earlier layers are wrong
+    (torch only warns that "an autograd kernel was not registered"). With the layer's flag off, evaluation runs the
+    unpacked kernels that training runs. A weight already repacked cannot be trained: ConfigurationError."""
+    changed: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if not compile_checked(type(module)):
+            continue
+        if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
+            raise ConfigurationError(
+                f"{name}: bitsandbytes repacked this 4-bit weight for CPU inference (the model ran in eval mode "
+                "before), and training through that layout gives wrong gradients. Load the model again and patch it "
+                "(or build the Trainer) before evaluating it.")
+        if getattr(module, CPU_PACKING_FLAG, False):
+            setattr(module, CPU_PACKING_FLAG, False)
+            changed.append(module)
+
+    def undo() -> None:
+        for module in changed:
+            setattr(module, CPU_PACKING_FLAG, True)
+
+    return len(changed), [undo] if changed else []
