@@ -315,7 +315,10 @@ def test_an_evaluation_before_training_leaves_the_gradients_unchanged(saved_llam
     if not any(flags.values()):
         return
     repacked = qlora(saved_llama, compute=torch.float32).eval()
+    last = [m for m in repacked.modules() if isinstance(m, bnb.nn.Linear4bit)][-1]
     with torch.no_grad():
-        repacked(input_ids=torch.tensor([[5, 7, 9]]))
+        last(torch.randn(3, last.in_features))  # one layer repacked, the last one patch() meets
     with pytest.raises(ConfigurationError, match="repacked this 4-bit weight for CPU inference"):
         hf_accel.patch(repacked, backend="reference", compile=False)
+    assert hf_accel.patch_report(repacked) is None  # nothing of the patch stays bound
+    assert all(getattr(m, CPU_PACKING_FLAG) for m in repacked.modules() if isinstance(m, bnb.nn.Linear4bit))

@@ -65,18 +65,16 @@ def keep_cpu_4bit_trainable(model: nn.Module) -> tuple[int, list[Callable[[], No
     that kernel (``bitsandbytes::gemv_4bit``), which has no backward: the gradients reaching earlier layers are wrong
     (torch only warns that "an autograd kernel was not registered"). With the layer's flag off, evaluation runs the
     unpacked kernels that training runs. A weight already repacked cannot be trained: ConfigurationError."""
-    changed: list[nn.Module] = []
-    for name, module in model.named_modules():
-        if not compile_checked(type(module)):
-            continue
+    layers = [(name, module) for name, module in model.named_modules() if compile_checked(type(module))]
+    for name, module in layers:  # all checked before any is changed
         if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
             raise ConfigurationError(
                 f"{name}: bitsandbytes repacked this 4-bit weight for CPU inference (the model ran in eval mode "
                 "before), and training through that layout gives wrong gradients. Load the model again and patch it "
                 "(or build the Trainer) before evaluating it.")
-        if getattr(module, CPU_PACKING_FLAG, False):
-            setattr(module, CPU_PACKING_FLAG, False)
-            changed.append(module)
+    changed = [module for _, module in layers if getattr(module, CPU_PACKING_FLAG, False)]
+    for module in changed:
+        setattr(module, CPU_PACKING_FLAG, False)
 
     def undo() -> None:
         for module in changed:
