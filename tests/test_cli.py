@@ -96,11 +96,13 @@ def test_load_in_4bit_without_bitsandbytes_or_under_sharding_is_refused(monkeypa
 
 
 def test_stored_quantization_is_read_from_the_checkpoint_config():
-    assert cli_args.stored_quantization({}) is None
-    assert cli_args.stored_quantization({"quantization_config": {"quant_method": "gguf"}}) is None  # dequantized
-    assert cli_args.stored_quantization({"quantization_config": {"quant_method": "bitsandbytes",
-                                                                 "load_in_8bit": True}}) == "bitsandbytes 8-bit"
-    assert cli_args.stored_quantization({"quantization_config": {"quant_method": "gptq", "bits": 4}}) == "gptq"
+    from hf_accel.cli.quantized import stored_quantization
+
+    assert stored_quantization({}) is None
+    assert stored_quantization({"quantization_config": {"quant_method": "gguf"}}) is None  # dequantized on loading
+    assert stored_quantization({"quantization_config": {"quant_method": "bitsandbytes",
+                                                        "load_in_8bit": True}}) == "bitsandbytes 8-bit"
+    assert stored_quantization({"quantization_config": {"quant_method": "gptq", "bits": 4}}) == "gptq"
 
 
 def test_config_file_keys_are_the_flags_and_flags_override_it(tmp_path):

@@ -419,12 +419,13 @@ def test_load_in_4bit_trains_as_stock_qlora_evaluated_or_not_and_resumes(tmp_pat
     leaves the training unchanged (bitsandbytes' CPU inference repacking is off: fused.quantized); and a run resumed
     from its checkpoint continues exactly."""
     pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+    from hf_accel.cli.quantized import four_bit_config, reload_quantized
     from hf_accel.data.default_task import tiny_llama
 
     stored = tmp_path / "stored-nf4"  # the default task's model saved in NF4, as a quantized checkpoint on the hub is
     tok = build_tokenizer()
-    sft_module.reload_quantized(tiny_llama(len(tok), seed=0), sft_module.four_bit_config(
-        sft_module.parse_args(["--load-in-4bit", "--lora-r", "4"]), torch.float32), torch.float32).save_pretrained(stored)
+    nf4 = four_bit_config(sft_module.parse_args(["--load-in-4bit", "--lora-r", "4"]), torch.float32)
+    reload_quantized(tiny_llama(len(tok), seed=0), nf4, torch.float32).save_pretrained(stored)
     tok.save_pretrained(stored)
     # the same settings whichever model is given (the default task's model gets other defaults than --model)
     common = ["--lora-r", "4", "--max-steps", "4", "--logging-steps", "1", "--save-steps", "2", "--seed", "0",

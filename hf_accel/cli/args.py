@@ -22,6 +22,7 @@ from typing import Any, Literal
 from ..errors import ConfigurationError, UsageError
 from ..memory.spec import parse_checkpointing
 from ..training.run_folders import check_output_dir, checkpoints, latest_run_dir, new_run_dir
+from .quantized import quantized_needs_lora, stored_quantization
 
 RUNS_ROOT = "runs"  # numbered run folders (runs/<name>-<N>) when --output-dir is not given
 # --model-shape presets (hf_accel.cli.shapes builds them); names only here, so they are checked without torch
@@ -391,23 +392,6 @@ def _local_config(name: str) -> dict[str, Any]:
         return json.loads((Path(name).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def stored_quantization(config: dict[str, Any]) -> str | None:
-    """How a checkpoint's config says its weights are stored quantized ("bitsandbytes 4-bit", "gptq", ...), or None.
-    GGUF files are dequantized on loading (--smollm2): not a stored quantization."""
-    quant = config.get("quantization_config") or {}
-    method = str(quant.get("quant_method", "")).lower()
-    if not method or method == "gguf":
-        return None
-    if method == "bitsandbytes":
-        return "bitsandbytes 4-bit" if quant.get("load_in_4bit") else "bitsandbytes 8-bit"
-    return method
-
-
-def quantized_needs_lora(model: str, stored: str) -> str:
-    return (f"--model {model} is stored quantized ({stored}): its weights cannot train, LoRA adapters on them can: "
-            "add --lora-r R (e.g. 16)")
 
 
 def check_dataset_path(name: str) -> None:

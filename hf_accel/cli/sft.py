@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .args import UsageError, parse_sft_args, quantized_needs_lora, stored_quantization
+from .args import UsageError, parse_sft_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +93,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
 
     from ..data import default_task
     from ..errors import ConfigurationError
+    from .quantized import (four_bit_config, prepare_quantized, quantized_loading, quantized_needs_lora,
+                            reload_quantized, stored_quantization)
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     quantization = four_bit_config(args, dtype)
@@ -117,7 +119,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
             model = AutoModelForCausalLM.from_pretrained(
                 args.model, dtype=dtype, attn_implementation="sdpa",
                 # a checkpoint stored quantized keeps its own quantization; it is loaded where it trains
-                **_quantized_loading(None if stored else quantization, device_map=bool(stored or quantization)))
+                **quantized_loading(None if stored else quantization, device_map=bool(stored or quantization)))
         except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)
             raise ConfigurationError(f"--model {args.model}: not a local model folder, and loading it as a hub id "
                                      f"failed: {str(e).splitlines()[0]}") from e
@@ -132,63 +134,6 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     if getattr(model, "is_quantized", False):  # --load-in-4bit, or a checkpoint stored quantized
         model = prepare_quantized(model, args)
     return model, tok
-
-
-# ---- QLoRA (--load-in-4bit) ----------------------------------------------------------------------------------------
-
-def four_bit_config(args: argparse.Namespace, dtype):
-    """The BitsAndBytesConfig of --load-in-4bit (computed in the run's dtype), or None."""
-    if not args.load_in_4bit:
-        return None
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type or "nf4",
-                              bnb_4bit_use_double_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype)
-
-
-def _quantized_loading(quantization, device_map: bool = True) -> dict[str, Any]:
-    """from_pretrained's keywords for a quantized base: the quantization (None: the checkpoint's own, or none) and
-    this process's device (bitsandbytes quantizes a weight where it is placed, and the Trainer does not move a
-    quantized model, so it is loaded straight there)."""
-    import torch
-
-    keywords: dict[str, Any] = {} if quantization is None else {"quantization_config": quantization}
-    if device_map:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-        keywords["device_map"] = {"": device}
-    return keywords
-
-
-def reload_quantized(model, quantization, dtype):
-    """A model built in memory, in 4 bits: saved to a temporary folder and loaded back through transformers'
-    quantizer, as a model from a folder or the hub is."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
-    with tempfile.TemporaryDirectory(prefix="hf-accel-4bit-") as folder:
-        model.save_pretrained(folder)
-        quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
-                                                         **_quantized_loading(quantization))
-    quantized.name_or_path = quantized.config._name_or_path = model.name_or_path  # not the temporary folder
-    return quantized
-
-
-def prepare_quantized(model, args: argparse.Namespace):
-    """PEFT's QLoRA preparation (docs/qlora.md) of a quantized base: the non-quantized weights (norms, embeddings, head) in fp32, input
-    gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every layer (non-reentrant),
-    which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU inference repacking is
-    turned off (patched or not): the held-out evaluation before training would otherwise leave the weights in a layout
-    that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``)."""
-    from peft import prepare_model_for_kbit_training
-
-    from ..fused.quantized import keep_cpu_4bit_trainable
-
-    keep_cpu_4bit_trainable(model)
-    with warnings.catch_warnings():  # PEFT calls methods transformers 5.2x renamed: nothing a user can change
-        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
-        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing is None,
-                                               gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def configure_threads(args: argparse.Namespace, tiny_default: bool) -> dict[str, Any]:

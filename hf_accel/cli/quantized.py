@@ -1,0 +1,82 @@
+"""``hf-accel sft``'s quantized bases (QLoRA): what a checkpoint's config says of its stored quantization (read
+before torch is imported), ``--load-in-4bit``'s bitsandbytes config, loading a base in 4 bits on
+the device it trains on (a model built in memory through a temporary folder, as transformers' quantizer loads from
+files), and PEFT's preparation of a quantized base, with bitsandbytes' CPU inference repacking turned off."""
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from typing import Any
+
+
+def stored_quantization(config: dict[str, Any]) -> str | None:
+    """How a checkpoint's config says its weights are stored quantized ("bitsandbytes 4-bit", "gptq", ...), or None.
+    GGUF files are dequantized on loading (--smollm2): not a stored quantization."""
+    quant = config.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if not method or method == "gguf":
+        return None
+    if method == "bitsandbytes":
+        return "bitsandbytes 4-bit" if quant.get("load_in_4bit") else "bitsandbytes 8-bit"
+    return method
+
+
+def quantized_needs_lora(model: str, stored: str) -> str:
+    return (f"--model {model} is stored quantized ({stored}): its weights cannot train, LoRA adapters on them can: "
+            "add --lora-r R (e.g. 16)")
+
+
+def four_bit_config(args: argparse.Namespace, dtype):
+    """The BitsAndBytesConfig of --load-in-4bit (computed in the run's dtype), or None."""
+    if not args.load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type or "nf4",
+                              bnb_4bit_use_double_quant=args.use_bnb_nested_quant, bnb_4bit_compute_dtype=dtype)
+
+
+def quantized_loading(quantization, device_map: bool = True) -> dict[str, Any]:
+    """from_pretrained's keywords for a quantized base: the quantization (None: the checkpoint's own, or none) and
+    this process's device (bitsandbytes quantizes a weight where it is placed, and the Trainer does not move a
+    quantized model, so it is loaded straight there)."""
+    import torch
+
+    keywords: dict[str, Any] = {} if quantization is None else {"quantization_config": quantization}
+    if device_map:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        keywords["device_map"] = {"": device}
+    return keywords
+
+
+def reload_quantized(model, quantization, dtype):
+    """A model built in memory, in 4 bits: saved to a temporary folder and loaded back through transformers'
+    quantizer, as a model from a folder or the hub is."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="hf-accel-4bit-") as folder:
+        model.save_pretrained(folder)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+                                                         **quantized_loading(quantization))
+    quantized.name_or_path = quantized.config._name_or_path = model.name_or_path  # not the temporary folder
+    return quantized
+
+
+def prepare_quantized(model, args: argparse.Namespace):
+    """PEFT's QLoRA preparation (docs/qlora.md) of a quantized base: the non-quantized weights (norms, embeddings, head) in fp32, input
+    gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every layer (non-reentrant),
+    which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU inference repacking is
+    turned off (patched or not): the held-out evaluation before training would otherwise leave the weights in a layout
+    that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``)."""
+    from peft import prepare_model_for_kbit_training
+
+    from ..fused.quantized import keep_cpu_4bit_trainable
+
+    keep_cpu_4bit_trainable(model)
+    with warnings.catch_warnings():  # PEFT calls methods transformers 5.2x renamed: nothing a user can change
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing is None,
+                                               gradient_checkpointing_kwargs={"use_reentrant": False})
