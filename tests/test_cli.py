@@ -190,6 +190,13 @@ def test_estimate_memory_command_prints_the_estimate(capsys):
     assert capsys.readouterr().out.strip() == want.strip()
     assert main(["estimate-memory", "llama-3.2-1b", "--checkpointing", "budget:0.5"]) == 2
     assert "add --device-gib" in capsys.readouterr().err
+    assert main(["estimate-memory", "llama-3.2-1b", "--lora-rank", "8", "--load-in-4bit", "--use-bnb-nested-quant"]) == 0
+    want = estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True, nested_quant=True).table()
+    assert capsys.readouterr().out.strip() == want.strip() and "a 4-bit base (nested statistics" in want
+    for argv, message in ((["--load-in-4bit"], "add --lora-rank"),
+                          (["--lora-rank", "8", "--use-bnb-nested-quant"], "add --load-in-4bit")):
+        assert main(["estimate-memory", "llama-3.2-1b", *argv]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_env_command_names_versions_and_backends(capsys):

@@ -322,3 +322,63 @@ def test_an_evaluation_before_training_leaves_the_gradients_unchanged(saved_llam
         hf_accel.patch(repacked, backend="reference", compile=False)
     assert hf_accel.patch_report(repacked) is None  # nothing of the patch stays bound
     assert all(getattr(m, CPU_PACKING_FLAG) for m in repacked.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+@pytest.mark.parametrize("variant", ["nf4", "nf4-nested"])
+def test_the_memory_estimate_counts_a_4bit_base_s_bytes(saved_llama, variant):
+    """estimate_training_memory(base_4bit=True): the weights' bytes are what the prepared QLoRA model holds, counted
+    on the real model (bitsandbytes' packed weights and their quantization statistics, the fp32 weights the kbit
+    preparation leaves, the fp32 adapters)."""
+    from hf_accel.memory.estimate import estimate_training_memory
+
+    model = qlora(saved_llama, variant)
+    held, seen = 0, set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            held += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            state = m.weight.quant_state
+            tensors = [state.absmax, state.code] + ([state.state2.absmax, state.state2.code, state.offset]
+                                                    if state.nested else [])
+            held += sum(t.numel() * t.element_size() for t in tensors)
+    estimate = estimate_training_memory(model.config, lora_rank=4, lora_targets=TARGETS, base_4bit=True,
+                                        nested_quant=variant == "nf4-nested")
+    assert estimate.param_bytes == held
+    assert estimate.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_the_memory_estimate_of_8b_qlora_weights_and_refusals():
+    from hf_accel.errors import ConfigurationError
+    from hf_accel.memory.estimate import estimate_training_memory
+
+    bf16 = estimate_training_memory("llama-3-8b", lora_rank=16)
+    nf4 = estimate_training_memory("llama-3-8b", lora_rank=16, base_4bit=True)
+    nested = estimate_training_memory("llama-3-8b", lora_rank=16, base_4bit=True, nested_quant=True)
+    # 6.98e9 linear weights at ~0.56 bytes, 1.05e9 embedding and head weights in fp32, 42M fp32 adapters
+    assert 7.3 * 2**30 < nested.param_bytes < nf4.param_bytes < 7.9 * 2**30 < 15 * 2**30 < bf16.param_bytes
+    with pytest.raises(ConfigurationError, match="pass lora_rank"):
+        estimate_training_memory("llama-3-8b", base_4bit=True)
+    with pytest.raises(ConfigurationError, match="base_4bit=True"):
+        estimate_training_memory("llama-3-8b", lora_rank=16, nested_quant=True)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_memory_estimate_bounds_a_4bit_base_s_activations(saved_llama, autocast):
+    """Per decoder layer, what the estimate counts for a 4-bit base (fp32, as the kbit preparation leaves the residual
+    stream) against what autograd saves on the real prepared model (the probe): a checkpointed layer's input exactly,
+    and never less than what it saves without checkpointing or at op level, computing in fp32 or under bf16 autocast."""
+    from hf_accel.memory.estimate import estimate_training_memory
+    from hf_accel.memory.plan import probe_layer_activations
+
+    model = qlora(saved_llama, compute=torch.bfloat16 if autocast else torch.float32)
+    tokens = 96
+    ids = torch.randint(1, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        measured = probe_layer_activations(model, {"input_ids": ids, "labels": ids})[1]  # layer 0 holds rotary tables
+    estimate = estimate_training_memory(model.config, lora_rank=4, lora_targets=TARGETS, base_4bit=True,
+                                        batch_tokens=tokens).layer
+    assert estimate.retained("full") == measured.retained("full") == tokens * model.config.hidden_size * 4
+    for choice in ("none", "op"):
+        assert measured.retained(choice) <= estimate.retained(choice) <= 1.9 * measured.retained(choice), choice

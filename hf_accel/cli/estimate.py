@@ -2,6 +2,7 @@
 
     hf-accel estimate-memory llama-3-8b --lora-rank 16 --checkpointing op --batch-tokens 16384
     hf-accel estimate-memory llama-3-8b --lora-rank 16 --batch-tokens 524288 --checkpointing budget:120GiB --host-gib 96
+    hf-accel estimate-memory llama-3-8b --lora-rank 16 --load-in-4bit --checkpointing full --batch-tokens 16384
 
 MODEL is a known shape (llama-3.2-1b, llama-3-8b, pythia-1.4b, falcon-1b) or a local folder with config.json.
 """
@@ -37,10 +38,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-gib", type=float, default=None, help="device memory for fractional budgets")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="host memory budget plans may offload layer inputs to (default: none)")
+    parser.add_argument("--load-in-4bit", action="store_true",
+                        help="QLoRA: the linear weights in bitsandbytes 4-bit (needs --lora-rank), the rest in fp32 as "
+                        "PEFT's kbit preparation leaves them")
+    parser.add_argument("--use-bnb-nested-quant", action="store_true",
+                        help="with --load-in-4bit: the 4-bit blocks' scales quantized too")
     args = parser.parse_args(argv)
     if args.lora_rank is not None and args.lora_rank < 1:
         raise UsageError(f"--lora-rank {args.lora_rank}: a LoRA rank is at least 1 (leave it out for full "
                          "fine-tuning)")
+    if args.load_in_4bit and args.lora_rank is None:
+        raise UsageError("--load-in-4bit: a 4-bit base is frozen and trains LoRA adapters (QLoRA): add --lora-rank R "
+                         "(e.g. 16)")
+    if args.use_bnb_nested_quant and not args.load_in_4bit:
+        raise UsageError("--use-bnb-nested-quant applies to a 4-bit base: add --load-in-4bit")
     if args.batch_tokens < 1:
         raise UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 1")
     for name in ("device_gib", "host_gib"):
@@ -60,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .quiet import quiet_libraries
+
+    quiet_libraries()  # the libraries' import-time messages a user cannot act on (torchao's, without CUDA)
     from ..memory.estimate import estimate_training_memory
 
     estimate = estimate_training_memory(
@@ -68,5 +82,6 @@ def main(argv: list[str] | None = None) -> None:
         checkpointing=args.checkpointing,
         device_bytes=int(args.device_gib * 1024**3) if args.device_gib else None,
         host_bytes=int(args.host_gib * 1024**3) if args.host_gib is not None else None,
+        base_4bit=args.load_in_4bit, nested_quant=args.use_bnb_nested_quant,
     )
     print(estimate.table())

@@ -126,8 +126,18 @@ class MemoryEstimate:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]) -> tuple[int, int]:
-    """(all parameters, LoRA parameters) of the model `config` describes, built on the meta device."""
+@dataclass(frozen=True)
+class _Parameters:
+    """The parameters of the model a config describes: all of them, the LoRA adapters', and the weights a 4-bit base
+    stores quantized (the linear layers' but the output embedding's, as transformers' bitsandbytes quantizer picks)."""
+
+    total: int
+    lora: int
+    linear_weights: tuple[int, ...]  # numel of each quantizable linear weight
+
+
+def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]) -> _Parameters:
+    """The parameters of the model `config` describes, built on the meta device."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -136,21 +146,36 @@ def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]
     # meta weights are not tied at construction (nor inside the context, which re-registers parameters)
     model.tie_weights()
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    output = model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not output]
     lora = 0
     if lora_rank:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
                 lora += lora_rank * (module.in_features + module.out_features)
-    return params, lora
+    return _Parameters(params, lora, tuple(m.weight.numel() for m in linears))
+
+
+def four_bit_bytes(numel: int, nested: bool = False) -> int:
+    """Bytes bitsandbytes holds for one weight of ``numel`` elements in 4 bits (NF4 or FP4, blocks of 64): two
+    elements a byte, one absmax per block (fp32; with nested statistics uint8, plus an fp32 absmax per 256 blocks, their
+    256-entry code and an offset) and the 16-entry code."""
+    blocks = -(-numel // 64)
+    stats = blocks * 4 if not nested else blocks + -(-blocks // 256) * 4 + 256 * 4 + 4
+    return -(-numel // 2) + stats + 16 * 4
 
 
 def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str = "adamw",
                              lora_rank: int | None = None, lora_targets: Sequence[str] | None = None,
                              batch_tokens: int = 4096, checkpointing="none",
-                             device_bytes: int | None = None, host_bytes: int | None = None) -> MemoryEstimate:
+                             device_bytes: int | None = None, host_bytes: int | None = None,
+                             base_4bit: bool = False, nested_quant: bool = False) -> MemoryEstimate:
     """Predict weights, gradients, optimizer states, activations and the peak of one training step, offline.
 
     dtype: weights and activations ("bf16", "fp16", "fp32"); LoRA adapters are fp32 (PEFT's default).
+    base_4bit: QLoRA (needs lora_rank): the linear weights in bitsandbytes 4-bit (``nested_quant``: with nested
+    statistics), every other weight in fp32 and the residual stream fp32, as PEFT's ``prepare_model_for_kbit_training``
+    leaves them; activations are then counted at fp32 (an upper bound for autocast's half-precision intermediates).
     checkpointing: "none" | "full" | "every_N" | "op" | "budget:20GiB" | "budget:0.6" (needs device_bytes),
     planned on the formula's per-layer sizes (layers may be spaced; offloaded too, within `host_bytes` of host memory,
     when it is given). batch_tokens: tokens per micro-batch (packed, no padding).
@@ -158,9 +183,19 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     config = load_config(config_or_path)
     if dtype not in DTYPE_BYTES:
         raise ConfigurationError(f"unknown dtype {dtype!r}; allowed: {sorted(DTYPE_BYTES)}.")
-    b = DTYPE_BYTES[dtype]
+    if base_4bit and not lora_rank:
+        raise ConfigurationError("a 4-bit base is frozen and trains LoRA adapters (QLoRA): pass lora_rank "
+                                 "(estimate-memory --lora-rank 16).")
+    if nested_quant and not base_4bit:
+        raise ConfigurationError("nested_quant describes a 4-bit base: pass base_4bit=True too (--load-in-4bit).")
+    b = 4 if base_4bit else DTYPE_BYTES[dtype]  # the kbit preparation: fp32 outside the 4-bit linears
     targets = tuple(lora_targets or _family(config).lora_targets)
-    params, lora = _count_parameters(config, lora_rank, targets)
+    counted = _count_parameters(config, lora_rank, targets)
+    params, lora = counted.total, counted.lora
+    weight_bytes = params * b
+    if base_4bit:
+        quantized = sum(counted.linear_weights)
+        weight_bytes = (params - quantized) * 4 + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights)
     trainable, train_bytes = (lora, 4) if lora_rank else (params, b)
     per_token = _layer_activation(config, b)
     if lora_rank:  # each adapted linear saves its input cast to fp32 (half dtypes) and the rank-r A output
@@ -169,7 +204,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         per_token = LayerActivation(per_token.none_bytes + extra, per_token.op_bytes + extra, per_token.full_bytes)
     layer = LayerActivation(*(n * batch_tokens for n in (per_token.none_bytes, per_token.op_bytes,
                                                          per_token.full_bytes)))
-    fixed = params * b + lora * 4 + trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)
+    fixed = weight_bytes + lora * 4 + trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)
     loss = loss_bytes(batch_tokens, config.vocab_size, b) + batch_tokens * (4 * config.hidden_size + 4)
     layers = [layer] * config.num_hidden_layers
     choices, longest = _choices_for(checkpointing, layers, fixed, loss, device_bytes, host_bytes, batch_tokens)
@@ -178,6 +213,10 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
              "holds one ~512 MiB chunk of logits and whose compiled layers save less (Llama-1B at 16k tokens: this "
              "formula 55.4 GiB; measured on the H200: attention-only patch 57.2, the fused defaults 27.2); a "
              "budget: plan probes the real forward instead")
+    if base_4bit:
+        notes += (f"a 4-bit base ({'nested statistics, ' if nested_quant else ''}PEFT's kbit preparation): "
+                  f"{sum(counted.linear_weights):,} linear weights in 4 bits, the other weights, the residual stream "
+                  "and the activations counted in fp32",)
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, loss)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
         notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
@@ -185,7 +224,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                                                       f"holds is {longest:,} tokens"),)
     return MemoryEstimate(
         config_name=str(config_or_path) if isinstance(config_or_path, str) else config.model_type, params=params + lora,
-        trainable_params=trainable, param_bytes=params * b + lora * 4, grad_bytes=trainable * train_bytes,
+        trainable_params=trainable, param_bytes=weight_bytes + lora * 4, grad_bytes=trainable * train_bytes,
         optimizer_bytes=_optimizer_state_bytes(trainable, train_bytes, optimizer), layer=layer,
         choices=tuple(choices), activation_bytes=sum(layer.retained(c) for c in choices), loss_bytes=loss,
         peak_bytes=peak, notes=notes, host_bytes=sum(layer.full_bytes for c in choices if c == "offload"),
