@@ -190,7 +190,8 @@ def test_estimate_memory_command_prints_the_estimate(capsys):
     assert capsys.readouterr().out.strip() == want.strip()
     assert main(["estimate-memory", "llama-3.2-1b", "--checkpointing", "budget:0.5"]) == 2
     assert "add --device-gib" in capsys.readouterr().err
-    assert main(["estimate-memory", "llama-3.2-1b", "--lora-rank", "8", "--load-in-4bit", "--use-bnb-nested-quant"]) == 0
+    qlora = ["--lora-rank", "8", "--load-in-4bit", "--use-bnb-nested-quant"]
+    assert main(["estimate-memory", "llama-3.2-1b", *qlora]) == 0
     want = estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True, nested_quant=True).table()
     assert capsys.readouterr().out.strip() == want.strip() and "a 4-bit base (nested statistics" in want
     for argv, message in ((["--load-in-4bit"], "add --lora-rank"),

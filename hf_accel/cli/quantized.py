@@ -59,18 +59,19 @@ def reload_quantized(model, quantization, dtype):
 
     with tempfile.TemporaryDirectory(prefix="hf-accel-4bit-") as folder:
         model.save_pretrained(folder)
-        quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa",
+        quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                         attn_implementation=model.config._attn_implementation,
                                                          **quantized_loading(quantization))
     quantized.name_or_path = quantized.config._name_or_path = model.name_or_path  # not the temporary folder
     return quantized
 
 
 def prepare_quantized(model, args: argparse.Namespace):
-    """PEFT's QLoRA preparation (docs/qlora.md) of a quantized base: the non-quantized weights (norms, embeddings, head) in fp32, input
-    gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every layer (non-reentrant),
-    which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU inference repacking is
-    turned off (patched or not): the held-out evaluation before training would otherwise leave the weights in a layout
-    that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``)."""
+    """PEFT's QLoRA preparation (docs/qlora.md) of a quantized base: the non-quantized weights (norms, embeddings,
+    head) in fp32, input gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every
+    layer (non-reentrant), which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU
+    inference repacking is turned off (patched or not): the held-out evaluation before training would otherwise leave
+    the weights in a layout that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``)."""
     from peft import prepare_model_for_kbit_training
 
     from ..fused.quantized import keep_cpu_4bit_trainable

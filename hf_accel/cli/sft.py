@@ -117,7 +117,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
             if stored and args.lora_r is None:  # a hub id's config (a local folder's was checked with the flags)
                 raise UsageError(quantized_needs_lora(args.model, stored))
             model = AutoModelForCausalLM.from_pretrained(
-                args.model, dtype=dtype, attn_implementation="sdpa",
+                args.model, dtype=dtype,  # transformers' own attention default (sdpa where the class has it)
                 # a checkpoint stored quantized keeps its own quantization; it is loaded where it trains
                 **quantized_loading(None if stored else quantization, device_map=bool(stored or quantization)))
         except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)

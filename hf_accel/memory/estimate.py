@@ -204,7 +204,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         per_token = LayerActivation(per_token.none_bytes + extra, per_token.op_bytes + extra, per_token.full_bytes)
     layer = LayerActivation(*(n * batch_tokens for n in (per_token.none_bytes, per_token.op_bytes,
                                                          per_token.full_bytes)))
-    fixed = weight_bytes + lora * 4 + trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)
+    state = trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)  # gradients, optimizer
+    fixed = weight_bytes + lora * 4 + state
     loss = loss_bytes(batch_tokens, config.vocab_size, b) + batch_tokens * (4 * config.hidden_size + 4)
     layers = [layer] * config.num_hidden_layers
     choices, longest = _choices_for(checkpointing, layers, fixed, loss, device_bytes, host_bytes, batch_tokens)
