@@ -12,13 +12,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # subprocess runs: the Trainer / TRL ones are `slow` (the lower-transformers CI pass keeps the plain loop)
 EXAMPLES = ["patch_plain_loop.py", pytest.param("trainer_lora.py", marks=pytest.mark.slow),
-            pytest.param("trl_sft.py", marks=pytest.mark.slow)]
+            pytest.param("trl_sft.py", marks=pytest.mark.slow), pytest.param("trainer_qlora.py", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs_and_learns(tmp_path, name):
     if name == "trl_sft.py":
         pytest.importorskip("trl")
+    if name == "trainer_qlora.py":
+        pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / name)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=180)
