@@ -465,8 +465,9 @@ FAMILY_FOLDERS = ["gemma2-softcap", *(pytest.param(name, marks=pytest.mark.slow)
 
 @pytest.mark.parametrize("variant", FAMILY_FOLDERS)
 def test_a_model_folder_of_every_family_trains_as_the_stock_model(tmp_path, sft_module, variant):
-    """`--model FOLDER` for each supported family: loaded with transformers' own attention default (Gemma 2 has no
-    SDPA: the command asked for it and failed), the patched run's losses those of the stock run (--no-patch)."""
+    """`--model FOLDER` for each supported family: loaded with the family's stock attention (Gemma 2's is eager: the
+    command asked for SDPA, which transformers 5.25 refuses for Gemma 2 and 5.17 ran without the soft-cap), the
+    patched run's losses those of the stock run (--no-patch)."""
     from tiny_models import make
 
     folder = tmp_path / "model"

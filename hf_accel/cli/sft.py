@@ -113,11 +113,12 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     elif args.model:
         try:
             tok = AutoTokenizer.from_pretrained(args.model)
-            stored = stored_quantization(AutoConfig.from_pretrained(args.model).to_dict())
+            config = AutoConfig.from_pretrained(args.model)
+            stored = stored_quantization(config.to_dict())
             if stored and args.lora_r is None:  # a hub id's config (a local folder's was checked with the flags)
                 raise UsageError(quantized_needs_lora(args.model, stored))
             model = AutoModelForCausalLM.from_pretrained(
-                args.model, dtype=dtype,  # transformers' own attention default (sdpa where the class has it)
+                args.model, dtype=dtype, attn_implementation=stock_attention(config),
                 # a checkpoint stored quantized keeps its own quantization; it is loaded where it trains
                 **quantized_loading(None if stored else quantization, device_map=bool(stored or quantization)))
         except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)
@@ -134,6 +135,19 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     if getattr(model, "is_quantized", False):  # --load-in-4bit, or a checkpoint stored quantized
         model = prepare_quantized(model, args)
     return model, tok
+
+
+def stock_attention(config) -> str | None:
+    """The attention implementation to load ``--model`` with: its family's stock reference, the one that computes the
+    model exactly (sdpa; eager for Gemma 2, whose soft-capping SDPA cannot do: transformers 5.17 still ran it on SDPA
+    without the cap, later ones refuse SDPA); transformers' own default for a model hf_accel has no family for."""
+    from ..errors import UnsupportedModel
+    from ..patches import family_of
+
+    try:
+        return family_of(config).reference_attention
+    except UnsupportedModel:
+        return None
 
 
 def configure_threads(args: argparse.Namespace, tiny_default: bool) -> dict[str, Any]:
