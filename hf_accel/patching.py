@@ -239,6 +239,10 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     """Bind every stage the decisions ask for, in order, appending each one's undo actions to ``undo``."""
     family, backend, compiled = decisions.family, decisions.options.backend, decisions.compile_options is not None
     applied = _Applied(previous_attn=model_hf.config._attn_implementation, notes=list(family.notes) + choice.notes)
+    if applied.previous_attn == "sdpa" and any(a.softcap for a in family.layer_attentions(model_hf.config)):
+        applied.notes.append("the unpatched model runs transformers' SDPA attention, which cannot soft-cap and drops "
+                             "the attention soft-cap (transformers 5.17 allowed it; later versions refuse SDPA here): "
+                             "patched training applies the cap, as eager attention does; build with eager to compare")
     names, seam_undo = family.apply(model_hf, backend)
     undo += seam_undo
     applied.attention_modules = names

@@ -441,6 +441,19 @@ def test_a_named_backend_that_cannot_softcap_hands_those_layers_on_and_says_so(v
         assert report.backend == "sdpa" and tags == {"sdpa"} and not report.notes
 
 
+@pytest.mark.parametrize("built_with", ["sdpa", "eager"])
+def test_a_soft_capped_model_built_on_sdpa_is_told_its_unpatched_attention_drops_the_cap(built_with):
+    """transformers 5.17 builds Gemma 2 on SDPA by default, which drops the attention soft-cap; the patched model
+    applies it. The report says so for such a model (and not for one built with eager, nor for a model without a
+    soft-cap)."""
+    model = make("gemma2-softcap")
+    model.config._attn_implementation = built_with  # what 5.17's default gives; 5.25 refuses to build it so
+    report = hf_accel.patch(model)
+    said = [n for n in report.notes if "drops the attention soft-cap" in n]
+    assert len(said) == (built_with == "sdpa"), report.notes
+    assert not any("drops the attention soft-cap" in n for n in hf_accel.patch(make("mistral-window")).notes)
+
+
 # ---- patch()'s options: one validated object -----------------------------------------------------------------------
 def test_keyword_arguments_and_patch_options_are_the_same_call():
     """patch(model, compile=False, ...) builds the PatchOptions that patch(model, options=...) is given: the same
