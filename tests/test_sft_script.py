@@ -479,3 +479,22 @@ def test_a_model_folder_of_every_family_trains_as_the_stock_model(tmp_path, sft_
     stock = sft_module.main([*common, "--no-patch", "--output-dir", str(tmp_path / "stock")])["losses"]
     assert len(patched) == 2
     torch.testing.assert_close(patched, stock, rtol=1e-4, atol=0)
+
+
+def test_a_checkpoint_stored_in_8bit_trains_as_stored_and_says_so(tmp_path, sft_module, capsys):
+    """A bitsandbytes 8-bit checkpoint as --model: LoRA on it, as stored; --load-in-4bit does not quantize it again,
+    and the run says so rather than leaving the flag silently without effect."""
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_accel.data.default_task import tiny_llama
+
+    tok = build_tokenizer()
+    tiny_llama(len(tok)).save_pretrained(tmp_path / "fp32")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                                         device_map={"": "cpu"}).save_pretrained(tmp_path / "int8")
+    tok.save_pretrained(tmp_path / "int8")
+    metrics = sft_module.main(["--model", str(tmp_path / "int8"), "--lora-r", "4", "--load-in-4bit", "--max-steps", "2",
+                               "--eval-examples", "0", "--threads", "1", "--output-dir", str(tmp_path / "out")])
+    assert "stored quantized (bitsandbytes 8-bit) and trains as stored" in capsys.readouterr().out
+    assert metrics["steps"] == 2 and all(0 < loss < 10 for loss in metrics["losses"])

@@ -117,6 +117,9 @@ def load_model_and_tokenizer(args: argparse.Namespace):
             stored = stored_quantization(config.to_dict())
             if stored and args.lora_r is None:  # a hub id's config (a local folder's was checked with the flags)
                 raise UsageError(quantized_needs_lora(args.model, stored))
+            if stored and quantization is not None and stored != "bitsandbytes 4-bit":
+                print(f"note: --model {args.model} is stored quantized ({stored}) and trains as stored; "
+                      "--load-in-4bit does not quantize it again", flush=True)
             model = AutoModelForCausalLM.from_pretrained(
                 args.model, dtype=dtype, attn_implementation=stock_attention(config),
                 # a checkpoint stored quantized keeps its own quantization; it is loaded where it trains
