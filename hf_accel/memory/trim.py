@@ -160,10 +160,6 @@ def _gemm_4bit_op():
 
 
 # ----------------------------------------------------------------------------------------------- the forwards
-def _frozen(*params: torch.Tensor | None) -> bool:
-    return all(p is None or not p.requires_grad for p in params)
-
-
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward (``F.linear``) through ``linear_unless_recomputing``, casting as autocast would."""
     weight, bias = self.weight, self.bias
@@ -182,7 +178,7 @@ def _linear_4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ``gemm_4bit_unless_recomputing``; the stock forward for everything else."""
     stock = type(self).forward
     state = getattr(self.weight, "quant_state", None)
-    if not (torch.is_grad_enabled() and self.bias is None and _frozen(self.weight) and state is not None
+    if not (torch.is_grad_enabled() and self.bias is None and not self.weight.requires_grad and state is not None
             and len(state.shape) == 2 and not getattr(state, "packing_format_for_cpu", False)
             and x.shape[-1] == state.shape[1] and x.numel() > 0
             and (not state.nested or state.state2.blocksize == 256)):
