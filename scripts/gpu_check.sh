@@ -20,8 +20,8 @@
 # the CPU machine, then on the H200, back to back: call 1 (carrying .gpu/a) `bash .gpu/a/stage.sh`; call 2 (carrying
 # .gpu/b) `source .gpu/b/activate.sh && bash scripts/gpu_check.sh tests`. Later calls while the machine is warm need
 # nothing more: this script sources /tmp/gpu-env.sh (written by activate.sh) when those packages are not importable.
-# Unsloth / bitsandbytes rows: `python scripts/pack_apart.py` here, carry [".gpu/b", ".gpu/apart"] in call 2 and
-# `source .gpu/apart/install.sh` after activate.sh (the pack installs into /tmp/site-unsloth and /tmp/site-bnb).
+# Unsloth / bitsandbytes rows: `python scripts/pack_apart.py` here and, between calls 1 and 2, a call carrying
+# .gpu/apart: `source .gpu/apart/install.sh` (into /tmp/site-unsloth and /tmp/site-bnb; with .gpu/b it is over 64 MiB).
 #
 # Output, under $OUT when set (the folder that comes back from the device machine), else under the checkout:
 #   benchmarks/results/<workload>_<UTC stamp>.json|.md    bench records: copy them into the repo's benchmarks/results/

@@ -12,10 +12,11 @@
 # with `wait` brings back what finished so far, so a machine lost between calls (a late reply) costs only the job it
 # was running, not the whole queue (run 19 lost a finished Gemma-2 bench that way). Chain calls back to back:
 #   call 1 (carry .gpu/a):                      bash .gpu/a/stage.sh
-#   call 2 (carry .gpu/b, .gpu/apart):          source .gpu/b/activate.sh && source .gpu/apart/install.sh &&
+#   call 2 (carry .gpu/apart):                  source .gpu/apart/install.sh   (with .gpu/b: over 64 MiB)
+#   call 3 (carry .gpu/b):                      source .gpu/b/activate.sh &&
 #                                               bash scripts/gpu_queue.sh start scripts/gpu_queues/next.txt &&
 #                                               bash scripts/gpu_queue.sh wait 540
-#   calls 3.. (no carry):                       bash scripts/gpu_queue.sh wait 570  (exit 3 at once on a bare machine)
+#   calls 4.. (no carry):                       bash scripts/gpu_queue.sh wait 570  (exit 3 at once on a bare machine)
 # Then unpack queue.tgz, copy the records under */benchmarks/results/ into benchmarks/results/, run
 # `python scripts/bench_tables.py`, and write what the tests showed into tests/gpu/RESULTS.md.
 set -uo pipefail

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Packs the bench's kept-apart packages (Unsloth and its pins, bitsandbytes) into .gpu/apart, small enough to ride
-with the second set-up call of the GPU machine (`.gpu/b` + this + the repo under the 64 MiB a call carries).
+"""Packs the bench's kept-apart packages (Unsloth and its pins, bitsandbytes) into .gpu/apart, installed by a call
+of its own between fetch-gpu-wheels.sh's two (`.gpu/b` + this + the repo is over the 64 MiB a call carries).
 
     python scripts/pack_apart.py            # here: download, slim, write .gpu/apart/install.sh (~17 MiB)
-    # on the GPU machine, carrying [".gpu/b", ".gpu/apart"]:
-    source .gpu/b/activate.sh && source .gpu/apart/install.sh && python scripts/bench.py --preset llama-8b-qlora
+    # on the GPU machine, after the call carrying [".gpu/a"] and before the one carrying [".gpu/b"]:
+    source .gpu/apart/install.sh            # carrying [".gpu/apart"]
 
 install.sh installs bitsandbytes into /tmp/site-bnb and the rest into /tmp/site-unsloth, the folders the configs
 that need them put first on their child's PYTHONPATH (scripts/benchlib/apart.py). The wheels are fetched without
