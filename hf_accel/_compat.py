@@ -1,10 +1,12 @@
-"""Version gate: hf_accel supports transformers 5.17 through the latest 5.x; and the names that differ across them.
+"""Version gate: hf_accel supports transformers 5.17 through the latest 5.x; the names that differ across them; and
+accelerate's launcher flags read as accelerate reads them.
 
 The version is read from the installed package's metadata, so the check costs no import of transformers
 (``import hf_accel`` and the ``hf-accel`` command stay light until something heavy is used).
 """
 from __future__ import annotations
 
+import os
 from importlib import metadata
 
 from packaging.version import Version
@@ -43,3 +45,10 @@ CACHE_KWARGS = ("cache", "past_key_values")
 def cache_kwarg(kwargs: dict, default=None):
     """The KV cache a forward was given by keyword (the first of CACHE_KWARGS that is not None), else ``default``."""
     return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), default)
+
+
+def launcher_flag(name: str) -> bool:
+    """An environment flag that ``accelerate launch`` sets (ACCELERATE_USE_DEEPSPEED, ACCELERATE_USE_FSDP, ...), true
+    for the spellings accelerate's own ``parse_flag_from_env`` takes (y, yes, t, true, on, 1; any case): read here
+    without importing accelerate, which imports torch."""
+    return os.environ.get(name, "").strip().lower() in ("y", "yes", "t", "true", "on", "1")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_accel.cli import args as cli_args
 from hf_accel.cli import main
@@ -93,6 +94,24 @@ def test_load_in_4bit_without_bitsandbytes_or_under_sharding_is_refused(monkeypa
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(UsageError, match="--load-in-4bit under FSDP or DeepSpeed is not supported"):
         cli_args.parse_sft_args(["--load-in-4bit", "--lora-r", "4"])
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "yes", "Y", "t", "on", "0", "false", "no", "off", ""])
+def test_launcher_flags_are_read_as_accelerate_reads_them(monkeypatch, value):
+    """Every place that asks "was this an FSDP / DeepSpeed launch?" answers what accelerate itself answers."""
+    from accelerate.utils.environment import parse_flag_from_env
+
+    from hf_accel.cli.quiet import deepspeed_launch
+    from hf_accel.memory.targets import fsdp_activation_checkpointing_active
+
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "FSDP_ACTIVATION_CHECKPOINTING"):
+        monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name, raising=False)
+    expected = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    assert deepspeed_launch() == expected
+    assert fsdp_activation_checkpointing_active(torch.nn.Linear(1, 1)) == expected
+    if expected:
+        with pytest.raises(UsageError, match="--load-in-4bit under FSDP or DeepSpeed is not supported"):
+            cli_args.parse_sft_args(["--load-in-4bit", "--lora-r", "4"])
 
 
 def test_stored_quantization_is_read_from_the_checkpoint_config():

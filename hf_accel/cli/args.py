@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .._compat import launcher_flag
 from ..errors import ConfigurationError, UsageError
 from ..memory.spec import parse_checkpointing
 from ..training.run_folders import check_output_dir, checkpoints, latest_run_dir, new_run_dir
@@ -325,8 +326,7 @@ def _check_4bit(args: argparse.Namespace) -> None:
         raise UsageError(f"--load-in-4bit loads saved weights in 4 bits, and --model-shape {args.model_shape} builds "
                          "random bf16 ones on the GPU: pass --model PATH_OR_ID (scripts/bench.py --preset "
                          "llama-8b-qlora measures random-init QLoRA)")
-    if args.sequence_parallel > 1 or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or \
-            os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+    if args.sequence_parallel > 1 or launcher_flag("ACCELERATE_USE_FSDP") or launcher_flag("ACCELERATE_USE_DEEPSPEED"):
         raise UsageError("--load-in-4bit under FSDP or DeepSpeed is not supported by hf-accel sft (their sharding "
                          "needs a 4-bit storage layout it does not set up): run one process per GPU (DDP: "
                          "accelerate launch --multi_gpu) or one process")
@@ -433,7 +433,7 @@ def _check_sequence_parallel(args: argparse.Namespace) -> None:
     if size == 1:
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    if not launcher_flag("ACCELERATE_USE_DEEPSPEED"):
         raise UsageError(f"--sequence-parallel {size} runs on DeepSpeed: launch with `accelerate launch --config_file "
                          f"examples/accelerate/deepspeed_zero3.yaml --num_processes {size} -m hf_accel.cli sft ...` "
                          "(this run was not launched that way)")

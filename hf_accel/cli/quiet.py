@@ -20,13 +20,15 @@ import logging
 import os
 import sys
 
+from .._compat import launcher_flag
+
 
 def on_terminal() -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
 def deepspeed_launch() -> bool:
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return launcher_flag("ACCELERATE_USE_DEEPSPEED")
 
 
 class _DropMessage(logging.Filter):

@@ -6,7 +6,6 @@ The policies in `checkpointing` decide which of these to checkpoint; this module
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .._compat import launcher_flag
 from ..errors import ConfigurationError
 
 _DEFAULT_SAVE_OP_NAMES = (
@@ -115,6 +115,4 @@ def fsdp_activation_checkpointing_active(model: nn.Module) -> bool:
             return True
     except ImportError:
         pass
-    env_true = ("1", "true", "yes")
-    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in env_true
-            and os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "").lower() in env_true)
+    return launcher_flag("ACCELERATE_USE_FSDP") and launcher_flag("FSDP_ACTIVATION_CHECKPOINTING")
