@@ -45,9 +45,15 @@ def quantized_loading(quantization, device_map: bool = True) -> dict[str, Any]:
 
     keywords: dict[str, Any] = {} if quantization is None else {"quantization_config": quantization}
     if device_map:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-        keywords["device_map"] = {"": device}
+        keywords["device_map"] = {"": str(process_device()) if torch.cuda.is_available() else "cpu"}
     return keywords
+
+
+def process_device():
+    """This process's GPU: the launcher's LOCAL_RANK (0 in a single process)."""
+    import torch
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def reload_quantized(model, quantization, dtype):

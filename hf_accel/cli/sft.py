@@ -93,8 +93,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
 
     from ..data import default_task
     from ..errors import ConfigurationError
-    from .quantized import (four_bit_config, prepare_quantized, quantized_loading, quantized_needs_lora,
-                            reload_quantized, stored_quantization)
+    from .quantized import (four_bit_config, prepare_quantized, process_device, quantized_loading,
+                            quantized_needs_lora, reload_quantized, stored_quantization)
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     quantization = four_bit_config(args, dtype)
@@ -104,8 +104,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
                                      "CUDA. On CPU, pass --model PATH or no model argument (the tiny default task).")
         from .shapes import build_model_shape
 
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # this process's GPU under a launcher
-        return build_model_shape(args.model_shape, args.seed, device), None
+        return build_model_shape(args.model_shape, args.seed, process_device()), None
     if args.smollm2:
         folder, gguf = smollm2_dir()
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
