@@ -2,6 +2,7 @@
 refusal, ``--config`` files with flags overriding them, numbered run folders, ``env`` and ``estimate-memory``."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -85,12 +86,12 @@ def test_every_refusal_is_one_line_before_torch_is_imported(tmp_path):
 
 
 def test_load_in_4bit_without_bitsandbytes_or_under_sharding_is_refused(monkeypatch):
-    real = cli_args.importlib.util.find_spec
-    monkeypatch.setattr(cli_args.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else
                         real(name))
     with pytest.raises(UsageError, match=r"bitsandbytes, which is not installed: pip install 'hf_accel\[qlora\]'"):
         cli_args.parse_sft_args(["--load-in-4bit", "--lora-r", "4"])
-    monkeypatch.setattr(cli_args.importlib.util, "find_spec", real)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(UsageError, match="--load-in-4bit under FSDP or DeepSpeed is not supported"):
         cli_args.parse_sft_args(["--load-in-4bit", "--lora-r", "4"])
