@@ -242,59 +242,15 @@ def check_dataset(
     report = report or DataReport()
     report.max_length = max_length
     report.rows += len(dataset)
-    names = list(locations) if locations is not None else None
-
-    def where(i: int, detail: str) -> str:
-        return f"{names[i] if names is not None else f'row {i}'}: {detail}"
-
+    names = list(locations) if locations is not None else [f"row {i}" for i in range(len(dataset))]
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         columns = sorted({k for example in dataset for k in example})
     if "input_ids" not in columns:
         if tokenizer is None:
             raise ConfigurationError("the dataset has no 'input_ids' column; pass the tokenizer to tokenize it.")
-        tokenizable = []
-        for i, example in enumerate(_rows(dataset, columns)):
-            problem = example_problem(example)
-            if problem is None:
-                tokenizable.append(i)
-            else:
-                report.add(problem[0], where(i, problem[1]))
-        if len(tokenizable) < len(dataset):  # set aside now (tokenizing would raise); fail or drop is decided below
-            dataset = _select(dataset, tokenizable)
-            names = [names[i] if names is not None else f"row {i}" for i in tokenizable]
-        from .prepare import pretokenize, tokenize_example
-
-        if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
-            dataset = pretokenize(dataset, tokenizer, **(tokenize or {}))
-        else:
-            add_eos = (tokenize or {}).get("add_eos", True)
-            dataset = [tokenize_example(example, tokenizer, add_eos) for example in dataset]
-
-    keep, cut = [], set()
-    cut_tokens = 0
-    for i, example in enumerate(_rows(dataset, ("input_ids", "labels", "attention_mask"))):
-        try:
-            ids, labels = validate_feature(example, i)
-        except InvalidBatch as e:
-            report.add("malformed", where(i, str(e).removeprefix(f"feature {i}: ")))
-            continue
-        problem = token_problem(ids, labels, vocab_size)
-        if problem is not None:
-            report.add(problem[0], where(i, problem[1]))
-            continue
-        truncated = max_length is not None and len(ids) > max_length
-        if truncated and not truncate:
-            report.add("over_long", where(i, f"{len(ids)} tokens > max_length {max_length}"))
-            continue
-        if not _has_target(labels[:max_length] if truncated else labels):
-            detail = f"no target token in the first {max_length} tokens" if truncated else "no target token"
-            report.add("no_target", where(i, detail + " (all labels -100)"))
-            continue
-        if truncated:
-            cut.add(i)
-            cut_tokens += len(ids) - max_length
-        keep.append(i)
+        dataset, names = _tokenize_raw(dataset, columns, tokenizer, tokenize or {}, names, report)
+    keep, cut, cut_tokens = _judge_rows(dataset, names, vocab_size, max_length, truncate, report)
 
     if report.bad and bad_rows == "fail":
         raise InvalidDataset(
@@ -309,3 +265,55 @@ def check_dataset(
     report.kept = len(keep)
     report.dropped = report.bad
     return dataset, report
+
+
+def _tokenize_raw(dataset: Any, columns: Sequence[str], tokenizer: Any, tokenize: dict[str, Any],
+                  names: list[str], report: DataReport) -> tuple[Any, list[str]]:
+    """Raw rows tokenized (``pretokenize``; per row for a list); rows that cannot be tokenized are counted in
+    ``report`` and set aside first (tokenizing would raise). Returns the tokenized rows and their names."""
+    tokenizable = []
+    for i, example in enumerate(_rows(dataset, columns)):
+        problem = example_problem(example)
+        if problem is None:
+            tokenizable.append(i)
+        else:
+            report.add(problem[0], f"{names[i]}: {problem[1]}")
+    if len(tokenizable) < len(dataset):
+        dataset = _select(dataset, tokenizable)
+        names = [names[i] for i in tokenizable]
+    from .prepare import pretokenize, tokenize_example
+
+    if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
+        return pretokenize(dataset, tokenizer, **tokenize), names
+    return [tokenize_example(example, tokenizer, tokenize.get("add_eos", True)) for example in dataset], names
+
+
+def _judge_rows(dataset: Any, names: list[str], vocab_size: int | None, max_length: int | None, truncate: bool,
+                report: DataReport) -> tuple[list[int], set[int], int]:
+    """Each tokenized row's verdict: bad (counted in ``report`` under its kind), or kept, and then truncated or not.
+    Returns the kept rows, the truncated ones among them and the tokens truncation removes."""
+    keep, cut = [], set()
+    cut_tokens = 0
+    for i, example in enumerate(_rows(dataset, ("input_ids", "labels", "attention_mask"))):
+        try:
+            ids, labels = validate_feature(example, i)
+        except InvalidBatch as e:
+            report.add("malformed", f"{names[i]}: {str(e).removeprefix(f'feature {i}: ')}")
+            continue
+        problem = token_problem(ids, labels, vocab_size)
+        if problem is not None:
+            report.add(problem[0], f"{names[i]}: {problem[1]}")
+            continue
+        truncated = max_length is not None and len(ids) > max_length
+        if truncated and not truncate:
+            report.add("over_long", f"{names[i]}: {len(ids)} tokens > max_length {max_length}")
+            continue
+        if not _has_target(labels[:max_length] if truncated else labels):
+            detail = f"no target token in the first {max_length} tokens" if truncated else "no target token"
+            report.add("no_target", f"{names[i]}: {detail} (all labels -100)")
+            continue
+        if truncated:
+            cut.add(i)
+            cut_tokens += len(ids) - max_length
+        keep.append(i)
+    return keep, cut, cut_tokens
