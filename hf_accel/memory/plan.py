@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef  # loaded by `import torch` already
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .planner import (CHECKPOINTED, DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED,  # noqa: F401 (re-exported)
                       CheckpointPlan, GradientBytes, LayerActivation, format_bytes, layer_peaks,
@@ -71,61 +72,20 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
 
     backward: also measure what one layer's backward makes on top of its saved tensors (``layer_backward_bytes``);
     False leaves it at 0 (a sharded model, whose layer backward alone would start its collectives)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
     from .targets import decoder_layers, default_save_ops
 
     layers = list(layers if layers is not None else decoder_layers(model))
-    save_ops = save_ops if save_ops is not None else default_save_ops()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     counter = _SavedBytes(len(layers), params)
-    op_out = [0] * len(layers)
-    inputs = [0] * len(layers)
-
-    left = [0]  # decoder layers the forward has left
-    tail: dict[int, tuple[StorageWeakRef, int]] = {}  # storages allocated after the last layer
-    tail_peak = [0]
-
-    class SaveableOutputs(TorchDispatchMode):
-        # Higher-order operators (FlexAttention's flex_attention, the flex backend's kernel) pass through here too
-        # and run as themselves, their outputs counted like an op's; without this the mode refused them.
-        supports_higher_order_operators = True
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            if counter.layer is not None and getattr(func, "overloadpacket", func) in save_ops:
-                op_out[counter.layer] += sum(_storage_key(t)[1] for t in tensors)
-            if counter.layer is None and left[0] == len(layers):
-                for t in tensors:
-                    ptr, nbytes = _storage_key(t)
-                    known = tail.get(ptr)
-                    if ptr not in params and (known is None or known[0].expired()):
-                        tail[ptr] = (StorageWeakRef(t.untyped_storage()), nbytes)
-                live = sum(n for ref, n in tail.values() if not ref.expired())
-                tail_peak[0] = max(tail_peak[0], live)
-            return out
-
-    def enter(index):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            inputs[index] = hidden.untyped_storage().nbytes()
-            counter.layer = index
-        return hook
-
-    def leave(module, args, output):
-        counter.layer = None
-        left[0] += 1
-
+    tally = _ForwardTally(counter, save_ops if save_ops is not None else default_save_ops(), params)
     flags = [layer.gradient_checkpointing for layer in layers]
     handles = []
     try:
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = False
-            handles.append(layer.register_forward_pre_hook(enter(i), with_kwargs=True))
-            handles.append(layer.register_forward_hook(leave))
-        with torch.enable_grad(), counter.hooks(), SaveableOutputs(), torch.compiler.set_stance("force_eager"):
+            handles.append(layer.register_forward_pre_hook(tally.entering(i), with_kwargs=True))
+            handles.append(layer.register_forward_hook(tally.leave))
+        with torch.enable_grad(), counter.hooks(), tally, torch.compiler.set_stance("force_eager"):
             out = model(**batch)
         del out
     finally:
@@ -133,14 +93,15 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
             handle.remove()
         for layer, flag in zip(layers, flags):
             layer.gradient_checkpointing = flag
+    op_out, inputs, tail_peak = tally.op_out, tally.inputs, tally.tail_peak
     saved = counter.saved
     backward = layer_backward_bytes(model, batch, layers[0], compiled) if layers and backward else 0
     if not compiled:
         return Probe([LayerActivation(s, i + o, i, backward_bytes=backward)
-                      for s, o, i in zip(saved, op_out, inputs)], tail_peak[0])
+                      for s, o, i in zip(saved, op_out, inputs)], tail_peak)
     bound = _bound_saved_bytes(model, batch, layers, params)
     return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s, backward_bytes=backward)
-                  for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak[0])
+                  for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak)
 
 
 class _Measured(Exception):
@@ -223,7 +184,6 @@ class _LiveBytes:
         self.credit = dict(credit or {})
 
     def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 
         refs: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -251,6 +211,54 @@ class _LiveBytes:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+class _ForwardTally(TorchDispatchMode):
+    """What the probe's forward counts besides autograd's saved tensors (``_SavedBytes``): per decoder layer its
+    input's bytes and the outputs of the ops op-level checkpointing saves (``save_ops``); after the last layer, the
+    peak of the storages the loss tail allocates and still holds (``tail_peak``). Layers report in through the hooks
+    ``entering(i)`` (a forward pre-hook) and ``leave`` (a forward hook)."""
+
+    # Higher-order operators (FlexAttention's flex_attention, the flex backend's kernel) pass through here too and
+    # run as themselves, their outputs counted like an op's; without this the mode refused them.
+    supports_higher_order_operators = True
+
+    def __init__(self, counter: "_SavedBytes", save_ops: frozenset, params: set[int]):
+        super().__init__()
+        self.counter, self.save_ops, self.params = counter, save_ops, params
+        layers = len(counter.saved)
+        self.op_out, self.inputs = [0] * layers, [0] * layers
+        self.left = 0  # decoder layers the forward has left
+        self.tail: dict[int, tuple[StorageWeakRef, int]] = {}  # storages allocated after the last layer
+        self.tail_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        layer = self.counter.layer
+        if layer is not None and getattr(func, "overloadpacket", func) in self.save_ops:
+            self.op_out[layer] += sum(_storage_key(t)[1] for t in tensors)
+        if layer is None and self.left == len(self.inputs):
+            for t in tensors:
+                ptr, nbytes = _storage_key(t)
+                known = self.tail.get(ptr)
+                if ptr not in self.params and (known is None or known[0].expired()):
+                    self.tail[ptr] = (StorageWeakRef(t.untyped_storage()), nbytes)
+            self.tail_peak = max(self.tail_peak, sum(n for ref, n in self.tail.values() if not ref.expired()))
+        return out
+
+    def entering(self, index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            self.inputs[index] = hidden.untyped_storage().nbytes()
+            self.counter.layer = index
+        return hook
+
+    def leave(self, module, args, output):
+        self.counter.layer = None
+        self.left += 1
 
 
 class _SavedBytes:
@@ -336,7 +344,6 @@ def live_activation_bytes(model: nn.Module, batch: dict) -> int:
     Sees through checkpointing (inputs a checkpoint keeps, op-level caches), which saved-tensor hooks cannot: inside
     a checkpoint torch's own hooks replace ours. The reference the policies' memory claims are tested against.
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     before = {p.untyped_storage().data_ptr() for p in itertools.chain(model.parameters(), model.buffers())}
