@@ -242,7 +242,7 @@ def check_dataset(
     report = report or DataReport()
     report.max_length = max_length
     report.rows += len(dataset)
-    names = list(locations) if locations is not None else [f"row {i}" for i in range(len(dataset))]
+    names = list(locations) if locations is not None else None  # None: "row i", named only when reported
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         columns = sorted({k for example in dataset for k in example})
@@ -267,8 +267,13 @@ def check_dataset(
     return dataset, report
 
 
+def _row(names: list[str] | None, i: int) -> str:
+    """How messages name row ``i``: its given location, or "row i"."""
+    return names[i] if names is not None else f"row {i}"
+
+
 def _tokenize_raw(dataset: Any, columns: Sequence[str], tokenizer: Any, tokenize: dict[str, Any],
-                  names: list[str], report: DataReport) -> tuple[Any, list[str]]:
+                  names: list[str] | None, report: DataReport) -> tuple[Any, list[str] | None]:
     """Raw rows tokenized (``pretokenize``; per row for a list); rows that cannot be tokenized are counted in
     ``report`` and set aside first (tokenizing would raise). Returns the tokenized rows and their names."""
     tokenizable = []
@@ -277,10 +282,10 @@ def _tokenize_raw(dataset: Any, columns: Sequence[str], tokenizer: Any, tokenize
         if problem is None:
             tokenizable.append(i)
         else:
-            report.add(problem[0], f"{names[i]}: {problem[1]}")
+            report.add(problem[0], f"{_row(names, i)}: {problem[1]}")
     if len(tokenizable) < len(dataset):
         dataset = _select(dataset, tokenizable)
-        names = [names[i] for i in tokenizable]
+        names = [_row(names, i) for i in tokenizable]
     from .prepare import pretokenize, tokenize_example
 
     if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
@@ -288,7 +293,7 @@ def _tokenize_raw(dataset: Any, columns: Sequence[str], tokenizer: Any, tokenize
     return [tokenize_example(example, tokenizer, tokenize.get("add_eos", True)) for example in dataset], names
 
 
-def _judge_rows(dataset: Any, names: list[str], vocab_size: int | None, max_length: int | None, truncate: bool,
+def _judge_rows(dataset: Any, names: list[str] | None, vocab_size: int | None, max_length: int | None, truncate: bool,
                 report: DataReport) -> tuple[list[int], set[int], int]:
     """Each tokenized row's verdict: bad (counted in ``report`` under its kind), or kept, and then truncated or not.
     Returns the kept rows, the truncated ones among them and the tokens truncation removes."""
@@ -298,19 +303,19 @@ def _judge_rows(dataset: Any, names: list[str], vocab_size: int | None, max_leng
         try:
             ids, labels = validate_feature(example, i)
         except InvalidBatch as e:
-            report.add("malformed", f"{names[i]}: {str(e).removeprefix(f'feature {i}: ')}")
+            report.add("malformed", f"{_row(names, i)}: {str(e).removeprefix(f'feature {i}: ')}")
             continue
         problem = token_problem(ids, labels, vocab_size)
         if problem is not None:
-            report.add(problem[0], f"{names[i]}: {problem[1]}")
+            report.add(problem[0], f"{_row(names, i)}: {problem[1]}")
             continue
         truncated = max_length is not None and len(ids) > max_length
         if truncated and not truncate:
-            report.add("over_long", f"{names[i]}: {len(ids)} tokens > max_length {max_length}")
+            report.add("over_long", f"{_row(names, i)}: {len(ids)} tokens > max_length {max_length}")
             continue
         if not _has_target(labels[:max_length] if truncated else labels):
             detail = f"no target token in the first {max_length} tokens" if truncated else "no target token"
-            report.add("no_target", f"{names[i]}: {detail} (all labels -100)")
+            report.add("no_target", f"{_row(names, i)}: {detail} (all labels -100)")
             continue
         if truncated:
             cut.add(i)

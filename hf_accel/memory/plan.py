@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef  # loaded by `import torch` already
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .planner import (CHECKPOINTED, DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED,  # noqa: F401 (re-exported)
                       CheckpointPlan, GradientBytes, LayerActivation, format_bytes, layer_peaks,
@@ -184,8 +185,6 @@ class _LiveBytes:
         self.credit = dict(credit or {})
 
     def __enter__(self):
-        from torch.utils._pytree import tree_leaves
-
         refs: dict[int, tuple[StorageWeakRef, int]] = {}
         outer = self
         self.peak = 0
@@ -233,8 +232,6 @@ class _ForwardTally(TorchDispatchMode):
         self.tail_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_leaves
-
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         layer = self.counter.layer
@@ -344,8 +341,6 @@ def live_activation_bytes(model: nn.Module, batch: dict) -> int:
     Sees through checkpointing (inputs a checkpoint keeps, op-level caches), which saved-tensor hooks cannot: inside
     a checkpoint torch's own hooks replace ours. The reference the policies' memory claims are tested against.
     """
-    from torch.utils._pytree import tree_leaves
-
     before = {p.untyped_storage().data_ptr() for p in itertools.chain(model.parameters(), model.buffers())}
     refs: dict[int, tuple[StorageWeakRef, int]] = {}
 
