@@ -120,7 +120,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
                 print(f"note: --model {args.model} is stored quantized ({stored}) and trains as stored; "
                       "--load-in-4bit does not quantize it again", flush=True)
             model = AutoModelForCausalLM.from_pretrained(
-                args.model, dtype=dtype, attn_implementation=stock_attention(config),
+                args.model, config=config, dtype=dtype, attn_implementation=stock_attention(config),
                 # a checkpoint stored quantized keeps its own quantization; it is loaded where it trains
                 **quantized_loading(None if stored else quantization, device_map=bool(stored or quantization)))
         except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)
