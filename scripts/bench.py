@@ -348,8 +348,8 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
             return {"config": name, "status": f"skipped: the run was stopped ({stop}) after "
                     f"{time.perf_counter() - start:.0f}s of this configuration", **extra, **length}
         except subprocess.TimeoutExpired as exc:
-            tail = (exc.stderr or b"")[-2000:]
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            # stdout too: a budget plan prints its split there, the child's progress lines go to stderr
+            tail = "\n".join(_text(stream)[-limit:] for stream, limit in ((exc.output, 1500), (exc.stderr, 2500)))
             if timeout < args.config_timeout:  # the run's time budget had less left than a configuration may take
                 status = f"skipped: time budget exhausted after {timeout:.0f}s"
             else:
@@ -364,6 +364,10 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
         if result.get("status") != "ok":
             result["log_tail"] = repo_relative(proc.stderr[-3000:])
         return result
+
+
+def _text(stream: bytes | str | None) -> str:
+    return stream.decode(errors="replace") if isinstance(stream, bytes) else stream or ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from .apart import (APART_PACKAGES, BNB_SITES, TORCHAO_SITES, UNSLOTH_SITES, chi
 from .distributed import run_accel_trainer
 from .options import BenchConfig, Options
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, forward_autocast,
-                    hf_loss, run_loop, run_trl)
+                    hf_loss, progress, run_loop, run_trl)
 from .targets import data_targets
 from .workloads import BenchData, Workload, greedy_steps, micro_batches
 
@@ -395,6 +395,7 @@ def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timi
 
     policy = policy_from_spec(options.checkpointing or QLORA_BUDGET)
     context = _bench_context(settings, data.spec.tokens_per_step)
+    progress("QLoRA model built; patch() and its budget plan (a probe forward of the step's size) next")
     timing.notes.append(f"patch: {hf_accel.patch(model, checkpointing=policy, context=context)}")
     run_loop(model, _hf_accel_steps(data, settings.seed), hf_loss, settings, timing)
     return model

@@ -22,6 +22,13 @@ from .workloads import BenchData, Workload, build_config
 Batch = dict[str, Any]
 # (model, micro-batch on device, real target tokens in the whole optimizer step) -> loss already divided by them
 LossFn = Callable[[nn.Module, Batch, int], torch.Tensor]
+_STARTED = time.perf_counter()  # the child imports this module first thing: its start, for progress()
+
+
+def progress(what: str) -> None:
+    """One line on stderr with the seconds since the child started (host time: the GPU may be behind): a run killed
+    at its timeout shows in its record's log tail how far it got, e.g. a long document's set-up against its step."""
+    print(f"[bench child +{time.perf_counter() - _STARTED:.0f}s] {what}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -84,6 +91,7 @@ def build_model(settings: RunSettings, attn_implementation: str) -> nn.Module:
         # 5.23 renamed gradient_checkpointing_enable (5.17) and its kwargs; the first positional is the same dict
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable({"use_reentrant": False})
+    progress("model built")
     return model
 
 
@@ -244,6 +252,7 @@ def run_loop(
     clock = StepClock(settings.device, settings.profile_steps)
     events = HostEvents()
     losses: list[torch.Tensor | float] = []
+    progress("model ready (built, patched, planned); training starts")
     if settings.warmup == 0:
         clock.start()
     for index in range(settings.warmup + settings.steps):
@@ -257,6 +266,8 @@ def run_loop(
             step_loss = loss.detach().float() + step_loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if index < 3 or (index + 1) % 20 == 0:  # a long document's steps, not thirty lines of short ones
+            progress(f"step {index + 1} of {settings.warmup + settings.steps} queued")
         happened = events.step(index - settings.warmup)
         if index + 1 == settings.warmup:
             clock.start()
@@ -294,6 +305,7 @@ def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
         events: HostEvents | None = None
 
         def on_train_begin(self, args, state, control, **kwargs):
+            progress("trainer ready; training starts")
             self.events = HostEvents()
             if settings.warmup == 0:
                 clock.start()
@@ -302,6 +314,8 @@ def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
             self.events.close()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step <= 3 or state.global_step % 20 == 0:
+                progress(f"step {state.global_step} queued")
             happened = self.events.step(state.global_step - 1 - settings.warmup)
             if state.global_step == settings.warmup:
                 clock.start()
