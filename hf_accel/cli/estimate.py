@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "PEFT's kbit preparation leaves them")
     parser.add_argument("--use-bnb-nested-quant", action="store_true",
                         help="with --load-in-4bit: the 4-bit blocks' scales quantized too")
+    parser.add_argument("--loss", default="fused", choices=("fused", "full"),
+                        help="fused: patch()'s chunked loss, its CUDA default (one ~512 MiB chunk of logits at a time); "
+                        "full: the stock loss over the whole (tokens, vocab) logits")
     args = parser.parse_args(argv)
     if args.lora_rank is not None and args.lora_rank < 1:
         raise UsageError(f"--lora-rank {args.lora_rank}: a LoRA rank is at least 1 (leave it out for full "
@@ -82,6 +85,6 @@ def main(argv: list[str] | None = None) -> None:
         checkpointing=args.checkpointing,
         device_bytes=int(args.device_gib * 1024**3) if args.device_gib else None,
         host_bytes=int(args.host_gib * 1024**3) if args.host_gib is not None else None,
-        base_4bit=args.load_in_4bit, nested_quant=args.use_bnb_nested_quant,
+        base_4bit=args.load_in_4bit, nested_quant=args.use_bnb_nested_quant, loss=args.loss,
     )
     print(estimate.table())

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +27,25 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "fl
 def loss_bytes(tokens: int, vocab_size: int, dtype_bytes: int) -> int:
     """Logits, their fp32 copy for the loss (when not fp32) and log-softmax, all (tokens, vocab)."""
     return tokens * vocab_size * (dtype_bytes + (4 if dtype_bytes < 4 else 0) + 4)
+
+
+# The fused loss's work per element of one chunk's logits, in bytes: the logits, their fp32 copy, softmax and
+# gradient as torch computes them (measured by the probe on CPU: 16 in fp32, 18 in bf16); CUDA's Triton kernel writes
+# the gradient in place, so this bounds it.
+FUSED_CHUNK_ELEMENT_BYTES = 19
+
+
+def fused_loss_bytes(tokens: int, vocab_size: int, hidden_size: int, compute_bytes: int, hidden_bytes: int,
+                     head_cast_bytes: int = 0) -> int:
+    """patch()'s fused loss (hf_accel.fused.cross_entropy): one chunk of logits at a time (``auto_chunk_size``: about
+    512 MiB of them) and its work, the hidden states' gradient made in the forward (in the compute dtype, then in the
+    hidden states' own when they differ), and the head cast to the compute dtype when it is stored wider
+    (``head_cast_bytes``: a 4-bit base's fp32 head under bf16 autocast). Not linear in tokens: the chunk stays."""
+    from ..fused.cross_entropy import auto_chunk_size
+
+    chunk = auto_chunk_size(tokens, vocab_size, compute_bytes) if tokens else 0
+    grad_hidden = tokens * hidden_size * (compute_bytes + (hidden_bytes if hidden_bytes != compute_bytes else 0))
+    return chunk * vocab_size * FUSED_CHUNK_ELEMENT_BYTES + grad_hidden + head_cast_bytes
 
 
 # ----------------------------------------------------------------------------------------------- offline estimate
@@ -110,6 +129,7 @@ class MemoryEstimate:
     peak_bytes: int
     notes: tuple[str, ...] = field(default=())
     host_bytes: int = 0  # offloaded layers' inputs in pinned host memory
+    loss_label: str = "logits + loss"  # the loss_bytes row: the fused loss's or the full logits'
 
     def table(self) -> str:
         counts = ", ".join(f"{self.choices.count(c)} {c}" for c in ("none", "op", "full", "offload", "spaced")
@@ -120,7 +140,7 @@ class MemoryEstimate:
                 ("activations / layer (none | op | full)", " | ".join(
                     format_bytes(self.layer.retained(c)) for c in ("none", "op", "full"))),
                 (f"activations ({counts})", format_bytes(self.activation_bytes)),
-                ("logits + loss", format_bytes(self.loss_bytes)), ("peak", format_bytes(self.peak_bytes)),
+                (self.loss_label, format_bytes(self.loss_bytes)), ("peak", format_bytes(self.peak_bytes)),
                 *([("host memory (offloaded inputs)", format_bytes(self.host_bytes))] if self.host_bytes else [])]
         lines = [f"| {self.config_name} | bytes |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -169,7 +189,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                              lora_rank: int | None = None, lora_targets: Sequence[str] | None = None,
                              batch_tokens: int = 4096, checkpointing="none",
                              device_bytes: int | None = None, host_bytes: int | None = None,
-                             base_4bit: bool = False, nested_quant: bool = False) -> MemoryEstimate:
+                             base_4bit: bool = False, nested_quant: bool = False, loss: str = "fused") -> MemoryEstimate:
     """Predict weights, gradients, optimizer states, activations and the peak of one training step, offline.
 
     dtype: weights and activations ("bf16", "fp16", "fp32"); LoRA adapters are fp32 (PEFT's default).
@@ -179,6 +199,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     checkpointing: "none" | "full" | "every_N" | "op" | "budget:20GiB" | "budget:0.6" (needs device_bytes),
     planned on the formula's per-layer sizes (layers may be spaced; offloaded too, within `host_bytes` of host memory,
     when it is given). batch_tokens: tokens per micro-batch (packed, no padding).
+    loss: "fused" (patch()'s default on CUDA: chunked logits, ``fused_loss_bytes``) or "full" (the stock loss: the
+    whole (tokens, vocab) logits, their fp32 copy and log-softmax).
     """
     config = load_config(config_or_path)
     if dtype not in DTYPE_BYTES:
@@ -188,6 +210,9 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                                  "(estimate-memory --lora-rank 16).")
     if nested_quant and not base_4bit:
         raise ConfigurationError("nested_quant describes a 4-bit base: pass base_4bit=True too (--load-in-4bit).")
+    if loss not in ("fused", "full"):
+        raise ConfigurationError(f"unknown loss {loss!r}: 'fused' (patch()'s default on CUDA) or 'full' (the stock "
+                                 "loss over the whole logits).")
     b = 4 if base_4bit else DTYPE_BYTES[dtype]  # the kbit preparation: fp32 outside the 4-bit linears
     targets = tuple(lora_targets or _family(config).lora_targets)
     counted = _count_parameters(config, lora_rank, targets)
@@ -206,19 +231,23 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                                                          per_token.full_bytes)))
     state = trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)  # gradients, optimizer
     fixed = weight_bytes + lora * 4 + state
-    loss = loss_bytes(batch_tokens, config.vocab_size, b) + batch_tokens * (4 * config.hidden_size + 4)
+    loss_at = _loss_function(config, loss, b, DTYPE_BYTES[dtype], base_4bit)
     layers = [layer] * config.num_hidden_layers
-    choices, longest = _choices_for(checkpointing, layers, fixed, loss, device_bytes, host_bytes, batch_tokens)
+    choices, longest = _choices_for(checkpointing, layers, fixed, loss_at, device_bytes, host_bytes, batch_tokens)
+    loss_note = ("the fused loss (patch()'s CUDA default; --loss full: the stock loss) with its chunk's work as torch "
+                 "computes it" if loss == "fused" else "the stock loss over the whole logits (--loss fused: patch()'s "
+                 "CUDA default)")
     notes = ("attention counted flash-style (no seq x seq tensor); HF's eager/sdpa paths with a mask add one",
-             "eager layers and the full-logits loss: an upper bound for patch()'s CUDA defaults, whose fused loss "
-             "holds one ~512 MiB chunk of logits and whose compiled layers save less (Llama-1B at 16k tokens: this "
-             "formula 55.4 GiB; measured on the H200: attention-only patch 57.2, the fused defaults 27.2); a "
-             "budget: plan probes the real forward instead")
+             f"{loss_note}, and eager layers: an upper bound for patch()'s CUDA defaults, whose loss kernel works in "
+             "place and whose compiled layers save less (Llama-1B at 16k tokens: this estimate 40.5 GiB, 55.4 with "
+             "--loss full; measured on the H200: the fused defaults 27.2, attention-only patch 57.2); a budget: plan "
+             "probes the real forward instead")
     if base_4bit:
         notes += (f"a 4-bit base ({'nested statistics, ' if nested_quant else ''}PEFT's kbit preparation): "
                   f"{sum(counted.linear_weights):,} linear weights in 4 bits, the other weights, the residual stream "
                   "and the activations counted in fp32",)
-    peak = plan_peak_bytes([layer] * len(choices), choices, fixed, loss)
+    tail = loss_at(batch_tokens)
+    peak = plan_peak_bytes([layer] * len(choices), choices, fixed, tail)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
         notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
                                                       f"does NOT fit with any plan; the longest micro-batch it "
@@ -227,9 +256,20 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         config_name=str(config_or_path) if isinstance(config_or_path, str) else config.model_type, params=params + lora,
         trainable_params=trainable, param_bytes=weight_bytes + lora * 4, grad_bytes=trainable * train_bytes,
         optimizer_bytes=_optimizer_state_bytes(trainable, train_bytes, optimizer), layer=layer,
-        choices=tuple(choices), activation_bytes=sum(layer.retained(c) for c in choices), loss_bytes=loss,
+        choices=tuple(choices), activation_bytes=sum(layer.retained(c) for c in choices), loss_bytes=tail,
         peak_bytes=peak, notes=notes, host_bytes=sum(layer.full_bytes for c in choices if c == "offload"),
+        loss_label="fused loss (a chunk of logits)" if loss == "fused" else "logits + loss",
     )
+
+
+def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int, base_4bit: bool) -> Callable[[int], int]:
+    """Bytes of the loss tail at t tokens: the fused loss's (a 4-bit base's fp32 head cast to the compute dtype) or
+    the full logits' (in the stored dtype, as the estimate's layers are counted)."""
+    vocab, hidden = config.vocab_size, config.hidden_size
+    if loss == "fused":
+        head_cast = vocab * hidden * compute_bytes if base_4bit and compute_bytes < 4 else 0
+        return lambda t: fused_loss_bytes(t, vocab, hidden, compute_bytes, stored_bytes, head_cast)
+    return lambda t: loss_bytes(t, vocab, stored_bytes) + t * (4 * hidden + 4)
 
 
 def _lora_inputs_per_layer(config, targets: Sequence[str]) -> int:
@@ -251,10 +291,10 @@ def _budget(spec, device_bytes: int | None) -> int:
     return MemoryBudget(budget=policy.budget, device_bytes=device_bytes).budget_bytes(torch.device("meta"))
 
 
-def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra: int, device_bytes: int | None,
-                 host_bytes: int | None, tokens: int) -> tuple[list[str], int]:
-    """The policy's per-layer choices, and for a budget the longest micro-batch it holds (the formula is linear in
-    tokens)."""
+def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra_at: Callable[[int], int],
+                 device_bytes: int | None, host_bytes: int | None, tokens: int) -> tuple[list[str], int]:
+    """The policy's per-layer choices, and for a budget the longest micro-batch it holds (the layers' formula is
+    linear in tokens; the loss tail's is `extra_at`)."""
     from .budget import MemoryBudget
     from .checkpointing import policy_from_spec
     from .planner import longest_feasible_tokens
@@ -263,7 +303,8 @@ def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra: int, de
     if not isinstance(policy, MemoryBudget):
         return policy.layer_choices([None] * len(layers)), 0
     modes = ("none", "op", "full", *(("offload",) if host_bytes is not None else ()), "spaced")
-    planning = dict(fixed_bytes=fixed, budget_bytes=_budget(spec, device_bytes), extra_bytes=extra, modes=modes,
+    planning = dict(fixed_bytes=fixed, budget_bytes=_budget(spec, device_bytes), modes=modes,
                     host_budget_bytes=host_bytes or 0)
-    plan = plan_checkpointing(layers, **planning)
-    return list(plan.choices), (tokens if plan.fits else longest_feasible_tokens(layers, tokens, **planning))
+    plan = plan_checkpointing(layers, extra_bytes=extra_at(tokens), **planning)
+    return list(plan.choices), (tokens if plan.fits else
+                                longest_feasible_tokens(layers, tokens, extra_bytes=extra_at, **planning))

@@ -325,21 +325,23 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
 
 
 def longest_feasible_tokens(layers: Sequence[LayerActivation], tokens: int, *, fixed_bytes: int, budget_bytes: int,
-                            extra_bytes: int = 0, modes: Sequence[str] = DEVICE_MODES,
+                            extra_bytes: int | Callable[[int], int] = 0, modes: Sequence[str] = DEVICE_MODES,
                             costs: dict[str, float] = RECOMPUTE_COST, grads: GradientBytes | None = None,
                             host_budget_bytes: int | None = None, upper: int | None = None) -> int:
     """The most tokens per micro-batch (at most `upper`, default `tokens`) for which some plan fits, with the layers'
-    bytes and `extra_bytes` measured at `tokens` and scaled linearly (the fixed bytes and gradients do not scale).
+    bytes and `extra_bytes` measured at `tokens` and scaled linearly (the fixed bytes and gradients do not scale);
+    `extra_bytes` may instead be a function of the tokens (a fused loss's chunk does not shrink with them).
     0: not even an empty batch fits (the training state alone is over the budget). Binary search: a plan that fits
     some length fits every shorter one."""
     upper = tokens if upper is None else upper
 
     units = {c: round(costs[c] * 10) for c in modes}
     host_budget = float("inf") if host_budget_bytes is None else host_budget_bytes
+    extra_at = extra_bytes if callable(extra_bytes) else (lambda t: extra_bytes * t // tokens)
 
     def fits(t: int) -> bool:
         scaled = [layer.scaled(t, tokens) for layer in layers]
-        return _cheapest_fitting(scaled, units, fixed_bytes, budget_bytes, extra_bytes * t // tokens, grads,
+        return _cheapest_fitting(scaled, units, fixed_bytes, budget_bytes, extra_at(t), grads,
                                  host_budget) is not None
 
     if not fits(0):

@@ -64,13 +64,15 @@ _LONG_SETTINGS = dict(doc_lengths="16384,32768,65536,131072,262144", steps=2, wa
                       best_compile="off", time_budget=560, config_timeout=400)
 # issue 40: past 256k the layer inputs alone (4 GiB a layer at 512k) outgrow the device, and offloading all of them
 # the host: hf_accel's row plans the split (device / host / spaced) under a memory budget a little under the GPU's
+# A step past 256k takes minutes (2026-12-05: a 344k QLoRA step with its set-up, ~10-12 min), so a length's process
+# may take up to 25 minutes; run the long lengths with --steps 1 --warmup 0 in a background queue (gpu_queue.sh).
 _LONG_8B_SETTINGS = dict(_LONG_SETTINGS, doc_lengths="16384,32768,65536,131072,262144,393216,524288",
-                         best_checkpointing="budget:125GiB", config_timeout=540)
+                         best_checkpointing="budget:125GiB", time_budget=3000, config_timeout=1500)
 # issue 40c: QLoRA within an 80 GiB device cap (every config of the run capped, torch's per-process memory fraction),
 # from 256k past Unsloth's published 342,733 tokens on an 80 GB GPU
 _QLORA_LONG_SETTINGS = dict(doc_lengths="262144,344064,393216,458752,524288", steps=1, warmup=0,
-                            best_checkpointing="budget:80GiB", device_memory_cap_gib=80, time_budget=560,
-                            config_timeout=540)
+                            best_checkpointing="budget:80GiB", device_memory_cap_gib=80, time_budget=3000,
+                            config_timeout=1200)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -173,9 +175,10 @@ PRESETS: dict[str, Preset] = {
             "llama-8b-lora-completion",
             ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
             # TRL's steps here are of two kinds (~1.7 s and ~2.35 s, 2026-12-03): twelve timed steps, not six, so
-            # the median is not one kind by chance; the four rows took 377 s of the budget with six
-            dict(steps=12, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=560,
-                 config_timeout=150),
+            # the median is not one kind by chance; the four rows took 377 s of the budget with six. The step-time
+            # budget lets all twelve run (the default 15 s stopped TRL after seven on 2026-12-05)
+            dict(steps=12, warmup=2, step_time_budget=40, best_compile="on", best_checkpointing="budget:0.8",
+                 time_budget=560, config_timeout=150),
         ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first
         # OOM or timeout. Lengths past ~64k do not fit one 10-minute device call: run them apart with --doc-lengths
