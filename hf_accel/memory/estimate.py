@@ -250,8 +250,10 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, tail)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
         notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
-                                                      f"does NOT fit with any plan; the longest micro-batch it "
-                                                      f"holds is {longest:,} tokens"),)
+                                                      f"does NOT fit with any plan by this estimate (an upper "
+                                                      f"bound, see above: the run's own plan measures the real "
+                                                      f"forward); the longest micro-batch it holds is {longest:,} "
+                                                      "tokens"),)
     return MemoryEstimate(
         config_name=str(config_or_path) if isinstance(config_or_path, str) else config.model_type, params=params + lora,
         trainable_params=trainable, param_bytes=weight_bytes + lora * 4, grad_bytes=trainable * train_bytes,
