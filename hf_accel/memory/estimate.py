@@ -218,8 +218,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     counted = _count_parameters(config, lora_rank, targets)
     params, lora = counted.total, counted.lora
     weight_bytes = params * b
+    quantized = sum(counted.linear_weights) if base_4bit else 0
     if base_4bit:
-        quantized = sum(counted.linear_weights)
         weight_bytes = (params - quantized) * 4 + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights)
     trainable, train_bytes = (lora, 4) if lora_rank else (params, b)
     per_token = _layer_activation(config, b)
@@ -234,20 +234,9 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     loss_at = _loss_function(config, loss, b, DTYPE_BYTES[dtype], base_4bit)
     layers = [layer] * config.num_hidden_layers
     choices, longest = _choices_for(checkpointing, layers, fixed, loss_at, device_bytes, host_bytes, batch_tokens)
-    loss_note = ("the fused loss (patch()'s CUDA default; --loss full: the stock loss) with its chunk's work as torch "
-                 "computes it" if loss == "fused" else "the stock loss over the whole logits (--loss fused: patch()'s "
-                 "CUDA default)")
-    notes = ("attention counted flash-style (no seq x seq tensor); HF's eager/sdpa paths with a mask add one",
-             f"{loss_note}, and eager layers: an upper bound for patch()'s CUDA defaults, whose loss kernel works in "
-             "place and whose compiled layers save less (Llama-1B at 16k tokens: this estimate 40.5 GiB, 55.4 with "
-             "--loss full; measured on the H200: the fused defaults 27.2, attention-only patch 57.2); a budget: plan "
-             "probes the real forward instead")
-    if base_4bit:
-        notes += (f"a 4-bit base ({'nested statistics, ' if nested_quant else ''}PEFT's kbit preparation): "
-                  f"{sum(counted.linear_weights):,} linear weights in 4 bits, the other weights, the residual stream "
-                  "and the activations counted in fp32",)
     tail = loss_at(batch_tokens)
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, tail)
+    notes = _notes(loss, quantized, nested_quant)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
         notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
                                                       f"does NOT fit with any plan by this estimate (an upper "
@@ -262,6 +251,24 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         peak_bytes=peak, notes=notes, host_bytes=sum(layer.full_bytes for c in choices if c == "offload"),
         loss_label="fused loss (a chunk of logits)" if loss == "fused" else "logits + loss",
     )
+
+
+def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
+    """What the estimate counts and how it stands to patch()'s CUDA defaults; `quantized`: a 4-bit base's linear
+    weights (0: none)."""
+    loss_note = ("the fused loss (patch()'s CUDA default; --loss full: the stock loss) with its chunk's work as torch "
+                 "computes it" if loss == "fused" else "the stock loss over the whole logits (--loss fused: patch()'s "
+                 "CUDA default)")
+    notes = ("attention counted flash-style (no seq x seq tensor); HF's eager/sdpa paths with a mask add one",
+             f"{loss_note}, and eager layers: an upper bound for patch()'s CUDA defaults, whose loss kernel works in "
+             "place and whose compiled layers save less (Llama-1B at 16k tokens: this estimate 40.5 GiB, 55.4 with "
+             "--loss full; measured on the H200: the fused defaults 27.2, attention-only patch 57.2); a budget: plan "
+             "probes the real forward instead")
+    if quantized:
+        notes += (f"a 4-bit base ({'nested statistics, ' if nested_quant else ''}PEFT's kbit preparation): "
+                  f"{quantized:,} linear weights in 4 bits, the other weights, the residual stream and the "
+                  "activations counted in fp32",)
+    return notes
 
 
 def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int, base_4bit: bool) -> Callable[[int], int]:
