@@ -3,6 +3,7 @@ process, a config's first OOM recorded as "OOM" and its longer lengths skipped."
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,6 +177,26 @@ def test_a_timeout_the_time_budget_shortened_is_no_failure(monkeypatch):
     cut = bench.run_one(args, "hf_accel-best", 123.0)
     assert cut["status"] == "skipped: time budget exhausted after 123s"
     assert bench.run_one(args, "hf_accel-best", 400.0)["status"] == "error: timeout after 400s"
+
+
+def test_a_timed_out_configuration_keeps_what_its_child_printed(monkeypatch, capsys):
+    """A configuration killed at its timeout keeps the tail of both its streams: the budget plan's split (stdout) and
+    the child's progress lines (stderr: how far it got). Run 30's 344k QLoRA step timed out with only the weight
+    loading bar in its record, so nothing said whether the plan or the step had used the time."""
+    bench = script_module("bench")
+    from benchlib.train import progress
+
+    child = ("import sys, time; print('checkpointing plan: 20 layer inputs in host memory', flush=True); "
+             "print('[bench child +95s] model ready', file=sys.stderr, flush=True); time.sleep(60)")
+    monkeypatch.setattr(bench, "child_argv", lambda *a, **k: [sys.executable, "-c", child])
+    args = bench.parse_args(["--workload", "llama-1b-long", "--configs", "hf_accel-best", "--doc-lengths", "32",
+                             "--device", "cpu", "--tiny", "--config-timeout", "3"])
+    args.doc_length = 32
+    result = bench.run_one(args, "hf_accel-best", 3.0)
+    assert result["status"] == "error: timeout after 3s"
+    assert "20 layer inputs in host memory" in result["log_tail"] and "model ready" in result["log_tail"]
+    progress("step 1 of 1 queued")  # the child's own lines: seconds since it started, on stderr
+    assert re.fullmatch(r"\[bench child \+\d+s\] step 1 of 1 queued\n", capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("mode", ["long-context", "long-context-2-gpus", "workload"])
