@@ -20,7 +20,8 @@ ALLOWED = {
     "hf_accel.attention": LEAVES,
     # the offline memory estimate starts from a config, so it asks the family registry for its formula
     "hf_accel.memory": (*LEAVES, "hf_accel.attention.kernels", "hf_accel.patches"),
-    "hf_accel.fused": (*LEAVES, "hf_accel.memory.targets"),  # family facts are handed in by patch()
+    # family facts are handed in by patch(); the fused loss's chunk is sized where the memory estimate counts it
+    "hf_accel.fused": (*LEAVES, "hf_accel.memory.targets", "hf_accel.memory.chunks"),
     "hf_accel.patches": (*LEAVES, "hf_accel.attention"),
     "hf_accel._compat": ("hf_accel.errors",),
 }

@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigurationError, InvalidBatch
+from ..memory.chunks import CHUNK_BYTES, auto_chunk_size  # noqa: F401 (CHUNK_BYTES re-exported)
 from .ce_functions import IGNORE_INDEX, _ChunkedLinearCE, _GradInForwardLinearCE, _module_chunked_sum
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 512 * 2**20  # automatic chunks: one chunk's logits take about this much
 Reduction = Literal["sum", "mean"]
 Method = Literal["auto", "inline", "recompute", "liger", "module"]
 METHODS: tuple[str, ...] = get_args(Method)
@@ -122,13 +122,6 @@ def _pick_method(hidden_nh: torch.Tensor, head: nn.Module, method: Method) -> st
                    "CUDA; using hf_accel's inline path.")
         return "inline"
     return "inline" if method == "auto" else method
-
-
-def auto_chunk_size(num_tokens: int, vocab: int, element_size: int, budget_bytes: int = CHUNK_BYTES) -> int:
-    """The largest power-of-two token chunk whose (chunk, vocab) logits fit in `budget_bytes` (at least 128)."""
-    fit = max(1, budget_bytes // max(1, vocab * element_size))
-    chunk = max(128, 1 << (fit.bit_length() - 1))
-    return min(chunk, max(1, num_tokens))
 
 
 def linear_cross_entropy(

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from . import chunks
 from .plan import LayerActivation, format_bytes, plan_checkpointing, plan_peak_bytes
 from .state import (Sharding, _optimizer_state_bytes, gradient_bytes, sharded_state_bytes,  # noqa: F401 (re-exported)
                     training_state_bytes)
@@ -37,13 +38,11 @@ FUSED_CHUNK_ELEMENT_BYTES = 19
 
 def fused_loss_bytes(tokens: int, vocab_size: int, hidden_size: int, compute_bytes: int, hidden_bytes: int,
                      head_cast_bytes: int = 0) -> int:
-    """patch()'s fused loss (hf_accel.fused.cross_entropy): one chunk of logits at a time (``auto_chunk_size``: about
+    """patch()'s fused loss (hf_accel.fused.cross_entropy): one chunk of logits at a time (``chunks.auto_chunk_size``: about
     512 MiB of them) and its work, the hidden states' gradient made in the forward (in the compute dtype, then in the
     hidden states' own when they differ), and the head cast to the compute dtype when it is stored wider
     (``head_cast_bytes``: a 4-bit base's fp32 head under bf16 autocast). Not linear in tokens: the chunk stays."""
-    from ..fused.cross_entropy import auto_chunk_size
-
-    chunk = auto_chunk_size(tokens, vocab_size, compute_bytes) if tokens else 0
+    chunk = chunks.auto_chunk_size(tokens, vocab_size, compute_bytes) if tokens else 0
     grad_hidden = tokens * hidden_size * (compute_bytes + (hidden_bytes if hidden_bytes != compute_bytes else 0))
     return chunk * vocab_size * FUSED_CHUNK_ELEMENT_BYTES + grad_hidden + head_cast_bytes
 
