@@ -333,6 +333,30 @@ def test_estimate_fused_loss_bounds_the_probed_tail(dtype, monkeypatch):
     assert measured <= estimated <= 1.25 * measured, (measured, estimated)
 
 
+def test_estimate_says_where_patch_chunks_the_mlp():
+    """Past the length where patch()'s mlp_chunks="auto" chunks a model's MLPs (read from its own report), the
+    estimate says its 'none' figure counts every token's MLP intermediates where patch() holds one chunk's; at that
+    length and below it says nothing (the formula and patch() agree there)."""
+    import re
+
+    import hf_accel
+    from hf_accel.memory.estimate import estimate_training_memory
+    from hf_accel.memory.plan import format_bytes
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    report = hf_accel.patch(LlamaForCausalLM(config).to(torch.bfloat16), backend="reference", compile=False)
+    over, chunk = map(int, re.search(r"over (\d+) tokens .* chunks of (\d+) tokens", report.mlp_chunks).groups())
+
+    def note(tokens):
+        notes = estimate_training_memory(config, batch_tokens=tokens).notes
+        return [n for n in notes if "mlp_chunks" in n]
+
+    assert note(over) == []
+    (said,) = note(over + 1)
+    assert f"one chunk's MLP intermediates ({format_bytes(chunk * 64 * 2 * 3)})" in said
+
+
 def test_infeasible_budget_raises_naming_the_smallest_that_fits(capsys):
     import re
 

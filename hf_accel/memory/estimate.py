@@ -235,7 +235,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     choices, longest = _choices_for(checkpointing, layers, fixed, loss_at, device_bytes, host_bytes, batch_tokens)
     tail = loss_at(batch_tokens)
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, tail)
-    notes = _notes(loss, quantized, nested_quant)
+    notes = _notes(loss, quantized, nested_quant) + _mlp_chunks_note(config, batch_tokens, DTYPE_BYTES[dtype])
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
         notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
                                                       f"does NOT fit with any plan by this estimate (an upper "
@@ -268,6 +268,22 @@ def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
                   f"{quantized:,} linear weights in 4 bits, the other weights, the residual stream and the "
                   "activations counted in fp32",)
     return notes
+
+
+def _mlp_chunks_note(config, tokens: int, compute_bytes: int) -> tuple[str, ...]:
+    """At lengths where patch()'s mlp_chunks="auto" runs each MLP in token chunks, say what of the estimate that is:
+    the formula counts every token's MLP intermediates, patch() holds one chunk's."""
+    from . import mlp_chunks
+
+    width = _family(config).mlp_width(config)
+    if tokens <= mlp_chunks.auto_min_tokens(width, compute_bytes):
+        return ()
+    whole = mlp_chunks.intermediates_bytes(tokens, width, compute_bytes)
+    chunk = mlp_chunks.intermediates_bytes(mlp_chunks.auto_chunk_tokens(width, compute_bytes), width, compute_bytes)
+    return (f"at {tokens:,} tokens patch() runs each MLP in token chunks (mlp_chunks='auto'): a layer's recompute "
+            f"holds one chunk's MLP intermediates ({format_bytes(chunk)}) instead of every token's "
+            f"({format_bytes(whole)} in the compute dtype), which this estimate's 'none' figure counts: plans at this "
+            "length fit more than it says",)
 
 
 def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int, base_4bit: bool) -> Callable[[int], int]:

@@ -52,6 +52,11 @@ _INTERMEDIATES = 3  # tensors of (tokens, intermediate_size) alive together: gat
 _ALIGN = 1024  # auto chunk sizes are multiples of this many tokens
 
 
+def intermediates_bytes(tokens: int, intermediate_size: int, element_size: int) -> int:
+    """What an MLP call over `tokens` holds at once in intermediates (gate, up and their product)."""
+    return tokens * intermediate_size * element_size * _INTERMEDIATES
+
+
 def auto_min_tokens(intermediate_size: int, element_size: int) -> int:
     """The token count above which "auto" chunks: AUTO_TRIGGER_BYTES of unchunked intermediates (at least
     AUTO_MIN_TOKENS)."""
