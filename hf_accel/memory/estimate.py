@@ -38,10 +38,11 @@ FUSED_CHUNK_ELEMENT_BYTES = 19
 
 def fused_loss_bytes(tokens: int, vocab_size: int, hidden_size: int, compute_bytes: int, hidden_bytes: int,
                      head_cast_bytes: int = 0) -> int:
-    """patch()'s fused loss (hf_accel.fused.cross_entropy): one chunk of logits at a time (``chunks.auto_chunk_size``: about
-    512 MiB of them) and its work, the hidden states' gradient made in the forward (in the compute dtype, then in the
-    hidden states' own when they differ), and the head cast to the compute dtype when it is stored wider
-    (``head_cast_bytes``: a 4-bit base's fp32 head under bf16 autocast). Not linear in tokens: the chunk stays."""
+    """patch()'s fused loss (hf_accel.fused.cross_entropy): one chunk of logits at a time
+    (``chunks.auto_chunk_size``: about 512 MiB of them) and its work, the hidden states' gradient made in the forward
+    (in the compute dtype, then in the hidden states' own when they differ), and the head cast to the compute dtype
+    when it is stored wider (``head_cast_bytes``: a 4-bit base's fp32 head under bf16 autocast). Not linear in tokens:
+    the chunk stays."""
     chunk = chunks.auto_chunk_size(tokens, vocab_size, compute_bytes) if tokens else 0
     grad_hidden = tokens * hidden_size * (compute_bytes + (hidden_bytes if hidden_bytes != compute_bytes else 0))
     return chunk * vocab_size * FUSED_CHUNK_ELEMENT_BYTES + grad_hidden + head_cast_bytes
@@ -188,7 +189,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                              lora_rank: int | None = None, lora_targets: Sequence[str] | None = None,
                              batch_tokens: int = 4096, checkpointing="none",
                              device_bytes: int | None = None, host_bytes: int | None = None,
-                             base_4bit: bool = False, nested_quant: bool = False, loss: str = "fused") -> MemoryEstimate:
+                             base_4bit: bool = False, nested_quant: bool = False,
+                             loss: str = "fused") -> MemoryEstimate:
     """Predict weights, gradients, optimizer states, activations and the peak of one training step, offline.
 
     dtype: weights and activations ("bf16", "fp16", "fp32"); LoRA adapters are fp32 (PEFT's default).
@@ -230,12 +232,13 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                                                          per_token.full_bytes)))
     state = trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)  # gradients, optimizer
     fixed = weight_bytes + lora * 4 + state
-    loss_at = _loss_function(config, loss, b, DTYPE_BYTES[dtype], base_4bit)
+    compute_bytes = DTYPE_BYTES[dtype]  # what the forward computes in (autocast's dtype for a 4-bit base)
+    loss_at = _loss_function(config, loss, b, compute_bytes, base_4bit)
     layers = [layer] * config.num_hidden_layers
     choices, longest = _choices_for(checkpointing, layers, fixed, loss_at, device_bytes, host_bytes, batch_tokens)
     tail = loss_at(batch_tokens)
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, tail)
-    notes = _notes(loss, quantized, nested_quant) + _mlp_chunks_note(config, batch_tokens, DTYPE_BYTES[dtype])
+    notes = _notes(loss, quantized, nested_quant) + _mlp_chunks_note(config, batch_tokens, compute_bytes)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
         notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
                                                       f"does NOT fit with any plan by this estimate (an upper "
@@ -276,10 +279,11 @@ def _mlp_chunks_note(config, tokens: int, compute_bytes: int) -> tuple[str, ...]
     from . import mlp_chunks
 
     width = _family(config).mlp_width(config)
-    if tokens <= mlp_chunks.auto_min_tokens(width, compute_bytes):
+    chunking = mlp_chunks.resolve(mlp_chunks.AUTO, width, compute_bytes)  # what patch() binds
+    if tokens <= max(chunking.min_tokens, chunking.chunk_tokens):  # MlpChunking.chunk_for's rule
         return ()
     whole = mlp_chunks.intermediates_bytes(tokens, width, compute_bytes)
-    chunk = mlp_chunks.intermediates_bytes(mlp_chunks.auto_chunk_tokens(width, compute_bytes), width, compute_bytes)
+    chunk = mlp_chunks.intermediates_bytes(chunking.chunk_tokens, width, compute_bytes)
     return (f"at {tokens:,} tokens patch() runs each MLP in token chunks (mlp_chunks='auto'): a layer's recompute "
             f"holds one chunk's MLP intermediates ({format_bytes(chunk)}) instead of every token's "
             f"({format_bytes(whole)} in the compute dtype), which this estimate's 'none' figure counts: plans at this "

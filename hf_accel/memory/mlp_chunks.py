@@ -60,7 +60,7 @@ def intermediates_bytes(tokens: int, intermediate_size: int, element_size: int) 
 def auto_min_tokens(intermediate_size: int, element_size: int) -> int:
     """The token count above which "auto" chunks: AUTO_TRIGGER_BYTES of unchunked intermediates (at least
     AUTO_MIN_TOKENS)."""
-    return max(AUTO_MIN_TOKENS, AUTO_TRIGGER_BYTES // (intermediate_size * element_size * _INTERMEDIATES))
+    return max(AUTO_MIN_TOKENS, AUTO_TRIGGER_BYTES // intermediates_bytes(1, intermediate_size, element_size))
 
 
 def auto_chunk_tokens(intermediate_size: int, element_size: int) -> int:
@@ -68,7 +68,7 @@ def auto_chunk_tokens(intermediate_size: int, element_size: int) -> int:
 
     Llama-3-8B in bf16: 2**30 // (14336 * 2 * 3) = 12483, rounded down to 12288 tokens (one chunk's three
     intermediates: 1.0 GiB, against 22 GiB for 262,144 tokens unchunked)."""
-    tokens = AUTO_CHUNK_BYTES // (intermediate_size * element_size * _INTERMEDIATES)
+    tokens = AUTO_CHUNK_BYTES // intermediates_bytes(1, intermediate_size, element_size)
     return max(AUTO_MIN_CHUNK, tokens // _ALIGN * _ALIGN)
 
 
