@@ -40,11 +40,14 @@ class LayerAttention:
 @dataclass(frozen=True)
 class LayerBytes:
     """Bytes per token one decoder layer keeps for backward: no checkpointing, op-level (matmul and attention outputs
-    kept, the rest recomputed), full (its input only). Flash-style attention (no seq x seq tensor)."""
+    kept, the rest recomputed), full (its input only). Flash-style attention (no seq x seq tensor). ``mlp``: the
+    part of ``none`` that is the MLP's intermediates (the tensors inside the MLP, not its input), which a chunked MLP
+    (``memory.mlp_chunks``) holds for one chunk only."""
 
     none: int
     op: int
     full: int
+    mlp: int
 
 
 def _no_extras(config: Any, layer_idx: int) -> LayerAttention:

@@ -270,9 +270,10 @@ def layer_bytes(config, b: int) -> LayerBytes:
     n_ln = 2 if (config.new_decoder_architecture and getattr(config, "num_ln_in_parallel_attn", 2) == 2) or \
         not config.parallel_attn else 1
     sequential = 0 if config.parallel_attn or config.new_decoder_architecture else h * b
-    none = h * b + n_ln * (8 + h * b) + sequential + (2 * heads * d + 2 * kv * d) * b + lse + 2 * i * b
+    mlp = 2 * i * b  # the up projection's output and its GELU
+    none = h * b + n_ln * (8 + h * b) + sequential + (2 * heads * d + 2 * kv * d) * b + lse + mlp
     op = h * b + ((heads + 2 * kv) * d + heads * d + h + i + h) * b + lse
-    return LayerBytes(none, op, h * b)
+    return LayerBytes(none, op, h * b, mlp)
 
 
 def output_projections(config) -> tuple[str, ...]:

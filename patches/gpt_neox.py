@@ -21,9 +21,10 @@ def layer_bytes(config, b: int) -> LayerBytes:
     d = h // heads
     lse = 4 * heads
     sequential = 0 if config.use_parallel_residual else h * b + 8
-    none = (10 * h + 2 * i) * b + 16 + lse + sequential
+    mlp = 2 * i * b  # the up projection's output and its GELU
+    none = 10 * h * b + mlp + 16 + lse + sequential
     op = h * b + (3 * h + heads * d + h + i + h) * b + lse  # qkv, attention, dense, mlp
-    return LayerBytes(none, op, h * b)
+    return LayerBytes(none, op, h * b, mlp)
 
 
 def output_projections(config) -> tuple[str, ...]:

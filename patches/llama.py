@@ -34,9 +34,10 @@ def llama_layer_bytes(config, b: int, norms: int = 2, qk_norm: bool = False) -> 
     lse = 4 * heads
     norm = 4 * h + 4 + 2 * h * b
     qk = (heads + kv) * (4 * d + 4 + 2 * d * b) if qk_norm else 0
-    none = norms * norm + qk + (2 * heads * d + 2 * kv * d) * b + lse + 4 * i * b
+    mlp = 4 * i * b  # the gate and up projections' outputs, the activated gate, their product
+    none = norms * norm + qk + (2 * heads * d + 2 * kv * d) * b + lse + mlp
     op = h * b + (2 * heads * d + 2 * kv * d + 2 * h + 2 * i) * b + lse + (norms - 2) * h * b
-    return LayerBytes(none, op, h * b)
+    return LayerBytes(none, op, h * b, mlp)
 
 
 def llama_kinds(norm_cls: type, mlp_cls: type, activation: str = "hidden_act", acts=SILU, mlp_kind="swiglu",

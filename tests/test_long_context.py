@@ -112,6 +112,35 @@ def test_longest_feasible_length_matches_brute_force():
         assert longest == max(feasible, default=0), (trial, longest, feasible)
 
 
+def test_longest_feasible_length_searches_each_regime():
+    """Sizes that change form past a length (a chunked MLP: past the break a layer keeps less, its backward rebuilds a
+    fixed chunk): feasibility is no longer monotone in tokens (a length just under the break may not fit where a
+    longer one does). With the break named, the longest length is the brute-force answer over every length."""
+    rng = random.Random(2)
+    tokens, split = 60, 0
+    for trial in range(40):
+        brk, chunk = rng.randint(5, 50), rng.randint(1, 5)
+        layers = random_layers(rng, 3)
+        # per token, the part of 'none' a chunked MLP holds for one chunk only
+        shares = [rng.randint(0, (layer.none_bytes - layer.op_bytes) // tokens) for layer in layers]
+
+        def layers_at(t, layers=layers, shares=shares, brk=brk, chunk=chunk):
+            scaled = [layer.scaled(t, tokens) for layer in layers]
+            if t <= brk:
+                return scaled
+            return [LayerActivation(layer.none_bytes - share * t, layer.op_bytes, layer.full_bytes,
+                                    backward_bytes=share * chunk) for layer, share in zip(scaled, shares)]
+
+        fixed = rng.randint(0, 40)
+        budget = rng.randint(fixed, plan_peak_bytes(layers, ["full"] * 3, fixed, 0) + 50)
+        longest = longest_feasible_tokens(layers_at, tokens, fixed_bytes=fixed, budget_bytes=budget,
+                                          modes=ALL_MODES, host_budget_bytes=10**6, breaks=(brk,))
+        feasible = [t for t in range(tokens + 1) if brute_force(layers_at(t), fixed, budget, 10**6)[0] is not None]
+        assert longest == max(feasible, default=0), (trial, longest, feasible)
+        split += bool(feasible) and feasible != list(range(max(feasible) + 1))  # a gap below the break
+    assert split  # some trials are not monotone: a search that ignored the break could have missed them
+
+
 # ----------------------------------------------------------------------------------------------- on a model
 SPACED_PLANS = {
     "spaced": ["full", "spaced", "full", "spaced"],
@@ -276,6 +305,43 @@ def test_refusal_names_the_longest_feasible_length():
         MemoryBudget(budget=fixed // 2, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
 
 
+def test_refusal_at_a_length_auto_leaves_unchunked_names_the_chunking_that_fits():
+    """A budget refused at a length mlp_chunks="auto" runs unchunked (under its threshold) says which chunk size
+    chunks it, and that setting meets the same budget: its leanest plan rebuilds one chunk's MLP intermediates."""
+    from hf_accel.memory import mlp_chunks
+
+    tokens, chunk = 256, 32
+    batch = _tokens_batch(tokens)
+    model = tiny_llama()
+    auto, fixed = mlp_chunks.MlpChunking(chunk, 4 * tokens, auto=True), mlp_chunks.MlpChunking(chunk, chunk)
+    bound = []
+
+    def bind(chunking):
+        for action in bound:
+            action()
+        bound[:] = mlp_chunks.apply(model, chunking)[1]
+
+    def leanest():
+        layers, state, tail = _probe_sizes(model, batch)
+        return plan_checkpointing(layers, fixed_bytes=state, budget_bytes=0, extra_bytes=tail,
+                                  modes=("none", "op", "full", "spaced")).predicted_peak_bytes
+
+    bind(auto)  # calls over 1,024 tokens chunked: this one is not
+    unchunked = leanest()
+    bind(fixed)
+    chunked = leanest()
+    assert chunked < unchunked
+    budget = (chunked + unchunked) // 2
+    fits = MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0, verbose=False)
+    fits.apply(model)
+    assert fits.plan.fits
+    fits.remove(model)
+    bind(auto)
+    with pytest.raises(ConfigurationError, match=rf"patch\(model, mlp_chunks={chunk}\)") as err:
+        MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
+    assert "mlp_chunks='auto' chunks calls over 1,024 tokens" in str(err.value)
+
+
 def test_host_available_memory_honours_a_cgroup_limit(tmp_path):
     """Inside a container the host's MemAvailable overstates what the process may take: a cgroup v2 limit minus its
     usage (reclaimable file pages counted free) caps it; no limit ("max") leaves MemAvailable."""
@@ -326,6 +392,32 @@ def test_offline_estimate_plans_the_split_and_names_the_longest_length():
                                         lora_rank=16, batch_tokens=tokens).notes[-1].endswith("fits")
 
     assert fits(longest) and not fits(longest + 1)
+
+
+def test_offline_estimate_counts_chunked_mlps_past_the_auto_threshold():
+    """Llama-3-8B QLoRA under an 80 GiB budget with 110 GiB of host memory (issue 40c's run): past the length where
+    mlp_chunks="auto" chunks the MLPs (199,728 tokens) a layer keeps no MLP intermediates, so 344,064 tokens fit (the
+    H200 ran them at 78.3 GiB; the estimate without chunks said 173,232 tokens at most) and the longest length named
+    for 393,216 lies past the threshold, where it fits and one token more does not. Just under the threshold the
+    MLPs run unchunked and do not fit: the verdict says so and names the chunk size that fits, which does."""
+    from hf_accel.memory.estimate import estimate_training_memory
+    from hf_accel.memory.mlp_chunks import auto_min_tokens
+
+    def estimate(tokens, **kwargs):
+        return estimate_training_memory("llama-3-8b", lora_rank=16, base_4bit=True, batch_tokens=tokens,
+                                        checkpointing="budget:80GiB", host_bytes=110 << 30, **kwargs)
+
+    def fits(tokens, **kwargs):
+        return estimate(tokens, **kwargs).notes[-1].endswith(": fits")
+
+    threshold = auto_min_tokens(14336, 2)
+    assert fits(344064) and not fits(344064, mlp_chunks=False)
+    longest = int(re.search(r"holds is ([0-9,]+) tokens", estimate(393216).notes[-1]).group(1).replace(",", ""))
+    assert threshold < longest < 393216 and fits(longest) and not fits(longest + 1)
+    verdict = estimate(threshold).notes[-1]
+    chunk = int(re.search(r"with mlp_chunks=(\d+) .* it fits$", verdict).group(1))
+    assert not fits(threshold) and fits(threshold, mlp_chunks=chunk)
+    assert "mlp_chunks=" not in estimate(450000).notes[-1]  # chunked already: no such advice
 
 
 def test_budget_honours_the_process_device_memory_cap(monkeypatch):

@@ -333,28 +333,52 @@ def test_estimate_fused_loss_bounds_the_probed_tail(dtype, monkeypatch):
     assert measured <= estimated <= 1.25 * measured, (measured, estimated)
 
 
-def test_estimate_says_where_patch_chunks_the_mlp():
-    """Past the length where patch()'s mlp_chunks="auto" chunks a model's MLPs (read from its own report), the
-    estimate says its 'none' figure counts every token's MLP intermediates where patch() holds one chunk's; at that
-    length and below it says nothing (the formula and patch() agree there)."""
-    import re
+def _chunk_tiny_mlps(monkeypatch, chunk: int) -> None:
+    """mlp_chunks="auto" sized for tiny models: calls over `chunk` tokens run in chunks of `chunk` tokens."""
+    from hf_accel.memory import mlp_chunks
 
-    import hf_accel
-    from hf_accel.memory.estimate import estimate_training_memory
-    from hf_accel.memory.plan import format_bytes
+    for name, value in (("AUTO_MIN_TOKENS", chunk), ("AUTO_TRIGGER_BYTES", 0), ("AUTO_CHUNK_BYTES", 0),
+                        ("AUTO_MIN_CHUNK", chunk)):
+        monkeypatch.setattr(mlp_chunks, name, value)
 
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
-    report = hf_accel.patch(LlamaForCausalLM(config).to(torch.bfloat16), backend="reference", compile=False)
-    over, chunk = map(int, re.search(r"over (\d+) tokens .* chunks of (\d+) tokens", report.mlp_chunks).groups())
 
-    def note(tokens):
-        notes = estimate_training_memory(config, batch_tokens=tokens).notes
-        return [n for n in notes if "mlp_chunks" in n]
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("name", ["llama", "gpt_neox", "falcon", "qwen3", "gemma2"])
+def test_estimate_counts_chunked_mlps_as_the_probe_measures_them(name, lora, monkeypatch):
+    """Where patch()'s mlp_chunks="auto" runs a length's MLPs in chunks, each family's formula drops the MLP's
+    intermediates (``LayerBytes.mlp``, with the adapted MLP linears' LoRA saves) from what a layer keeps, and counts
+    one chunk's in its backward (rebuilt there, as a checkpointed layer's are). Against the saved-tensor probe of the
+    same model with and without chunks bound: the drop is what the probe sees drop (a wrong MLP share is off by a
+    tensor or more). The figures without chunks are the previous test's."""
+    from hf_accel.memory import mlp_chunks
+    from hf_accel.patches import family_of
 
-    assert note(over) == []
-    (said,) = note(over + 1)
-    assert f"one chunk's MLP intermediates ({format_bytes(chunk * 64 * 2 * 3)})" in said
+    chunk = TOKENS // 4
+    _chunk_tiny_mlps(monkeypatch, chunk)
+    ids = torch.randint(0, 128, (1, TOKENS))
+    probed, targets = {}, None
+    for chunked in (False, True):
+        model = build(name)
+        config = model.config
+        family = family_of(config)
+        if lora:
+            peft = pytest.importorskip("peft")
+            targets = list(family.lora_targets)  # attention and MLP projections
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+        if chunked:  # what patch()'s default binds (patch() would also swap in its CPU attention, which keeps scores)
+            mlp_chunks.apply(model, mlp_chunks.resolve("auto", family.mlp_width(config), 4),
+                             family.output_projections(config))
+        probed[chunked] = probe_training_memory(model, {"input_ids": ids, "labels": ids}).layers[1]  # (0: rotary)
+    kwargs = dict(dtype="fp32", batch_tokens=TOKENS, lora_rank=4 if lora else None, lora_targets=targets)
+    estimate = {chunked: estimate_training_memory(config, mlp_chunks="auto" if chunked else False, **kwargs)
+                for chunked in (False, True)}
+    whole, chunks = estimate[False].layer, estimate[True].layer
+    share = whole.none_bytes - chunks.none_bytes  # every token's MLP intermediates
+    assert share > 0 and chunks.backward_bytes * TOKENS == share * chunk and whole.backward_bytes == 0
+    assert share == pytest.approx(probed[False].none_bytes - probed[True].none_bytes, rel=0.02)
+    assert (chunks.full_bytes, chunks.op_bytes) == (whole.full_bytes, whole.op_bytes)
+    assert any("mlp_chunks='auto'" in note for note in estimate[True].notes)
+    assert not any("mlp_chunks" in note for note in estimate[False].notes)
 
 
 def test_infeasible_budget_raises_naming_the_smallest_that_fits(capsys):

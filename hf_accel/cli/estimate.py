@@ -13,6 +13,7 @@ import os
 
 from ..errors import ConfigurationError, UsageError
 from ..memory.spec import parse_checkpointing
+from .checks import mlp_chunks_value
 
 DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "adamw_8bit", "sgd")
@@ -44,9 +45,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--use-bnb-nested-quant", action="store_true",
                         help="with --load-in-4bit: the 4-bit blocks' scales quantized too")
     parser.add_argument("--loss", default="fused", choices=("fused", "full"),
-                        help="fused: patch()'s chunked loss, its CUDA default (one ~512 MiB chunk of logits at a time); "
-                        "full: the stock loss over the whole (tokens, vocab) logits")
+                        help="fused: patch()'s chunked loss, its CUDA default (one ~512 MiB chunk of logits at a "
+                        "time); full: the stock loss over the whole (tokens, vocab) logits")
+    parser.add_argument("--mlp-chunks", default="auto",
+                        help="patch()'s mlp_chunks: auto (chunk the MLPs of long calls), a chunk size in tokens, or "
+                        "0 / off")
     args = parser.parse_args(argv)
+    args.mlp_chunks = mlp_chunks_value(args.mlp_chunks)
     if args.lora_rank is not None and args.lora_rank < 1:
         raise UsageError(f"--lora-rank {args.lora_rank}: a LoRA rank is at least 1 (leave it out for full "
                          "fine-tuning)")
@@ -86,5 +91,6 @@ def main(argv: list[str] | None = None) -> None:
         device_bytes=int(args.device_gib * 1024**3) if args.device_gib else None,
         host_bytes=int(args.host_gib * 1024**3) if args.host_gib is not None else None,
         base_4bit=args.load_in_4bit, nested_quant=args.use_bnb_nested_quant, loss=args.loss,
+        mlp_chunks=args.mlp_chunks,
     )
     print(estimate.table())

@@ -167,7 +167,8 @@ class MemoryBudget(CheckpointingPolicy):
         tokens = batch["input_ids"].numel()
         if not self.plan.fits:
             longest = longest_feasible_tokens(probe.layers, tokens, **planning)
-            raise BudgetExceeded(self._refusal(budget, tokens, grads is None, longest), longest,
+            why = self._refusal(budget, tokens, grads is None, longest) + _unchunked_mlp_hint(model, tokens)
+            raise BudgetExceeded(why, longest,
                                  f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
         _check_host_memory(self.plan, self.budget)
         sharded = "" if self.sharding is None else (
@@ -322,3 +323,20 @@ def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dic
     input_ids = torch.randint(0, vocab, (1, tokens), device=device)
     position_ids = torch.arange(tokens, device=device)[None]
     return {"input_ids": input_ids, "labels": input_ids.clone(), "position_ids": position_ids, "use_cache": False}
+
+
+def _unchunked_mlp_hint(model: nn.Module, tokens: int) -> str:
+    """For a refusal at a length patch()'s mlp_chunks="auto" leaves unchunked: chunking it is worth a try first (a
+    layer's backward then rebuilds one chunk's MLP intermediates, not every token's)."""
+    from .mlp_chunks import chunking_of
+    from .targets import decoder_mlps
+
+    bound = {chunking_of(mlp) for _, mlp in decoder_mlps(model)}
+    if len(bound) != 1 or None in bound:
+        return ""
+    (chunking,) = bound
+    if chunking.chunk_at(tokens) or tokens <= chunking.chunk_tokens:
+        return ""
+    return (f" The MLPs run unchunked at this length (mlp_chunks='auto' chunks calls over {chunking.min_tokens:,} "
+            f"tokens): patch(model, mlp_chunks={chunking.chunk_tokens}) (the sft command's --mlp-chunks) chunks them "
+            "here too, so a layer's backward holds one chunk's MLP intermediates; try that before a shorter length.")

@@ -32,8 +32,8 @@ __all__ = ["CheckpointingPolicy", "EveryN", "FullCheckpointing", "MemoryBudget",
 def policy_from_spec(spec, *, use_reentrant: bool = False, explicit: bool = True) -> CheckpointingPolicy:
     """Turn a user spec into a policy.
 
-    spec: "none" | "full" | "offload" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of device
-    memory; on CUDA plans may keep layer inputs in host memory where device-only plans do not fit) |
+    spec: "none" | "full" | "offload" | "every_N" (any N >= 1) | "op" | "budget:20GiB" | "budget:0.6" (fraction of
+    device memory; on CUDA plans may keep layer inputs in host memory where device-only plans do not fit) |
     "budget:20GiB+offload" / "budget:20GiB+no-offload" (offload allowed / not, whatever the device) | True / False | a
     CheckpointingPolicy (returned as is) | a callable check_fn(module) -> bool.
     """

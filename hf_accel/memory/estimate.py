@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import chunks
+from . import chunks, mlp_chunks as mlp_chunking
 from .plan import LayerActivation, format_bytes, plan_checkpointing, plan_peak_bytes
 from .state import (Sharding, _optimizer_state_bytes, gradient_bytes, sharded_state_bytes,  # noqa: F401 (re-exported)
                     training_state_bytes)
@@ -105,11 +105,30 @@ def _family(config):
     return family_of(config)
 
 
-def _layer_activation(config, b: int) -> LayerActivation:
+def _layer_bytes(config, b: int, lora_rank: int | None, adapted) -> tuple[LayerActivation, int]:
     """Per-token bytes one decoder layer keeps (flash-style attention: no seq x seq tensor; GQA not repeated), as the
-    family counts what autograd saves in its layers (``Family.layer_bytes``)."""
+    family counts what autograd saves in its layers (``Family.layer_bytes``), with what each LoRA-adapted linear
+    saves (its input cast to fp32 under a half dtype, the rank-r A output); and of the 'none' figure, the part
+    inside the MLP (its intermediates, the adapted MLP linears' saves), which a chunked MLP holds for one chunk."""
     per_token = _family(config).layer_bytes(config, b)
-    return LayerActivation(per_token.none, per_token.op, per_token.full)
+
+    def lora_saves(count: int, in_features: int) -> int:
+        return in_features * (4 if b < 4 else 0) + count * (lora_rank or 0) * 4
+
+    outside, inside = (lora_saves(*counts) for counts in adapted)
+    extra = outside + inside
+    return (LayerActivation(per_token.none + extra, per_token.op + extra, per_token.full),
+            per_token.mlp + inside)
+
+
+def _layer_at(per_token: LayerActivation, mlp_per_token: int, chunking, tokens: int) -> LayerActivation:
+    """One decoder layer's bytes over a micro-batch of `tokens`: the per-token figures times the tokens, except where
+    patch()'s MLP chunking (``chunking``: a ``mlp_chunks.MlpChunking``, or None) runs this length in chunks: then the
+    'none' figure keeps no MLP intermediates and the layer's backward rebuilds one chunk's at a time."""
+    chunk = chunking.chunk_at(tokens) if chunking is not None else 0
+    none = per_token.none_bytes - (mlp_per_token if chunk else 0)
+    return LayerActivation(none * tokens, per_token.op_bytes * tokens, per_token.full_bytes * tokens,
+                           backward_bytes=mlp_per_token * chunk)
 
 
 @dataclass(frozen=True)
@@ -154,6 +173,8 @@ class _Parameters:
     total: int
     lora: int
     linear_weights: tuple[int, ...]  # numel of each quantizable linear weight
+    # one decoder layer's adapted linears (LoRA): (count, sum of in_features) outside its MLP and inside it
+    adapted: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
 
 
 def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]) -> _Parameters:
@@ -171,9 +192,32 @@ def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]
     lora = 0
     if lora_rank:
         for name, module in model.named_modules():
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
+            if _adapted(name, module, lora_targets):
                 lora += lora_rank * (module.in_features + module.out_features)
-    return _Parameters(params, lora, tuple(m.weight.numel() for m in linears))
+    return _Parameters(params, lora, tuple(m.weight.numel() for m in linears),
+                       _adapted_in_first_layer(model, lora_targets) if lora_rank else ((0, 0), (0, 0)))
+
+
+def _adapted(name: str, module: nn.Module, lora_targets: Sequence[str]) -> bool:
+    return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets
+
+
+def _adapted_in_first_layer(model: nn.Module, lora_targets: Sequence[str]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(count, sum of in_features) of the first decoder layer's adapted linears outside its MLP and inside it."""
+    from .targets import decoder_layers
+
+    layers = decoder_layers(model)
+    if not layers:
+        return (0, 0), (0, 0)
+    mlp = getattr(layers[0], "mlp", None)
+    inside = {id(m) for m in mlp.modules()} if isinstance(mlp, nn.Module) else set()
+    found = [[0, 0], [0, 0]]
+    for name, module in layers[0].named_modules():
+        if _adapted(name, module, lora_targets):
+            where = found[id(module) in inside]
+            where[0] += 1
+            where[1] += module.in_features
+    return tuple(map(tuple, found))
 
 
 def four_bit_bytes(numel: int, nested: bool = False) -> int:
@@ -190,7 +234,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                              batch_tokens: int = 4096, checkpointing="none",
                              device_bytes: int | None = None, host_bytes: int | None = None,
                              base_4bit: bool = False, nested_quant: bool = False,
-                             loss: str = "fused") -> MemoryEstimate:
+                             loss: str = "fused", mlp_chunks="auto") -> MemoryEstimate:
     """Predict weights, gradients, optimizer states, activations and the peak of one training step, offline.
 
     dtype: weights and activations ("bf16", "fp16", "fp32"); LoRA adapters are fp32 (PEFT's default).
@@ -202,6 +246,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     when it is given). batch_tokens: tokens per micro-batch (packed, no padding).
     loss: "fused" (patch()'s default on CUDA: chunked logits, ``fused_loss_bytes``) or "full" (the stock loss: the
     whole (tokens, vocab) logits, their fp32 copy and log-softmax).
+    mlp_chunks: patch()'s setting ("auto", a chunk size in tokens, or False): where it runs a length's MLPs in
+    chunks, a layer holds one chunk's MLP intermediates.
     """
     config = load_config(config_or_path)
     if dtype not in DTYPE_BYTES:
@@ -223,28 +269,33 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     if base_4bit:
         weight_bytes = (params - quantized) * 4 + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights)
     trainable, train_bytes = (lora, 4) if lora_rank else (params, b)
-    per_token = _layer_activation(config, b)
-    if lora_rank:  # each adapted linear saves its input cast to fp32 (half dtypes) and the rank-r A output
-        per_layer_in = _lora_inputs_per_layer(config, targets)
-        extra = per_layer_in * (4 if b < 4 else 0) + len(targets) * lora_rank * 4
-        per_token = LayerActivation(per_token.none_bytes + extra, per_token.op_bytes + extra, per_token.full_bytes)
-    layer = LayerActivation(*(n * batch_tokens for n in (per_token.none_bytes, per_token.op_bytes,
-                                                         per_token.full_bytes)))
+    per_token, mlp_per_token = _layer_bytes(config, b, lora_rank, counted.adapted)
     state = trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)  # gradients, optimizer
     fixed = weight_bytes + lora * 4 + state
     compute_bytes = DTYPE_BYTES[dtype]  # what the forward computes in (autocast's dtype for a 4-bit base)
+    width = _family(config).mlp_width(config)
+    chunking = mlp_chunking.resolve(mlp_chunks, width, compute_bytes)  # what patch() binds (None: off)
+
+    def plan(chunking: mlp_chunking.MlpChunking | None) -> tuple[list[str], int]:
+        """The choices at batch_tokens and the longest micro-batch up to it that fits, with this MLP chunking."""
+        def layers_at(tokens: int) -> list[LayerActivation]:
+            return [_layer_at(per_token, mlp_per_token, chunking, tokens)] * config.num_hidden_layers
+
+        breaks = () if chunking is None else (max(chunking.min_tokens, chunking.chunk_tokens),)  # last unchunked
+        return _choices_for(checkpointing, layers_at, fixed, loss_at, device_bytes, host_bytes, batch_tokens, breaks)
+
     loss_at = _loss_function(config, loss, b, compute_bytes, base_4bit)
-    layers = [layer] * config.num_hidden_layers
-    choices, longest = _choices_for(checkpointing, layers, fixed, loss_at, device_bytes, host_bytes, batch_tokens)
-    tail = loss_at(batch_tokens)
+    choices, longest = plan(chunking)
+    layer, tail = _layer_at(per_token, mlp_per_token, chunking, batch_tokens), loss_at(batch_tokens)
     peak = plan_peak_bytes([layer] * len(choices), choices, fixed, tail)
-    notes = _notes(loss, quantized, nested_quant) + _mlp_chunks_note(config, batch_tokens, compute_bytes)
+    notes = _notes(loss, quantized, nested_quant) + _mlp_chunks_note(chunking, batch_tokens, mlp_per_token)
     if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
-        notes += (f"budget {checkpointing[7:]}: " + ("fits" if peak <= _budget(checkpointing, device_bytes) else
-                                                      f"does NOT fit with any plan by this estimate (an upper "
-                                                      f"bound, see above: the run's own plan measures the real "
-                                                      f"forward); the longest micro-batch it holds is {longest:,} "
-                                                      "tokens"),)
+        fits = peak <= _budget(checkpointing, device_bytes)
+        chunk = mlp_chunking.auto_chunk_tokens(width, compute_bytes)
+        # a length the setting leaves unchunked may fit with every length's MLP chunked
+        chunked_fits = not fits and batch_tokens > chunk and not (chunking and chunking.chunk_at(batch_tokens)) \
+            and plan(mlp_chunking.resolve(chunk, width, compute_bytes))[1] == batch_tokens
+        notes += (_budget_verdict(checkpointing[7:], batch_tokens, fits, longest, chunk if chunked_fits else 0),)
     return MemoryEstimate(
         config_name=str(config_or_path) if isinstance(config_or_path, str) else config.model_type, params=params + lora,
         trainable_params=trainable, param_bytes=weight_bytes + lora * 4, grad_bytes=trainable * train_bytes,
@@ -273,21 +324,28 @@ def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
     return notes
 
 
-def _mlp_chunks_note(config, tokens: int, compute_bytes: int) -> tuple[str, ...]:
-    """At lengths where patch()'s mlp_chunks="auto" runs each MLP in token chunks, say what of the estimate that is:
-    the formula counts every token's MLP intermediates, patch() holds one chunk's."""
-    from . import mlp_chunks
-
-    width = _family(config).mlp_width(config)
-    chunking = mlp_chunks.resolve(mlp_chunks.AUTO, width, compute_bytes)  # what patch() binds
-    if tokens <= max(chunking.min_tokens, chunking.chunk_tokens):  # MlpChunking.chunk_for's rule
+def _mlp_chunks_note(chunking: mlp_chunking.MlpChunking | None, tokens: int, mlp_per_token: int) -> tuple[str, ...]:
+    """At lengths where patch()'s mlp_chunks setting runs each MLP in token chunks, say how the estimate counts it."""
+    chunk = chunking.chunk_at(tokens) if chunking is not None else 0
+    if not chunk:
         return ()
-    whole = mlp_chunks.intermediates_bytes(tokens, width, compute_bytes)
-    chunk = mlp_chunks.intermediates_bytes(chunking.chunk_tokens, width, compute_bytes)
-    return (f"at {tokens:,} tokens patch() runs each MLP in token chunks (mlp_chunks='auto'): a layer's recompute "
-            f"holds one chunk's MLP intermediates ({format_bytes(chunk)}) instead of every token's "
-            f"({format_bytes(whole)} in the compute dtype), which this estimate's 'none' figure counts: plans at this "
-            "length fit more than it says",)
+    setting = "'auto'" if chunking.auto else chunk
+    return (f"at {tokens:,} tokens patch() runs each MLP in chunks of {chunk:,} tokens (mlp_chunks={setting}, "
+            f"over {chunking.min_tokens:,}): counted so, a layer holds one chunk's MLP intermediates "
+            f"({format_bytes(mlp_per_token * chunk)}) in its backward instead of every token's "
+            f"({format_bytes(mlp_per_token * tokens)}) from forward to backward",)
+
+
+def _budget_verdict(budget: str, tokens: int, fits: bool, longest: int, chunk_to_fit: int) -> str:
+    """Whether the budget holds the micro-batch; if not, the longest that fits and, where chunking this length's
+    MLPs (``chunk_to_fit`` tokens a chunk; 0: it would not help) makes it fit, that."""
+    if fits:
+        return f"budget {budget}: fits"
+    chunked = (f"; with mlp_chunks={chunk_to_fit} (patch()'s argument, the sft command's --mlp-chunks: every call "
+               f"over {chunk_to_fit:,} tokens chunked) it fits" if chunk_to_fit else "")
+    return (f"budget {budget}: does NOT fit with any plan by this estimate (an upper bound, see above: the run's own "
+            f"plan measures the real forward); the longest micro-batch of at most {tokens:,} tokens it holds is "
+            f"{longest:,} tokens{chunked}")
 
 
 def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int, base_4bit: bool) -> Callable[[int], int]:
@@ -300,17 +358,6 @@ def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int, bas
     return lambda t: loss_bytes(t, vocab, stored_bytes) + t * (4 * hidden + 4)
 
 
-def _lora_inputs_per_layer(config, targets: Sequence[str]) -> int:
-    """Sum of in_features over one layer's adapted linears (for the fp32 input copies)."""
-    h = config.hidden_size
-    family = _family(config)
-    i = family.mlp_width(config)
-    heads, _, head_dim = family.head_shape(config)
-    in_features = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": heads * head_dim, "gate_proj": h, "up_proj": h,
-                   "down_proj": i, "query_key_value": h, "dense": h, "dense_h_to_4h": h, "dense_4h_to_h": i}
-    return sum(in_features.get(t, h) for t in targets)
-
-
 def _budget(spec, device_bytes: int | None) -> int:
     from .budget import MemoryBudget
     from .checkpointing import policy_from_spec
@@ -319,15 +366,17 @@ def _budget(spec, device_bytes: int | None) -> int:
     return MemoryBudget(budget=policy.budget, device_bytes=device_bytes).budget_bytes(torch.device("meta"))
 
 
-def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra_at: Callable[[int], int],
-                 device_bytes: int | None, host_bytes: int | None, tokens: int) -> tuple[list[str], int]:
-    """The policy's per-layer choices, and for a budget the longest micro-batch it holds (the layers' formula is
-    linear in tokens; the loss tail's is `extra_at`)."""
+def _choices_for(spec, layers_at: Callable[[int], list[LayerActivation]], fixed: int, extra_at: Callable[[int], int],
+                 device_bytes: int | None, host_bytes: int | None, tokens: int,
+                 breaks: Sequence[int] = ()) -> tuple[list[str], int]:
+    """The policy's per-layer choices, and for a budget the longest micro-batch it holds (the layers' bytes at t
+    tokens are `layers_at(t)`, the loss tail's `extra_at(t)`; `breaks`: see ``longest_feasible_tokens``)."""
     from .budget import MemoryBudget
     from .checkpointing import policy_from_spec
     from .planner import longest_feasible_tokens
 
     policy = policy_from_spec(spec)
+    layers = layers_at(tokens)
     if not isinstance(policy, MemoryBudget):
         return policy.layer_choices([None] * len(layers)), 0
     modes = ("none", "op", "full", *(("offload",) if host_bytes is not None else ()), "spaced")
@@ -335,4 +384,5 @@ def _choices_for(spec, layers: list[LayerActivation], fixed: int, extra_at: Call
                     host_budget_bytes=host_bytes or 0)
     plan = plan_checkpointing(layers, extra_bytes=extra_at(tokens), **planning)
     return list(plan.choices), (tokens if plan.fits else
-                                longest_feasible_tokens(layers, tokens, extra_bytes=extra_at, **planning))
+                                longest_feasible_tokens(layers_at, tokens, extra_bytes=extra_at, breaks=breaks,
+                                                        **planning))

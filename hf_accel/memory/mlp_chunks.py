@@ -84,7 +84,10 @@ class MlpChunking:
         """This call's chunk size, or 0: run the forward unchanged. Reads only the (host-side) shape."""
         if not (training and torch.is_grad_enabled()) or hidden_states.ndim < 2:
             return 0
-        tokens = hidden_states.numel() // hidden_states.shape[-1]
+        return self.chunk_at(hidden_states.numel() // hidden_states.shape[-1])
+
+    def chunk_at(self, tokens: int) -> int:
+        """The chunk size of a training call over `tokens` tokens, or 0: it runs unchunked."""
         return self.chunk_tokens if tokens > max(self.min_tokens, self.chunk_tokens) else 0
 
     def describe(self) -> str:

@@ -324,33 +324,41 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
                           host_bytes(layers, choices), None if grads is None else grads.total, host_budget_bytes)
 
 
-def longest_feasible_tokens(layers: Sequence[LayerActivation], tokens: int, *, fixed_bytes: int, budget_bytes: int,
+def longest_feasible_tokens(layers: Sequence[LayerActivation] | Callable[[int], Sequence[LayerActivation]],
+                            tokens: int, *, fixed_bytes: int, budget_bytes: int,
                             extra_bytes: int | Callable[[int], int] = 0, modes: Sequence[str] = DEVICE_MODES,
                             costs: dict[str, float] = RECOMPUTE_COST, grads: GradientBytes | None = None,
-                            host_budget_bytes: int | None = None, upper: int | None = None) -> int:
+                            host_budget_bytes: int | None = None, upper: int | None = None,
+                            breaks: Sequence[int] = ()) -> int:
     """The most tokens per micro-batch (at most `upper`, default `tokens`) for which some plan fits, with the layers'
-    bytes and `extra_bytes` measured at `tokens` and scaled linearly (the fixed bytes and gradients do not scale);
-    `extra_bytes` may instead be a function of the tokens (a fused loss's chunk does not shrink with them).
-    0: not even an empty batch fits (the training state alone is over the budget). Binary search: a plan that fits
-    some length fits every shorter one."""
+    bytes and `extra_bytes` measured at `tokens` and scaled linearly (the fixed bytes and gradients do not scale).
+    Either may instead be a function of the tokens: `layers` (a chunked MLP holds one chunk's intermediates, and
+    only past a length), `extra_bytes` (a fused loss's chunk does not shrink with them). 0: not even an empty batch
+    fits (the training state alone is over the budget). Binary search: a plan that fits some length fits every
+    shorter one, up to the nearest of `breaks` below it (the last lengths before the figures change form: an
+    unchunked MLP at 190k tokens may need more than a chunked one at 300k), so the regimes are searched from the
+    longest down."""
     upper = tokens if upper is None else upper
 
     units = {c: round(costs[c] * 10) for c in modes}
     host_budget = float("inf") if host_budget_bytes is None else host_budget_bytes
     extra_at = extra_bytes if callable(extra_bytes) else (lambda t: extra_bytes * t // tokens)
+    layers_at = layers if callable(layers) else (lambda t: [layer.scaled(t, tokens) for layer in layers])
 
     def fits(t: int) -> bool:
-        scaled = [layer.scaled(t, tokens) for layer in layers]
-        return _cheapest_fitting(scaled, units, fixed_bytes, budget_bytes, extra_at(t), grads,
+        return _cheapest_fitting(layers_at(t), units, fixed_bytes, budget_bytes, extra_at(t), grads,
                                  host_budget) is not None
 
-    if not fits(0):
-        return 0
-    lo, hi = 0, upper  # fits(lo); the answer is in [lo, hi]
-    if fits(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    ends = sorted({b for b in breaks if 0 < b < upper}) + [upper]
+    for start, end in reversed(list(zip([0, *(b + 1 for b in ends[:-1])], ends))):
+        if not fits(start):
+            continue
+        lo, hi = start, end  # fits(lo); the answer is in [lo, hi]
+        if fits(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+    return 0
 

@@ -27,7 +27,8 @@ _DEFAULT_SAVE_OP_NAMES = (
 
 
 def default_save_ops() -> frozenset:
-    """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels, hf_accel.attention.kernels.SAVEABLE_OPS."""
+    """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels,
+    hf_accel.attention.kernels.SAVEABLE_OPS."""
     packets = {getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
     try:  # read at apply time: the flash-attn-4 custom op registers itself when its backend module is imported
         from ..attention import kernels
@@ -47,8 +48,8 @@ def _as_packet(op) -> torch._ops.OpOverloadPacket:
     return getattr(op, "overloadpacket", op)
 
 
-# Marks the checkpoint functions of op-level layers: compiled layers (hf_accel.fused.compiling) run eagerly under them, since
-# the selective-checkpoint policy must see every op.
+# Marks the checkpoint functions of op-level layers: compiled layers (hf_accel.fused.compiling) run eagerly under them,
+# since the selective-checkpoint policy must see every op.
 OP_LEVEL_ATTR = "_hf_accel_op_level"
 # The call slot nn.Module.__call__ prefers when set (what nn.Module.compile sets): hf_accel.fused.compiling binds
 # compiled layers there, and the memory probe (hf_accel.memory.plan) wraps it to attribute what a layer saves.
