@@ -305,41 +305,45 @@ def test_refusal_names_the_longest_feasible_length():
         MemoryBudget(budget=fixed // 2, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
 
 
-def test_refusal_at_a_length_auto_leaves_unchunked_names_the_chunking_that_fits():
-    """A budget refused at a length mlp_chunks="auto" runs unchunked (under its threshold) says which chunk size
-    chunks it, and that setting meets the same budget: its leanest plan rebuilds one chunk's MLP intermediates."""
+def test_budget_chunks_the_mlps_auto_leaves_unchunked_before_refusing(capsys):
+    """At a length mlp_chunks="auto" runs unchunked (under its threshold, for speed), a budget that no plan meets so
+    but one does with the MLPs chunked chunks every MLP call over one chunk, says so, and trains with no
+    checkpointing's gradients; removing the plan puts auto's chunking back. A budget under even that refuses, says
+    the chunking was tried, and leaves auto's chunking as it was."""
     from hf_accel.memory import mlp_chunks
+    from hf_accel.memory.checkpointing import remove_checkpointing
 
     tokens, chunk = 256, 32
     batch = _tokens_batch(tokens)
-    model = tiny_llama()
-    auto, fixed = mlp_chunks.MlpChunking(chunk, 4 * tokens, auto=True), mlp_chunks.MlpChunking(chunk, chunk)
-    bound = []
-
-    def bind(chunking):
-        for action in bound:
-            action()
-        bound[:] = mlp_chunks.apply(model, chunking)[1]
+    model, reference = tiny_llama(), tiny_llama()
+    auto = mlp_chunks.MlpChunking(chunk, 4 * tokens, auto=True)  # calls over 1,024 tokens chunked: this one not
+    mlp_chunks.apply(model, auto)
+    mlps = [mlp for _, mlp in mlp_chunks.decoder_mlps(model)]
 
     def leanest():
         layers, state, tail = _probe_sizes(model, batch)
         return plan_checkpointing(layers, fixed_bytes=state, budget_bytes=0, extra_bytes=tail,
                                   modes=("none", "op", "full", "spaced")).predicted_peak_bytes
 
-    bind(auto)  # calls over 1,024 tokens chunked: this one is not
     unchunked = leanest()
-    bind(fixed)
+    assert mlp_chunks.chunk_every_long_call(model) == mlp_chunks.MlpChunking(chunk, chunk, auto=True)
     chunked = leanest()
-    assert chunked < unchunked
-    budget = (chunked + unchunked) // 2
-    fits = MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0, verbose=False)
-    fits.apply(model)
-    assert fits.plan.fits
-    fits.remove(model)
-    bind(auto)
-    with pytest.raises(ConfigurationError, match=rf"patch\(model, mlp_chunks={chunk}\)") as err:
-        MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
-    assert "mlp_chunks='auto' chunks calls over 1,024 tokens" in str(err.value)
+    mlp_chunks.restore_bound(model)
+    assert all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps) and chunked < unchunked
+    policy = MemoryBudget(budget=(chunked + unchunked) // 2, sample_batch=batch, headroom=0.0)
+    policy.apply(model)
+    assert policy.plan.fits and "MLPs: every training call over 32 tokens runs in chunks" in capsys.readouterr().out
+    assert all(mlp_chunks.chunking_of(mlp).min_tokens == chunk for mlp in mlps)
+    loss, grads = step(model, batch)
+    loss_ref, grads_ref = step(reference, batch)
+    torch.testing.assert_close(loss, loss_ref, atol=GRAD_ATOL, rtol=GRAD_RTOL)
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+    remove_checkpointing(model)
+    assert all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps)
+    with pytest.raises(ConfigurationError, match="every MLP call over 32 tokens chunked"):
+        MemoryBudget(budget=chunked - 1, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
+    assert all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps)
 
 
 def test_host_available_memory_honours_a_cgroup_limit(tmp_path):

@@ -262,6 +262,33 @@ def test_chunks_inside_compiled_layers():
     torch._dynamo.reset()
 
 
+def test_a_budget_s_chunking_reaches_compiled_layers(monkeypatch):
+    """A memory budget may make auto's chunking cover every call over one chunk (``chunk_every_long_call``) after the
+    layers were compiled, and put it back (``restore_bound``): the compiled layers follow each change (their graphs
+    are guarded on the chunking), and every step matches the eager unchunked model."""
+    for name, value in (("AUTO_MIN_TOKENS", 4 * sum(LENGTHS)), ("AUTO_TRIGGER_BYTES", 0), ("AUTO_CHUNK_BYTES", 0),
+                        ("AUTO_MIN_CHUNK", CHUNK)):
+        monkeypatch.setattr(mlp_chunks, name, value)  # auto: chunks of CHUNK, but only for calls over 200 tokens
+    torch._dynamo.reset()
+    ours = make("llama-gqa").train()
+    ref = copy.deepcopy(ours)
+    hf_accel.patch(ref, backend="reference", mlp_chunks=False)
+    hf_accel.patch(ours, backend="reference", compile={"backend": "aot_eager"})
+    batch, mlps = packed_batch(), len(decoder_mlps(ours))
+    chunked_calls = 2 * -(-sum(LENGTHS) // CHUNK) * mlps  # forward and the chunks' recompute
+    for every_call, calls in ((False, mlps), (True, chunked_calls), (False, mlps)):
+        if every_call:
+            mlp_chunks.chunk_every_long_call(ours)
+        else:
+            mlp_chunks.restore_bound(ours)
+        counter = ChunkCounter(ours)
+        assert_same_step(ours, ref, batch)
+        counter.remove()
+        assert counter.calls == calls, every_call
+    assert graphs_compiled() > 0
+    torch._dynamo.reset()
+
+
 def test_bench_best_flag_reaches_the_child_and_patch(monkeypatch):
     """hf_accel-best takes patch()'s default ("auto": on for the long-context preset's 32k-256k documents);
     --best-mlp-chunks overrides it, and the plain hf_accel config keeps it off."""

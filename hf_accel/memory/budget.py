@@ -7,7 +7,9 @@ budget and the host memory offloaded inputs may take, and applies them as a ``Pe
 the device and the host together hold trains: layers keep their input on the device while it fits, in pinned host
 memory after that, and spaced (the input rebuilt in backward from the layer below) where neither holds them all.
 The plan prints its split; a budget no plan meets raises before training, naming the smallest budget that fits and
-the longest micro-batch this one holds. ``policy_from_spec("budget:20GiB")`` builds it.
+the longest micro-batch this one holds. Before refusing a length that patch()'s ``mlp_chunks="auto"`` runs unchunked
+(it chunks only the longest calls, for speed), it chunks every MLP call over one chunk and plans again
+(``mlp_chunks.chunk_every_long_call``; removing the plan undoes it). ``policy_from_spec("budget:20GiB")`` builds it.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
+from . import mlp_chunks
 from .context import RunContext
 from .policies import CheckpointingPolicy, LayerChoice, PerLayer, logger, remove_checkpointing
-from .targets import base_model
+from .targets import base_model, decoder_mlps
 from ..errors import BudgetExceeded, ConfigurationError
 
 
@@ -135,10 +138,7 @@ class MemoryBudget(CheckpointingPolicy):
         return value
 
     def apply(self, model: nn.Module, context: RunContext | None = None) -> None:
-        from .plan import (RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, format_bytes, longest_feasible_tokens,
-                           plan_checkpointing, probe_training_memory)
-        from .state import gradient_bytes, training_state_bytes
-        from .targets import decoder_layers
+        from .plan import format_bytes, longest_feasible_tokens
 
         run = self.context_for(context)
         for name in _RUN_FACTS:  # what this plan is made for, readable on the policy
@@ -147,44 +147,70 @@ class MemoryBudget(CheckpointingPolicy):
         device = next(model.parameters()).device
         modes, budget = self.modes(device), self.budget_bytes(device)  # bad settings raise before the probe forward
         batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens or DEFAULT_PROBE_TOKENS, device)
-        was_training = model.training
-        model.train()
-        try:
-            with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
-                probe = self.probe = probe_training_memory(model, batch, compiled=self.compiled,
-                                                           backward=self.sharding is None)
-        finally:
-            model.train(was_training)
         self.budget_bytes_resolved = budget
-        grads = gradient_bytes(model, decoder_layers(model), self.sharding) if self.grads_freed else None
-        host_budget = self.host_budget_bytes() if "offload" in modes else 0
-        planning = dict(fixed_bytes=training_state_bytes(model, self.optimizer, grads=grads is None,
-                                                         sharding=self.sharding),
-                        budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=probe.tail_peak_bytes,
-                        modes=modes, costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST, grads=grads,
-                        host_budget_bytes=host_budget)
-        self.plan = plan_checkpointing(probe.layers, **planning)
         tokens = batch["input_ids"].numel()
+        planning = self._plan(model, batch, run, device, modes, budget)
+        chunked = None
+        if not self.plan.fits and _auto_leaves_unchunked(model, tokens):
+            # before refusing: chunk this length's MLPs too (auto chunks only the longest calls, for speed), so a
+            # layer's backward rebuilds one chunk's MLP intermediates, not every token's
+            chunked = mlp_chunks.chunk_every_long_call(model)
+            planning = self._plan(model, batch, run, device, modes, budget)
         if not self.plan.fits:
-            longest = longest_feasible_tokens(probe.layers, tokens, **planning)
-            why = self._refusal(budget, tokens, grads is None, longest) + _unchunked_mlp_hint(model, tokens)
-            raise BudgetExceeded(why, longest,
+            mlp_chunks.restore_bound(model)
+            longest = longest_feasible_tokens(self.probe.layers, tokens, **planning)
+            raise BudgetExceeded(self._refusal(budget, tokens, planning["grads"] is None, longest, chunked), longest,
                                  f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
-        _check_host_memory(self.plan, self.budget)
+        try:
+            _check_host_memory(self.plan, self.budget)
+        except ConfigurationError:
+            mlp_chunks.restore_bound(model)
+            raise
         sharded = "" if self.sharding is None else (
             f", the training state as one of {self.sharding.world_size} {self.sharding.engine} processes holds it")
         text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
-                f"head peak {format_bytes(probe.tail_peak_bytes)}{sharded}):\n{self.plan.table()}")
+                f"head peak {format_bytes(self.probe.tail_peak_bytes)}{sharded}):\n{self.plan.table()}")
         if "offload" in modes:
             text += (f"\nhost memory: {format_bytes(self.plan.host_bytes)} of pinned copies needed, "
-                     f"{format_bytes(host_budget)} allowed" + ("" if self.host_budget is not None else
-                                                              f" ({HOST_SHARE:.0%} of the host's available memory)"))
+                     f"{format_bytes(planning['host_budget_bytes'])} allowed" + (
+                         "" if self.host_budget is not None else
+                         f" ({HOST_SHARE:.0%} of the host's available memory)"))
+        if chunked is not None:
+            text += (f"\nMLPs: every training call over {chunked.chunk_tokens} tokens runs in chunks of that many "
+                     "(mlp_chunks='auto' chunks only calls over its threshold): no plan fit with this length's MLPs "
+                     "unchunked")
         logger.info("%s", text)
         if self.verbose and _first_process():
             print(text, flush=True)
         super().apply(model, run)
 
-    def _refusal(self, budget: int, tokens: int, grads_counted: bool, longest: int) -> str:
+    def _plan(self, model: nn.Module, batch: dict, run: RunContext, device: torch.device, modes: tuple[str, ...],
+              budget: int) -> dict:
+        """Probe the forward on `batch` (``self.probe``) and plan for the budget (``self.plan``); the planning
+        arguments."""
+        from .plan import RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, plan_checkpointing, probe_training_memory
+        from .state import gradient_bytes, training_state_bytes
+        from .targets import decoder_layers
+
+        was_training = model.training
+        model.train()
+        try:
+            with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
+                self.probe = probe_training_memory(model, batch, compiled=self.compiled,
+                                                   backward=self.sharding is None)
+        finally:
+            model.train(was_training)
+        grads = gradient_bytes(model, decoder_layers(model), self.sharding) if self.grads_freed else None
+        planning = dict(fixed_bytes=training_state_bytes(model, self.optimizer, grads=grads is None,
+                                                         sharding=self.sharding),
+                        budget_bytes=int(budget * (1 - self.headroom)), extra_bytes=self.probe.tail_peak_bytes,
+                        modes=modes, costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST, grads=grads,
+                        host_budget_bytes=self.host_budget_bytes() if "offload" in modes else 0)
+        self.plan = plan_checkpointing(self.probe.layers, **planning)
+        return planning
+
+    def _refusal(self, budget: int, tokens: int, grads_counted: bool, longest: int,
+                 chunked: mlp_chunks.MlpChunking | None) -> str:
         """Why no plan fits: the leanest plan's needs, the smallest budget that fits these tokens, and the longest
         micro-batch (document) this budget holds."""
         from .plan import format_bytes
@@ -195,6 +221,8 @@ class MemoryBudget(CheckpointingPolicy):
         host = "" if plan.host_budget_bytes is None or "offload" not in plan.choices else (
             f" with {format_bytes(plan.host_bytes)} of host memory (of {format_bytes(plan.host_budget_bytes)} "
             "it may use)")
+        if chunked is not None:  # (tried before refusing: chunk_every_long_call)
+            host += f", every MLP call over {chunked.chunk_tokens:,} tokens chunked"
         if longest:
             shorter = (f"or train on at most {longest:,} tokens per micro-batch: about the longest document this "
                        f"budget holds (activations scaled linearly from the probe of {tokens:,} tokens)")
@@ -325,18 +353,11 @@ def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dic
     return {"input_ids": input_ids, "labels": input_ids.clone(), "position_ids": position_ids, "use_cache": False}
 
 
-def _unchunked_mlp_hint(model: nn.Module, tokens: int) -> str:
-    """For a refusal at a length patch()'s mlp_chunks="auto" leaves unchunked: chunking it is worth a try first (a
-    layer's backward then rebuilds one chunk's MLP intermediates, not every token's)."""
-    from .mlp_chunks import chunking_of
-    from .targets import decoder_mlps
-
-    bound = {chunking_of(mlp) for _, mlp in decoder_mlps(model)}
-    if len(bound) != 1 or None in bound:
-        return ""
-    (chunking,) = bound
-    if chunking.chunk_at(tokens) or tokens <= chunking.chunk_tokens:
-        return ""
-    return (f" The MLPs run unchunked at this length (mlp_chunks='auto' chunks calls over {chunking.min_tokens:,} "
-            f"tokens): patch(model, mlp_chunks={chunking.chunk_tokens}) (the sft command's --mlp-chunks) chunks them "
-            "here too, so a layer's backward holds one chunk's MLP intermediates; try that before a shorter length.")
+def _auto_leaves_unchunked(model: nn.Module, tokens: int) -> bool:
+    """The decoder MLPs chunk with mlp_chunks="auto", which runs a call of `tokens` unchunked (under its threshold),
+    though the call is longer than one chunk."""
+    chunking = {mlp_chunks.chunking_of(mlp) for _, mlp in decoder_mlps(model)}
+    if len(chunking) != 1 or None in chunking:
+        return False
+    (chunking,) = chunking
+    return chunking.auto and not chunking.chunk_at(tokens) and tokens > chunking.chunk_tokens

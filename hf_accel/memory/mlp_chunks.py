@@ -9,6 +9,9 @@ decoder layer's MLP *instance* ``forward`` with one that splits the tokens into 
 forward per chunked call (its recompute). The math is the same per token, equal up to rounding: a matmul over fewer
 rows may round differently (BLAS picks kernels by shape), and weight gradients are the same sums in another order.
 
+A memory budget (``memory.budget``) that no plan meets with auto's threshold may lower it to one chunk for its run
+(``chunk_every_long_call``; ``restore_bound`` puts it back): the bound forward reads its chunking at each call.
+
 Only *training* calls over the threshold are chunked (module in train mode, grad enabled, more tokens than
 ``min_tokens``); evaluation, no-grad and shorter calls run the forward that was bound before, unchanged. That forward
 is whatever was there at bind time (the class's, liger's fused SwiGLU bound by ``fused_ops``), and the projections
@@ -142,18 +145,23 @@ def run_in_chunks(forward: Callable[[torch.Tensor], torch.Tensor], hidden_states
     return out_th.view(*hidden_states.shape[:-1], out_th.shape[-1])
 
 
+_CHUNKING = "__hf_accel_mlp_chunks__"  # on a chunked forward: the chunking its calls follow now
+_BOUND = "__hf_accel_mlp_chunks_bound__"  # ... and the one patch() bound (a memory budget may chunk more: below)
+
+
 def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking, trimmed: tuple[str, ...],
                      bindings: trim.Bindings) -> Callable:
     @functools.wraps(forward)
     def chunked(*args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
             return forward(*args, **kwargs)
-        chunk = chunking.chunk_for(args[0], module.training)
+        chunk = getattr(chunked, _CHUNKING).chunk_for(args[0], module.training)
         if not chunk:
             return forward(args[0])
         return run_in_chunks(forward, args[0], chunk, trimmed=trim.prepare(module, trimmed, bindings))
 
-    chunked.__hf_accel_mlp_chunks__ = chunking
+    setattr(chunked, _CHUNKING, chunking)
+    setattr(chunked, _BOUND, chunking)
     return chunked
 
 
@@ -181,5 +189,28 @@ def apply(model: nn.Module, chunking: MlpChunking, output_projections: tuple[str
 
 
 def chunking_of(module: nn.Module) -> MlpChunking | None:
-    """The chunking bound to this MLP instance, if any."""
-    return getattr(module.__dict__.get("forward"), "__hf_accel_mlp_chunks__", None)
+    """The chunking this MLP instance's calls follow, if any."""
+    return getattr(module.__dict__.get("forward"), _CHUNKING, None)
+
+
+def chunk_every_long_call(model: nn.Module) -> MlpChunking | None:
+    """A memory budget's step before refusing: every decoder MLP bound with mlp_chunks="auto" chunks each training
+    call over one chunk, not only those over auto's threshold (a layer's backward then rebuilds one chunk's
+    intermediates at any length). The chunking now in force, or None where no MLP has an auto chunking (nothing
+    changed). ``restore_bound`` undoes it."""
+    now = None
+    for _, mlp in decoder_mlps(model):
+        forward = mlp.__dict__.get("forward")
+        bound = getattr(forward, _BOUND, None)
+        if bound is not None and bound.auto:
+            now = MlpChunking(bound.chunk_tokens, bound.chunk_tokens, auto=True)
+            setattr(forward, _CHUNKING, now)
+    return now
+
+
+def restore_bound(model: nn.Module) -> None:
+    """Each decoder MLP's calls follow the chunking patch() bound again (undoes ``chunk_every_long_call``)."""
+    for _, mlp in decoder_mlps(model):
+        forward = mlp.__dict__.get("forward")
+        if hasattr(forward, _BOUND):
+            setattr(forward, _CHUNKING, getattr(forward, _BOUND))

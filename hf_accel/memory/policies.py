@@ -205,7 +205,11 @@ def _checkpointed_forward(module: nn.Module, forward: Callable, use_reentrant: b
 
 
 def remove_checkpointing(model: nn.Module) -> None:
-    """Undo whatever policy was applied to `model` (no-op when none was)."""
+    """Undo whatever policy was applied to `model` (no-op when none was), and a memory budget's chunking of the MLPs
+    (``mlp_chunks.chunk_every_long_call``)."""
+    from .mlp_chunks import restore_bound
+
+    restore_bound(model)
     applied: _Applied | None = getattr(model, _STATE_ATTR, None)
     if applied is None:
         return
