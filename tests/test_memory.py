@@ -91,6 +91,55 @@ def test_activation_estimate_close_to_saved_tensor_measurement(name):
             assert abs(predicted - real) <= ACTIVATION_RTOL * real, (choice, predicted, real)
 
 
+def _probe_variants():
+    """Models whose decoder layers come in one kind or several: every family; Gemma 3 with sliding and full layers;
+    LoRA on some layers only; compiled layers; chunked MLPs."""
+    def gemma3_mixed():
+        torch.manual_seed(0)
+        config = Gemma3TextConfig(**{**_LLAMA_LIKE, "num_hidden_layers": 6}, head_dim=16, sliding_window=16,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+        return Gemma3ForCausalLM(config).train()
+
+    def lora_some_layers():
+        peft = pytest.importorskip("peft")
+        model = build("llama")
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                          layers_to_transform=[0, 2]))
+
+    def patched(**options):
+        def make():
+            model = build("llama")
+            hf_accel.patch(model, backend="reference", **options)
+            return model
+        return make
+
+    variants = {name: (lambda name=name: build(name)) for name in CONFIGS}
+    variants.update({"gemma3-mixed": gemma3_mixed, "lora-some-layers": lora_some_layers,
+                     "compiled": patched(compile={"backend": "aot_eager"}), "mlp-chunks": patched(mlp_chunks=16)})
+    return variants
+
+
+@pytest.mark.parametrize("variant", list(_probe_variants()))
+def test_probe_runs_one_layer_of_each_kind_and_measures_what_running_all_does(variant):
+    """The probe's forwards run the first two layers of each kind and pass the others through (at long context most of
+    its time): every figure, and the loss tail's peak, equals what running every layer measures."""
+    from hf_accel.memory.plan import _representatives
+
+    torch._dynamo.reset()
+    model = _probe_variants()[variant]()
+    compiled = variant == "compiled"
+    ids = torch.randint(0, 128, (1, TOKENS))
+    batch = {"input_ids": ids, "labels": ids}
+    expected = {"gemma3-mixed": [0, 1, 2, 1, 1, 5],  # two kinds: sliding (0, 1, 3, 4) and full (2, 5)
+                "lora-some-layers": [0, 1, 2],  # layers 0 and 2 adapted, 1 not: each measured
+                "gemma2": [0, 1, 2], "llama-tied": [0, 1]}  # alternating kinds; two layers
+    assert _representatives(decoder_layers(model)) == expected.get(variant, [0, 1, 1])
+    fast = probe_training_memory(model, batch, compiled=compiled)
+    every = probe_training_memory(model, batch, compiled=compiled, every_layer=True)
+    assert fast == every
+    torch._dynamo.reset()
+
+
 def _measured_layers():
     model = build("llama")
     ids = torch.randint(0, 128, (1, TOKENS))

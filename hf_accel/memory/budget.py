@@ -196,8 +196,11 @@ class MemoryBudget(CheckpointingPolicy):
         model.train()
         try:
             with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
-                self.probe = probe_training_memory(model, batch, compiled=self.compiled,
-                                                   backward=self.sharding is None)
+                # a sharded model runs every layer: its engine's hooks (ZeRO-3 traces the order of the first forward's
+                # modules to prefetch) should see the forward training runs
+                sharded = self.sharding is not None
+                self.probe = probe_training_memory(model, batch, compiled=self.compiled, backward=not sharded,
+                                                   every_layer=sharded)
         finally:
             model.train(was_training)
         grads = gradient_bytes(model, decoder_layers(model), self.sharding) if self.grads_freed else None

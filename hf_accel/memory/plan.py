@@ -1,7 +1,8 @@
 """Checkpointing under a memory budget: measure what each decoder layer keeps, then plan per-layer choices.
 
 - `probe_layer_activations(model, batch)`: one forward on a real batch, counting the bytes autograd saves per
-  decoder layer (`saved_tensors_hooks`) and what op-level / full checkpointing would keep instead.
+  decoder layer (`saved_tensors_hooks`) and what op-level / full checkpointing would keep instead; layers of one
+  kind save alike, so it runs two of each kind and passes the hidden states through the rest.
 - `layer_backward_bytes(model, batch, layer)`: what one layer's backward makes on top of its saved tensors (the
   gradients of its intermediates), which every plan adds to each layer's backward.
 - `live_activation_bytes(model, batch)`: every storage a forward leaves alive (the reference for policies' claims).
@@ -62,7 +63,8 @@ def probe_layer_activations(model: nn.Module, batch: dict, layers: Sequence[nn.M
 
 
 def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Module] | None = None,
-                          save_ops: frozenset | None = None, compiled: bool = False, backward: bool = True) -> Probe:
+                          save_ops: frozenset | None = None, compiled: bool = False, backward: bool = True,
+                          every_layer: bool = False) -> Probe:
     """``probe_layer_activations`` plus the loss tail's peak (see ``Probe``), from the same forward, run eagerly
     (``torch.compiler.set_stance("force_eager")``).
 
@@ -72,37 +74,101 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     layer's no-checkpointing (and recompute) bytes; op-level layers, which run eagerly, keep the eager figures.
 
     backward: also measure what one layer's backward makes on top of its saved tensors (``layer_backward_bytes``);
-    False leaves it at 0 (a sharded model, whose layer backward alone would start its collectives)."""
+    False leaves it at 0 (a sharded model, whose layer backward alone would start its collectives).
+
+    Layers alike in every respect (``_representatives``) save alike: the forwards run the first two of each kind and
+    pass the hidden states through the others, whose figures are the second one's (the first may also hold what
+    the model hands every layer, such as rotary tables). At long context that is most of the probe's time (Llama-3-8B
+    at 344k tokens: two forwards of ~60 s each on an H200). ``every_layer``: run them all."""
     from .targets import decoder_layers, default_save_ops
 
     layers = list(layers if layers is not None else decoder_layers(model))
+    stands_for = list(range(len(layers))) if every_layer else _representatives(layers)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     counter = _SavedBytes(len(layers), params)
     tally = _ForwardTally(counter, save_ops if save_ops is not None else default_save_ops(), params)
-    flags = [layer.gradient_checkpointing for layer in layers]
     handles = []
     try:
         for i, layer in enumerate(layers):
-            layer.gradient_checkpointing = False
             handles.append(layer.register_forward_pre_hook(tally.entering(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(tally.leave))
-        with torch.enable_grad(), counter.hooks(), tally, torch.compiler.set_stance("force_eager"):
+        with _passing_through(layers, stands_for, lambda i: tally.leave()), torch.enable_grad(), counter.hooks(), \
+                tally, torch.compiler.set_stance("force_eager"):
             out = model(**batch)
         del out
     finally:
         for handle in handles:
             handle.remove()
-        for layer, flag in zip(layers, flags):
-            layer.gradient_checkpointing = flag
-    op_out, inputs, tail_peak = tally.op_out, tally.inputs, tally.tail_peak
-    saved = counter.saved
+
+    def each(figures: list[int]) -> list[int]:
+        return [figures[j] for j in stands_for]
+
+    op_out, inputs, tail_peak = each(tally.op_out), each(tally.inputs), tally.tail_peak
+    saved = each(counter.saved)
     backward = layer_backward_bytes(model, batch, layers[0], compiled) if layers and backward else 0
     if not compiled:
         return Probe([LayerActivation(s, i + o, i, backward_bytes=backward)
                       for s, o, i in zip(saved, op_out, inputs)], tail_peak)
-    bound = _bound_saved_bytes(model, batch, layers, params)
+    bound = each(_bound_saved_bytes(model, batch, layers, params, stands_for))
     return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s, backward_bytes=backward)
                   for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak)
+
+
+def _representatives(layers: Sequence[nn.Module]) -> list[int]:
+    """For each layer, the index of the layer whose probe figures stand for it: itself for the first two layers of
+    each kind (``_layer_kind``), the second of its kind for the others."""
+    seen: dict[tuple, list[int]] = {}
+    stands_for = []
+    for i, layer in enumerate(layers):
+        kind = seen.setdefault(_layer_kind(layer), [])
+        kind.append(i)
+        stands_for.append(i if len(kind) <= 2 else kind[1])
+    return stands_for
+
+
+def _layer_kind(layer: nn.Module) -> tuple:
+    """What decides the tensors a decoder layer saves, module by module: its class, its plain settings (attention
+    type, sliding window, scaling, dropout: every int, float, str, bool or None it holds but its index), its
+    parameters' and buffers' shapes, dtypes and trainability, and what hf_accel or a user bound on it (an instance
+    forward, a compiled call, hooks). Two layers of one kind differ only in their weights' values and index."""
+    from .targets import CALL_SLOT
+
+    kind = []
+    for name, module in layer.named_modules():
+        plain = tuple(sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and "idx" not in k
+                             and "index" not in k and isinstance(v, (int, float, str, bool, type(None)))))
+        tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                        for n, t in itertools.chain(module.named_parameters(recurse=False),
+                                                    module.named_buffers(recurse=False)))
+        bound = tuple(type(module.__dict__.get(slot)).__name__ for slot in ("forward", CALL_SLOT))
+        hooks = (len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks))
+        kind.append((name, type(module), plain, tensors, bound, hooks))
+    return tuple(kind)
+
+
+@contextlib.contextmanager
+def _passing_through(layers: Sequence[nn.Module], stands_for: Sequence[int], on_pass=lambda i: None):
+    """Each layer that another stands for (``stands_for[i] != i``) returns the hidden states it is given, in the form
+    its kind returns them (a tensor, or a tuple led by them, as the last layer that ran returned), and calls
+    ``on_pass(i)``; every layer's checkpointing is off. The call slots and flags are restored exactly on exit."""
+    last = {}
+
+    def wrap(i: int, layer: nn.Module, call):
+        if stands_for[i] == i:
+            def run(*args, **kwargs):
+                out = last["out"] = call(*args, **kwargs)
+                return out
+            return run
+
+        def through(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            on_pass(i)
+            out = last["out"]
+            return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+        return through
+
+    with _calls_wrapped(layers, wrap):
+        yield
 
 
 class _Measured(Exception):
@@ -253,7 +319,7 @@ class _ForwardTally(TorchDispatchMode):
             self.counter.layer = index
         return hook
 
-    def leave(self, module, args, output):
+    def leave(self, *_):
         self.counter.layer = None
         self.left += 1
 
@@ -288,8 +354,10 @@ class _SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module], params: set[int]) -> list[int]:
-    """Per decoder layer, the bytes autograd saves when the layers run as bound (compiled ones through their graphs).
+def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module], params: set[int],
+                       stands_for: Sequence[int]) -> list[int]:
+    """Per decoder layer, the bytes autograd saves when the layers run as bound (compiled ones through their graphs);
+    the layers another stands for pass their input through (``_passing_through``: 0 here).
 
     Each layer's call slot is wrapped for the forward (``_calls_wrapped``) so saved tensors are attributed to the
     layer running.
@@ -305,7 +373,8 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
                 counter.layer = None
         return run
 
-    with _calls_wrapped(layers, attributed), torch.enable_grad(), counter.hooks():
+    with _calls_wrapped(layers, attributed), _passing_through(layers, stands_for), torch.enable_grad(), \
+            counter.hooks():
         out = model(**batch)
     del out
     return counter.saved
