@@ -123,7 +123,7 @@ def _probe_variants():
 def test_probe_runs_one_layer_of_each_kind_and_measures_what_running_all_does(variant):
     """The probe's forwards run the first two layers of each kind and pass the others through (at long context most of
     its time): every figure, and the loss tail's peak, equals what running every layer measures."""
-    from hf_accel.memory.plan import _representatives
+    from hf_accel.memory.layer_kinds import representatives
 
     torch._dynamo.reset()
     model = _probe_variants()[variant]()
@@ -133,7 +133,7 @@ def test_probe_runs_one_layer_of_each_kind_and_measures_what_running_all_does(va
     expected = {"gemma3-mixed": [0, 1, 2, 1, 1, 5],  # two kinds: sliding (0, 1, 3, 4) and full (2, 5)
                 "lora-some-layers": [0, 1, 2],  # layers 0 and 2 adapted, 1 not: each measured
                 "gemma2": [0, 1, 2], "llama-tied": [0, 1]}  # alternating kinds; two layers
-    assert _representatives(decoder_layers(model)) == expected.get(variant, [0, 1, 1])
+    assert representatives(decoder_layers(model)) == expected.get(variant, [0, 1, 1])
     fast = probe_training_memory(model, batch, compiled=compiled)
     every = probe_training_memory(model, batch, compiled=compiled, every_layer=True)
     assert fast == every

@@ -250,24 +250,14 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     chunks, a layer holds one chunk's MLP intermediates.
     """
     config = load_config(config_or_path)
-    if dtype not in DTYPE_BYTES:
-        raise ConfigurationError(f"unknown dtype {dtype!r}; allowed: {sorted(DTYPE_BYTES)}.")
-    if base_4bit and not lora_rank:
-        raise ConfigurationError("a 4-bit base is frozen and trains LoRA adapters (QLoRA): pass lora_rank "
-                                 "(estimate-memory --lora-rank 16).")
-    if nested_quant and not base_4bit:
-        raise ConfigurationError("nested_quant describes a 4-bit base: pass base_4bit=True too (--load-in-4bit).")
-    if loss not in ("fused", "full"):
-        raise ConfigurationError(f"unknown loss {loss!r}: 'fused' (patch()'s default on CUDA) or 'full' (the stock "
-                                 "loss over the whole logits).")
+    _check_arguments(dtype, lora_rank, base_4bit, nested_quant, loss)
     b = 4 if base_4bit else DTYPE_BYTES[dtype]  # the kbit preparation: fp32 outside the 4-bit linears
     targets = tuple(lora_targets or _family(config).lora_targets)
     counted = _count_parameters(config, lora_rank, targets)
     params, lora = counted.total, counted.lora
-    weight_bytes = params * b
     quantized = sum(counted.linear_weights) if base_4bit else 0
-    if base_4bit:
-        weight_bytes = (params - quantized) * 4 + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights)
+    weight_bytes = params * b if not base_4bit else (
+        (params - quantized) * 4 + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights))
     trainable, train_bytes = (lora, 4) if lora_rank else (params, b)
     per_token, mlp_per_token = _layer_bytes(config, b, lora_rank, counted.adapted)
     state = trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)  # gradients, optimizer
@@ -304,6 +294,20 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         peak_bytes=peak, notes=notes, host_bytes=sum(layer.full_bytes for c in choices if c == "offload"),
         loss_label="fused loss (a chunk of logits)" if loss == "fused" else "logits + loss",
     )
+
+
+def _check_arguments(dtype: str, lora_rank: int | None, base_4bit: bool, nested_quant: bool, loss: str) -> None:
+    """estimate_training_memory's arguments that do not fit together, refused with what to pass instead."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigurationError(f"unknown dtype {dtype!r}; allowed: {sorted(DTYPE_BYTES)}.")
+    if base_4bit and not lora_rank:
+        raise ConfigurationError("a 4-bit base is frozen and trains LoRA adapters (QLoRA): pass lora_rank "
+                                 "(estimate-memory --lora-rank 16).")
+    if nested_quant and not base_4bit:
+        raise ConfigurationError("nested_quant describes a 4-bit base: pass base_4bit=True too (--load-in-4bit).")
+    if loss not in ("fused", "full"):
+        raise ConfigurationError(f"unknown loss {loss!r}: 'fused' (patch()'s default on CUDA) or 'full' (the stock "
+                                 "loss over the whole logits).")
 
 
 def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:

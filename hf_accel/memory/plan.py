@@ -22,6 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # loaded by `import
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .layer_kinds import calls_wrapped, passing_through, representatives
 from .planner import (CHECKPOINTED, DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED,  # noqa: F401 (re-exported)
                       CheckpointPlan, GradientBytes, LayerActivation, format_bytes, layer_peaks,
                       longest_feasible_tokens, parse_bytes, plan_checkpointing, plan_cost, plan_peak_bytes)
@@ -76,14 +77,14 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     backward: also measure what one layer's backward makes on top of its saved tensors (``layer_backward_bytes``);
     False leaves it at 0 (a sharded model, whose layer backward alone would start its collectives).
 
-    Layers alike in every respect (``_representatives``) save alike: the forwards run the first two of each kind and
+    Layers alike in every respect (``layer_kinds.representatives``) save alike: the forwards run the first two of each kind and
     pass the hidden states through the others, whose figures are the second one's (the first may also hold what
     the model hands every layer, such as rotary tables). At long context that is most of the probe's time (Llama-3-8B
     at 344k tokens: two forwards of ~60 s each on an H200). ``every_layer``: run them all."""
     from .targets import decoder_layers, default_save_ops
 
     layers = list(layers if layers is not None else decoder_layers(model))
-    stands_for = list(range(len(layers))) if every_layer else _representatives(layers)
+    stands_for = list(range(len(layers))) if every_layer else representatives(layers)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     counter = _SavedBytes(len(layers), params)
     tally = _ForwardTally(counter, save_ops if save_ops is not None else default_save_ops(), params)
@@ -92,7 +93,7 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
         for i, layer in enumerate(layers):
             handles.append(layer.register_forward_pre_hook(tally.entering(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(tally.leave))
-        with _passing_through(layers, stands_for, lambda i: tally.leave()), torch.enable_grad(), counter.hooks(), \
+        with passing_through(layers, stands_for, lambda i: tally.leave()), torch.enable_grad(), counter.hooks(), \
                 tally, torch.compiler.set_stance("force_eager"):
             out = model(**batch)
         del out
@@ -112,63 +113,6 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     bound = each(_bound_saved_bytes(model, batch, layers, params, stands_for))
     return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s, backward_bytes=backward)
                   for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak)
-
-
-def _representatives(layers: Sequence[nn.Module]) -> list[int]:
-    """For each layer, the index of the layer whose probe figures stand for it: itself for the first two layers of
-    each kind (``_layer_kind``), the second of its kind for the others."""
-    seen: dict[tuple, list[int]] = {}
-    stands_for = []
-    for i, layer in enumerate(layers):
-        kind = seen.setdefault(_layer_kind(layer), [])
-        kind.append(i)
-        stands_for.append(i if len(kind) <= 2 else kind[1])
-    return stands_for
-
-
-def _layer_kind(layer: nn.Module) -> tuple:
-    """What decides the tensors a decoder layer saves, module by module: its class, its plain settings (attention
-    type, sliding window, scaling, dropout: every int, float, str, bool or None it holds but its index), its
-    parameters' and buffers' shapes, dtypes and trainability, and what hf_accel or a user bound on it (an instance
-    forward, a compiled call, hooks). Two layers of one kind differ only in their weights' values and index."""
-    from .targets import CALL_SLOT
-
-    kind = []
-    for name, module in layer.named_modules():
-        plain = tuple(sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and "idx" not in k
-                             and "index" not in k and isinstance(v, (int, float, str, bool, type(None)))))
-        tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
-                        for n, t in itertools.chain(module.named_parameters(recurse=False),
-                                                    module.named_buffers(recurse=False)))
-        bound = tuple(type(module.__dict__.get(slot)).__name__ for slot in ("forward", CALL_SLOT))
-        hooks = (len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks))
-        kind.append((name, type(module), plain, tensors, bound, hooks))
-    return tuple(kind)
-
-
-@contextlib.contextmanager
-def _passing_through(layers: Sequence[nn.Module], stands_for: Sequence[int], on_pass=lambda i: None):
-    """Each layer that another stands for (``stands_for[i] != i``) returns the hidden states it is given, in the form
-    its kind returns them (a tensor, or a tuple led by them, as the last layer that ran returned), and calls
-    ``on_pass(i)``; every layer's checkpointing is off. The call slots and flags are restored exactly on exit."""
-    last = {}
-
-    def wrap(i: int, layer: nn.Module, call):
-        if stands_for[i] == i:
-            def run(*args, **kwargs):
-                out = last["out"] = call(*args, **kwargs)
-                return out
-            return run
-
-        def through(*args, **kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            on_pass(i)
-            out = last["out"]
-            return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
-        return through
-
-    with _calls_wrapped(layers, wrap):
-        yield
 
 
 class _Measured(Exception):
@@ -227,7 +171,7 @@ def layer_backward_bytes(model: nn.Module, batch: dict, layer: nn.Module, compil
         return measure
 
     try:
-        with _calls_wrapped([layer], measuring), torch.enable_grad():
+        with calls_wrapped([layer], measuring), torch.enable_grad():
             model(**batch)
     except _Measured:
         pass
@@ -357,9 +301,9 @@ class _SavedBytes:
 def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module], params: set[int],
                        stands_for: Sequence[int]) -> list[int]:
     """Per decoder layer, the bytes autograd saves when the layers run as bound (compiled ones through their graphs);
-    the layers another stands for pass their input through (``_passing_through``: 0 here).
+    the layers another stands for pass their input through (``layer_kinds.passing_through``: 0 here).
 
-    Each layer's call slot is wrapped for the forward (``_calls_wrapped``) so saved tensors are attributed to the
+    Each layer's call slot is wrapped for the forward (``layer_kinds.calls_wrapped``) so saved tensors are attributed to the
     layer running.
     """
     counter = _SavedBytes(len(layers), params)
@@ -373,35 +317,11 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
                 counter.layer = None
         return run
 
-    with _calls_wrapped(layers, attributed), _passing_through(layers, stands_for), torch.enable_grad(), \
+    with calls_wrapped(layers, attributed), passing_through(layers, stands_for), torch.enable_grad(), \
             counter.hooks():
         out = model(**batch)
     del out
     return counter.saved
-
-
-@contextlib.contextmanager
-def _calls_wrapped(layers: Sequence[nn.Module], wrap):
-    """Each layer's call slot replaced by ``wrap(index, layer, call)``, ``call`` being how the layer runs as bound (its
-    compiled training call, else ``layer._call_impl``), and its checkpointing flag off; both restored exactly on exit.
-    Module hooks would run inside a compiled region: the slot is the one place outside it."""
-    from .targets import CALL_SLOT
-
-    missing = object()
-    previous = [layer.__dict__.get(CALL_SLOT, missing) for layer in layers]
-    flags = [layer.gradient_checkpointing for layer in layers]
-    try:
-        for i, (layer, call) in enumerate(zip(layers, previous)):
-            layer.gradient_checkpointing = False
-            layer.__dict__[CALL_SLOT] = wrap(i, layer, layer._call_impl if call is missing else call)
-        yield
-    finally:
-        for layer, call, flag in zip(layers, previous, flags):
-            if call is missing:
-                layer.__dict__.pop(CALL_SLOT, None)
-            else:
-                layer.__dict__[CALL_SLOT] = call
-            layer.gradient_checkpointing = flag
 
 
 def live_activation_bytes(model: nn.Module, batch: dict) -> int:

@@ -1,0 +1,89 @@
+"""Decoder layers' call slots, for the memory probe (``memory.plan``): which layers save alike (one kind), each
+layer's call wrapped (``calls_wrapped``), and the layers another stands for passing their input through
+(``passing_through``), so a probe forward runs two layers of each kind instead of all of them."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Sequence
+
+from torch import nn
+
+from .targets import CALL_SLOT
+
+
+def representatives(layers: Sequence[nn.Module]) -> list[int]:
+    """For each layer, the index of the layer whose probe figures stand for it: itself for the first two layers of
+    each kind (``layer_kind``), the second of its kind for the others."""
+    seen: dict[tuple, list[int]] = {}
+    stands_for = []
+    for i, layer in enumerate(layers):
+        kind = seen.setdefault(layer_kind(layer), [])
+        kind.append(i)
+        stands_for.append(i if len(kind) <= 2 else kind[1])
+    return stands_for
+
+
+def layer_kind(layer: nn.Module) -> tuple:
+    """What decides the tensors a decoder layer saves, module by module: its class, its plain settings (attention
+    type, sliding window, scaling, dropout: every int, float, str, bool or None it holds but its index), its
+    parameters' and buffers' shapes, dtypes and trainability, and what hf_accel or a user bound on it (an instance
+    forward, a compiled call, hooks). Two layers of one kind differ only in their weights' values and index."""
+    kind = []
+    for name, module in layer.named_modules():
+        plain = tuple(sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and "idx" not in k
+                             and "index" not in k and isinstance(v, (int, float, str, bool, type(None)))))
+        tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                        for n, t in itertools.chain(module.named_parameters(recurse=False),
+                                                    module.named_buffers(recurse=False)))
+        bound = tuple(type(module.__dict__.get(slot)).__name__ for slot in ("forward", CALL_SLOT))
+        hooks = (len(module._forward_hooks), len(module._forward_pre_hooks), len(module._backward_hooks))
+        kind.append((name, type(module), plain, tensors, bound, hooks))
+    return tuple(kind)
+
+
+@contextlib.contextmanager
+def passing_through(layers: Sequence[nn.Module], stands_for: Sequence[int], on_pass=lambda i: None):
+    """Each layer that another stands for (``stands_for[i] != i``) returns the hidden states it is given, in the form
+    its kind returns them (a tensor, or a tuple led by them, as the last layer that ran returned), and calls
+    ``on_pass(i)``; every layer's checkpointing is off. The call slots and flags are restored exactly on exit."""
+    last = {}
+
+    def wrap(i: int, layer: nn.Module, call):
+        if stands_for[i] == i:
+            def run(*args, **kwargs):
+                out = last["out"] = call(*args, **kwargs)
+                return out
+            return run
+
+        def through(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            on_pass(i)
+            out = last["out"]
+            return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+        return through
+
+    with calls_wrapped(layers, wrap):
+        yield
+
+
+@contextlib.contextmanager
+def calls_wrapped(layers: Sequence[nn.Module], wrap):
+    """Each layer's call slot replaced by ``wrap(index, layer, call)``, ``call`` being how the layer runs as bound (its
+    compiled training call, else ``layer._call_impl``), and its checkpointing flag off; both restored exactly on exit.
+    Module hooks would run inside a compiled region: the slot is the one place outside it."""
+    missing = object()
+    previous = [layer.__dict__.get(CALL_SLOT, missing) for layer in layers]
+    flags = [layer.gradient_checkpointing for layer in layers]
+    try:
+        for i, (layer, call) in enumerate(zip(layers, previous)):
+            layer.gradient_checkpointing = False
+            layer.__dict__[CALL_SLOT] = wrap(i, layer, layer._call_impl if call is missing else call)
+        yield
+    finally:
+        for layer, call, flag in zip(layers, previous, flags):
+            if call is missing:
+                layer.__dict__.pop(CALL_SLOT, None)
+            else:
+                layer.__dict__[CALL_SLOT] = call
+            layer.gradient_checkpointing = flag
