@@ -14,6 +14,7 @@ the longest micro-batch this one holds. Before refusing a length that patch()'s 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
@@ -149,6 +150,7 @@ class MemoryBudget(CheckpointingPolicy):
         batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens or DEFAULT_PROBE_TOKENS, device)
         self.budget_bytes_resolved = budget
         tokens = batch["input_ids"].numel()
+        started = time.perf_counter()
         planning = self._plan(model, batch, run, device, modes, budget)
         chunked = None
         if not self.plan.fits and _auto_leaves_unchunked(model, tokens):
@@ -169,7 +171,8 @@ class MemoryBudget(CheckpointingPolicy):
         sharded = "" if self.sharding is None else (
             f", the training state as one of {self.sharding.world_size} {self.sharding.engine} processes holds it")
         text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
-                f"head peak {format_bytes(self.probe.tail_peak_bytes)}{sharded}):\n{self.plan.table()}")
+                f"head peak {format_bytes(self.probe.tail_peak_bytes)}{sharded}; probed and planned in "
+                f"{time.perf_counter() - started:.1f} s):\n{self.plan.table()}")
         if "offload" in modes:
             text += (f"\nhost memory: {format_bytes(self.plan.host_bytes)} of pinned copies needed, "
                      f"{format_bytes(planning['host_budget_bytes'])} allowed" + (
