@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_accel.errors import ConfigurationError
 from hf_accel.memory.budget import MemoryBudget, host_available_bytes
@@ -280,8 +281,9 @@ def _probe_sizes(model, batch):
 
 
 def test_refusal_names_the_longest_feasible_length():
-    """A budget no plan meets for the batch raises before training, naming the longest micro-batch it holds: the
-    planner's longest length for the probed sizes, below the batch's; a budget plan just under that length fits."""
+    """A budget no plan meets for the batch raises before training, naming the longest micro-batch it holds: at most
+    the planner's longest length for the probed sizes (below the batch's), confirmed by a probe at that length, so a
+    budget plan at that length fits."""
     tokens = 512
     batch = _tokens_batch(tokens)
     model = tiny_llama()
@@ -295,14 +297,48 @@ def test_refusal_names_the_longest_feasible_length():
     named = int(re.search(r"at most ([0-9,]+) tokens", str(err.value)).group(1).replace(",", ""))
     expected = longest_feasible_tokens(layers, tokens, fixed_bytes=fixed, budget_bytes=budget, extra_bytes=tail,
                                        modes=("none", "op", "full", "spaced"), host_budget_bytes=0)
-    assert 0 < named == expected < tokens
-    # a probe at a length just under it fits (at the length itself a few bytes that do not scale, such as the loss's
-    # scalars, can tip it: real budgets keep 3% headroom)
-    shorter = MemoryBudget(budget=budget, sample_batch=_tokens_batch(named * 95 // 100), headroom=0.0, verbose=False)
-    shorter.apply(model)
-    assert shorter.plan.fits
+    assert 0.9 * expected < named <= expected < tokens and "a probe at that length fits" in str(err.value)
+    at = MemoryBudget(budget=budget, sample_batch=_tokens_batch(named), headroom=0.0, verbose=False)
+    at.apply(model)
+    assert at.plan.fits
     with pytest.raises(ConfigurationError, match="the training state alone is over the budget"):
         MemoryBudget(budget=fixed // 2, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
+
+
+def test_refusal_names_a_length_whose_own_plan_fits(monkeypatch):
+    """Part of what a step holds does not shrink with its tokens: the fused loss's chunk of logits (a fixed number of
+    rows) and a layer's backward working set at most stay as probed. The longest length a refusal names keeps them
+    at the probed length's size, so a plan probed at exactly that length fits (scaled down with the tokens, they
+    named a length whose own probe did not fit)."""
+    from hf_accel.fused import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "auto_chunk_size", lambda *args, **kwargs: 64)  # a chunk that stays
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).train()  # torch's CPU sdpa: layers linear in tokens, as flash attention's are
+    cross_entropy.bind_fused_loss(model)  # the loss patch() binds: its tail is mostly the chunk's logits
+    tokens = 1024
+    ids = torch.randint(0, 8192, (1, tokens), generator=torch.Generator().manual_seed(2))
+    layers, fixed, tail = _probe_sizes(model, {"input_ids": ids, "labels": ids, "use_cache": False})
+    modes = ("none", "op", "full", "spaced")
+    leanest = plan_checkpointing(layers, fixed_bytes=fixed, budget_bytes=0, extra_bytes=tail,
+                                 modes=modes).predicted_peak_bytes
+    budget = (leanest + fixed + tail) // 2  # over the loss's chunk: the layers' part decides the length
+
+    def policy(n):
+        batch = {"input_ids": ids[:, :n], "labels": ids[:, :n], "use_cache": False}
+        return MemoryBudget(budget=budget, sample_batch=batch, headroom=0.0, verbose=False, offload=False)
+
+    with pytest.raises(ConfigurationError, match=r"train on at most ([0-9,]+) tokens per micro-batch") as err:
+        policy(tokens).apply(model)
+    named = int(re.search(r"at most ([0-9,]+) tokens", str(err.value)).group(1).replace(",", ""))
+    assert 0 < named < tokens and "a probe at that length fits" in str(err.value)
+    fits = policy(named)
+    fits.apply(model)
+    assert fits.plan.fits
+    with pytest.raises(ConfigurationError):  # and it is about the longest: 5% more does not fit
+        policy(named * 105 // 100).apply(model)
 
 
 def test_budget_chunks_the_mlps_auto_leaves_unchunked_before_refusing(capsys):

@@ -139,7 +139,7 @@ class MemoryBudget(CheckpointingPolicy):
         return value
 
     def apply(self, model: nn.Module, context: RunContext | None = None) -> None:
-        from .plan import format_bytes, longest_feasible_tokens
+        from .plan import format_bytes
 
         run = self.context_for(context)
         for name in _RUN_FACTS:  # what this plan is made for, readable on the policy
@@ -159,9 +159,10 @@ class MemoryBudget(CheckpointingPolicy):
             chunked = mlp_chunks.chunk_every_long_call(model)
             planning = self._plan(model, batch, run, device, modes, budget)
         if not self.plan.fits:
+            longest, checked = self._longest(model, run, device, tokens, planning)
             mlp_chunks.restore_bound(model)
-            longest = longest_feasible_tokens(self.probe.layers, tokens, **planning)
-            raise BudgetExceeded(self._refusal(budget, tokens, planning["grads"] is None, longest, chunked), longest,
+            why = self._refusal(budget, tokens, planning["grads"] is None, longest, checked, chunked)
+            raise BudgetExceeded(why, longest,
                                  f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
         try:
             _check_host_memory(self.plan, self.budget)
@@ -191,21 +192,11 @@ class MemoryBudget(CheckpointingPolicy):
               budget: int) -> dict:
         """Probe the forward on `batch` (``self.probe``) and plan for the budget (``self.plan``); the planning
         arguments."""
-        from .plan import RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, plan_checkpointing, probe_training_memory
+        from .plan import RECOMPUTE_COST, RECOMPUTE_COST_COMPILED, plan_checkpointing
         from .state import gradient_bytes, training_state_bytes
         from .targets import decoder_layers
 
-        was_training = model.training
-        model.train()
-        try:
-            with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
-                # a sharded model runs every layer: its engine's hooks (ZeRO-3 traces the order of the first forward's
-                # modules to prefetch) should see the forward training runs
-                sharded = self.sharding is not None
-                self.probe = probe_training_memory(model, batch, compiled=self.compiled, backward=not sharded,
-                                                   every_layer=sharded)
-        finally:
-            model.train(was_training)
+        self.probe = self._probe(model, batch, run, device)
         grads = gradient_bytes(model, decoder_layers(model), self.sharding) if self.grads_freed else None
         planning = dict(fixed_bytes=training_state_bytes(model, self.optimizer, grads=grads is None,
                                                          sharding=self.sharding),
@@ -215,7 +206,45 @@ class MemoryBudget(CheckpointingPolicy):
         self.plan = plan_checkpointing(self.probe.layers, **planning)
         return planning
 
-    def _refusal(self, budget: int, tokens: int, grads_counted: bool, longest: int,
+    def _probe(self, model: nn.Module, batch: dict, run: RunContext, device: torch.device):
+        """One probe (``plan.probe_training_memory``) of `batch` as training runs it: train mode, its autocast."""
+        from .plan import probe_training_memory
+
+        was_training = model.training
+        model.train()
+        try:
+            with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
+                # a sharded model runs every layer: its engine's hooks (ZeRO-3 traces the order of the first forward's
+                # modules to prefetch) should see the forward training runs
+                sharded = self.sharding is not None
+                return probe_training_memory(model, batch, compiled=self.compiled, backward=not sharded,
+                                             every_layer=sharded)
+        finally:
+            model.train(was_training)
+
+    def _longest(self, model: nn.Module, run: RunContext, device: torch.device, tokens: int,
+                 planning: dict) -> tuple[int, bool]:
+        """The longest micro-batch under `tokens` this budget holds, and whether a probe at that length confirmed it.
+        The probe's sizes scaled linearly name a length; part of a step does not shrink with its tokens (a fused
+        loss's chunk of logits, a chunked MLP's chunk), so a probe at that length (random tokens in one row) checks
+        it, and where no plan fits there, the sizes taken as affine through the last two probes name a shorter one
+        (LONGEST_CHECKS probes at most)."""
+        from .plan import longest_feasible_tokens, plan_checkpointing
+
+        length = longest_feasible_tokens(self.probe.layers, tokens, **planning)
+        before = (tokens, self.probe)
+        for _ in range(LONGEST_CHECKS):
+            if not length:
+                break
+            probe = self._probe(model, _synthetic_batch(model, length, device), run, device)
+            if plan_checkpointing(probe.layers, **{**planning, "extra_bytes": probe.tail_peak_bytes}).fits:
+                return length, True
+            layers_at, extra_at = _affine(before, (length, probe))
+            before, length = (length, probe), longest_feasible_tokens(
+                layers_at, length, **{**planning, "extra_bytes": extra_at, "upper": length - 1})
+        return length, False
+
+    def _refusal(self, budget: int, tokens: int, grads_counted: bool, longest: int, checked: bool,
                  chunked: mlp_chunks.MlpChunking | None) -> str:
         """Why no plan fits: the leanest plan's needs, the smallest budget that fits these tokens, and the longest
         micro-batch (document) this budget holds."""
@@ -230,8 +259,10 @@ class MemoryBudget(CheckpointingPolicy):
         if chunked is not None:  # (tried before refusing: chunk_every_long_call)
             host += f", every MLP call over {chunked.chunk_tokens:,} tokens chunked"
         if longest:
+            how = ("a probe at that length fits" if checked else
+                   f"the probe of {tokens:,} tokens scaled linearly, not confirmed by a probe at that length")
             shorter = (f"or train on at most {longest:,} tokens per micro-batch: about the longest document this "
-                       f"budget holds (activations scaled linearly from the probe of {tokens:,} tokens)")
+                       f"budget holds ({how})")
         else:
             shorter = "even an empty micro-batch does not fit: the training state alone is over the budget"
         return (f"checkpointing budget {self.budget} ({format_bytes(budget)}) cannot be met for {tokens:,} tokens per "
@@ -280,6 +311,7 @@ def plan_vs_peak(policy, peak_gib: float | None) -> dict[str, float]:
 
 _RUN_FACTS = ("batch_tokens", "sharding", "grads_freed", "compiled", "autocast")  # RunContext's fields
 DEFAULT_PROBE_TOKENS = 2048
+LONGEST_CHECKS = 3  # probes a refusal may run to confirm the longest length it names
 HOST_SHARE = 0.8  # an offloading plan may use at most this share of the host memory available when it is made
 
 
@@ -357,6 +389,28 @@ def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dic
     input_ids = torch.randint(0, vocab, (1, tokens), device=device)
     position_ids = torch.arange(tokens, device=device)[None]
     return {"input_ids": input_ids, "labels": input_ids.clone(), "position_ids": position_ids, "use_cache": False}
+
+
+def _affine(a: tuple, b: tuple):
+    """The sizes of two probes (tokens, plan.Probe) as affine functions of the tokens: each layer's figures and the
+    loss tail through both points (at least 0; nothing at 0 tokens)."""
+    from .plan import LayerActivation
+
+    (ta, pa), (tb, pb) = a, b
+
+    def at(t: int, fa: int | None, fb: int | None) -> int | None:
+        if fa is None or fb is None:
+            return None
+        return 0 if t == 0 else max(fb + (fa - fb) * (t - tb) // (ta - tb), 0)
+
+    def layers_at(t: int) -> list:
+        return [LayerActivation(*(at(t, getattr(la, f), getattr(lb, f)) for f in _LAYER_FIELDS))
+                for la, lb in zip(pa.layers, pb.layers)]
+
+    return layers_at, lambda t: at(t, pa.tail_peak_bytes, pb.tail_peak_bytes)
+
+
+_LAYER_FIELDS = ("none_bytes", "op_bytes", "full_bytes", "eager_none_bytes", "backward_bytes")
 
 
 def _auto_leaves_unchunked(model: nn.Module, tokens: int) -> bool:
