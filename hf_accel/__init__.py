@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 _LAZY = {  # public name -> module that defines it
     "format_backends": ".attention.kernels", "list_backends": ".attention.kernels",
-    "PatchOptions": ".patch_options", "PatchReport": ".patching", "patch": ".patching", "patch_report": ".patching", "unpatch": ".patching",
+    "PatchOptions": ".patch_options", "PatchReport": ".report", "patch": ".patching", "patch_report": ".patching", "unpatch": ".patching",
     "DataCollatorForPacking": ".data.collators", "DataCollatorForPadding": ".data.collators",
     "LengthGroupedBatchSampler": ".data.sampling", "TokenBudgetBatchSampler": ".data.sampling",
     "policy_from_spec": ".memory.checkpointing", "RunContext": ".memory.context",

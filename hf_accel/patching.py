@@ -24,64 +24,12 @@ from .errors import ConfigurationError, UnsupportedModel
 from .kernel_choice import KernelChoice, choose, fp32_calls_note
 from .memory.context import RunContext
 from .patch_options import AUTO, PatchOptions, Speedup, resolve_speedups  # noqa: F401 (re-exported)
+from .report import PatchReport
 from .patches import Family, family_of
 
 logger = logging.getLogger("hf_accel")
 
 STATE_ATTR = "_hf_accel_state"
-
-
-@dataclass
-class PatchReport:
-    """What patch() did: which modules, which backend serves training calls, what was passed over and why."""
-
-    model_type: str
-    backend_requested: str
-    backend: str
-    selection: str
-    patched_modules: list[str]
-    touches: str
-    lora_targets: tuple[str, ...]
-    checkpointing: str | None = None
-    fused_ops: bool = False
-    fused_ce: bool = False
-    compiled_layers: int = 0
-    precision: str | None = None  # precision="fp8": what was converted and that it changes the computation
-    mlp_chunks: str = "off"  # what mlp_chunks resolved to, one line
-    speedups: list[str] = field(default_factory=list)  # one line per fused_ce / fused_ops / compile: chosen, and why
-    replaced_attn_implementation: str | None = None  # the model's attn_implementation ("eager", "sdpa"): it keeps it
-    attentions: str | None = None  # what runs a call asking for attention probabilities (output_attentions=True)
-    notes: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        lines = [
-            f"hf_accel: patched {len(self.patched_modules)} attention modules of a {self.model_type} model "
-            f"({self.touches})",
-            f"  backend: {self.selection}",
-            f"  LoRA targets for this family: {', '.join(self.lora_targets)}",
-        ]
-        if self.replaced_attn_implementation:
-            lines.append(f"  attn_implementation stays {self.replaced_attn_implementation!r} (what transformers reports "
-                         "and set_attn_implementation changes); hf_accel's kernel serves training calls and "
-                         "unpadded prefills, the reported implementation decode steps, compiled evaluation and, "
-                         "outside training, forwards whose padding mask fills a KV cache or hides a slot")
-        if self.attentions:
-            lines.append(f"  output_attentions=True runs {self.attentions}")
-        if self.checkpointing:
-            lines.append(f"  checkpointing: {self.checkpointing}")
-        if self.fused_ops:
-            lines.append("  fused ops: liger-kernel norms / SwiGLU bound to this instance")
-        if self.fused_ce:
-            lines.append("  fused cross-entropy: training loss from hidden states, no full logits")
-        lines.append(f"  mlp_chunks: {self.mlp_chunks}")
-        if self.precision:
-            lines.append(f"  precision: {self.precision}")
-        if self.compiled_layers:
-            lines.append(f"  compiled: {self.compiled_layers} decoder layers' training forwards (torch.compile, "
-                         "attention left to the kernel above)")
-        lines += [f"  {line}" for line in self.speedups]
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
