@@ -438,8 +438,8 @@ def test_offline_estimate_counts_chunked_mlps_past_the_auto_threshold():
     """Llama-3-8B QLoRA under an 80 GiB budget with 110 GiB of host memory (issue 40c's run): past the length where
     mlp_chunks="auto" chunks the MLPs (199,728 tokens) a layer keeps no MLP intermediates, so 344,064 tokens fit (the
     H200 ran them at 78.3 GiB; the estimate without chunks said 173,232 tokens at most) and the longest length named
-    for 393,216 lies past the threshold, where it fits and one token more does not. Just under the threshold the
-    MLPs run unchunked and do not fit: the verdict says so and names the chunk size that fits, which does."""
+    for 393,216 lies past the threshold, where it fits and one token more does not. Just under the threshold, where
+    auto's unchunked MLPs do not fit, the plan chunks them, as the run's budget does before refusing (and says so)."""
     from hf_accel.memory.estimate import estimate_training_memory
     from hf_accel.memory.mlp_chunks import auto_min_tokens
 
@@ -454,10 +454,11 @@ def test_offline_estimate_counts_chunked_mlps_past_the_auto_threshold():
     assert fits(344064) and not fits(344064, mlp_chunks=False)
     longest = int(re.search(r"holds is ([0-9,]+) tokens", estimate(393216).notes[-1]).group(1).replace(",", ""))
     assert threshold < longest < 393216 and fits(longest) and not fits(longest + 1)
-    verdict = estimate(threshold).notes[-1]
-    chunk = int(re.search(r"with mlp_chunks=(\d+) .* it fits$", verdict).group(1))
-    assert not fits(threshold) and fits(threshold, mlp_chunks=chunk)
-    assert "mlp_chunks=" not in estimate(450000).notes[-1]  # chunked already: no such advice
+    under = estimate(threshold)
+    assert fits(threshold) and not fits(threshold, mlp_chunks=False) and not fits(threshold, mlp_chunks=threshold)
+    assert "(the budget plan, as it does before refusing" in under.notes[-2]
+    assert under.peak_bytes == estimate(threshold, mlp_chunks=12288).peak_bytes  # every call over a chunk: chunked
+    assert "budget plan" not in estimate(344064).notes[-2]  # auto chunks that length itself
 
 
 def test_budget_honours_the_process_device_memory_cap(monkeypatch):

@@ -266,26 +266,33 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     width = _family(config).mlp_width(config)
     chunking = mlp_chunking.resolve(mlp_chunks, width, compute_bytes)  # what patch() binds (None: off)
 
-    def plan(chunking: mlp_chunking.MlpChunking | None) -> tuple[list[str], int]:
-        """The choices at batch_tokens and the longest micro-batch up to it that fits, with this MLP chunking."""
+    def plan(chunking: mlp_chunking.MlpChunking | None) -> tuple[list[str], int, LayerActivation, int]:
+        """With this MLP chunking: the choices at batch_tokens, the longest micro-batch up to it that fits, one layer
+        at batch_tokens and the plan's peak."""
         def layers_at(tokens: int) -> list[LayerActivation]:
             return [_layer_at(per_token, mlp_per_token, chunking, tokens)] * config.num_hidden_layers
 
         breaks = () if chunking is None else (max(chunking.min_tokens, chunking.chunk_tokens),)  # last unchunked
-        return _choices_for(checkpointing, layers_at, fixed, loss_at, device_bytes, host_bytes, batch_tokens, breaks)
+        choices, longest = _choices_for(checkpointing, layers_at, fixed, loss_at, device_bytes, host_bytes,
+                                        batch_tokens, breaks)
+        layer = layers_at(batch_tokens)[0]
+        return choices, longest, layer, plan_peak_bytes([layer] * len(choices), choices, fixed, loss_at(batch_tokens))
 
     loss_at = _loss_function(config, loss, b, compute_bytes, base_4bit)
-    choices, longest = plan(chunking)
-    layer, tail = _layer_at(per_token, mlp_per_token, chunking, batch_tokens), loss_at(batch_tokens)
-    peak = plan_peak_bytes([layer] * len(choices), choices, fixed, tail)
+    choices, longest, layer, peak = plan(chunking)
+    budget = _budget(checkpointing, device_bytes) if str(checkpointing).startswith("budget:") else None
+    if budget is not None and peak > budget and chunking is not None and chunking.auto and \
+            not chunking.chunk_at(batch_tokens):
+        # as the run's budget does before refusing a length auto leaves unchunked: chunk every MLP call over a chunk
+        every = mlp_chunking.MlpChunking(chunking.chunk_tokens, chunking.chunk_tokens, auto=True)
+        chunked = plan(every)
+        if chunked[3] <= budget:
+            chunking, (choices, longest, layer, peak) = every, chunked
+        longest = max(longest, chunked[1])
     notes = _notes(loss, quantized, nested_quant) + _mlp_chunks_note(chunking, batch_tokens, mlp_per_token)
-    if isinstance(checkpointing, str) and checkpointing.startswith("budget:"):
-        fits = peak <= _budget(checkpointing, device_bytes)
-        chunk = mlp_chunking.auto_chunk_tokens(width, compute_bytes)
-        # a length the setting leaves unchunked may fit with every length's MLP chunked
-        chunked_fits = not fits and batch_tokens > chunk and not (chunking and chunking.chunk_at(batch_tokens)) \
-            and plan(mlp_chunking.resolve(chunk, width, compute_bytes))[1] == batch_tokens
-        notes += (_budget_verdict(checkpointing[7:], batch_tokens, fits, longest, chunk if chunked_fits else 0),)
+    if budget is not None:
+        notes += (_budget_verdict(checkpointing[7:], batch_tokens, peak <= budget, longest),)
+    tail = loss_at(batch_tokens)
     return MemoryEstimate(
         config_name=str(config_or_path) if isinstance(config_or_path, str) else config.model_type, params=params + lora,
         trainable_params=trainable, param_bytes=weight_bytes + lora * 4, grad_bytes=trainable * train_bytes,
@@ -329,27 +336,25 @@ def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
 
 
 def _mlp_chunks_note(chunking: mlp_chunking.MlpChunking | None, tokens: int, mlp_per_token: int) -> tuple[str, ...]:
-    """At lengths where patch()'s mlp_chunks setting runs each MLP in token chunks, say how the estimate counts it."""
+    """At lengths where patch()'s mlp_chunks setting (or a budget plan, below auto's threshold) runs each MLP in
+    token chunks, say how the estimate counts it."""
     chunk = chunking.chunk_at(tokens) if chunking is not None else 0
     if not chunk:
         return ()
-    setting = "'auto'" if chunking.auto else chunk
-    return (f"at {tokens:,} tokens patch() runs each MLP in chunks of {chunk:,} tokens (mlp_chunks={setting}, "
-            f"over {chunking.min_tokens:,}): counted so, a layer holds one chunk's MLP intermediates "
-            f"({format_bytes(mlp_per_token * chunk)}) in its backward instead of every token's "
-            f"({format_bytes(mlp_per_token * tokens)}) from forward to backward",)
+    by = (f"mlp_chunks={chunk}" if not chunking.auto else "mlp_chunks='auto'" if chunking.min_tokens > chunk else
+          "the budget plan, as it does before refusing a length mlp_chunks='auto' leaves unchunked")
+    return (f"at {tokens:,} tokens each MLP runs in chunks of {chunk:,} tokens ({by}): counted so, a layer holds one "
+            f"chunk's MLP intermediates ({format_bytes(mlp_per_token * chunk)}) in its backward instead of every "
+            f"token's ({format_bytes(mlp_per_token * tokens)}) from forward to backward",)
 
 
-def _budget_verdict(budget: str, tokens: int, fits: bool, longest: int, chunk_to_fit: int) -> str:
-    """Whether the budget holds the micro-batch; if not, the longest that fits and, where chunking this length's
-    MLPs (``chunk_to_fit`` tokens a chunk; 0: it would not help) makes it fit, that."""
+def _budget_verdict(budget: str, tokens: int, fits: bool, longest: int) -> str:
+    """Whether the budget holds the micro-batch; if not, the longest that fits."""
     if fits:
         return f"budget {budget}: fits"
-    chunked = (f"; with mlp_chunks={chunk_to_fit} (patch()'s argument, the sft command's --mlp-chunks: every call "
-               f"over {chunk_to_fit:,} tokens chunked) it fits" if chunk_to_fit else "")
     return (f"budget {budget}: does NOT fit with any plan by this estimate (an upper bound, see above: the run's own "
             f"plan measures the real forward); the longest micro-batch of at most {tokens:,} tokens it holds is "
-            f"{longest:,} tokens{chunked}")
+            f"{longest:,} tokens")
 
 
 def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int, base_4bit: bool) -> Callable[[int], int]:
