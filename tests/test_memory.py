@@ -119,7 +119,8 @@ def _probe_variants():
     return variants
 
 
-@pytest.mark.parametrize("variant", list(_probe_variants()))
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v == "compiled" else v  # compiles
+                                     for v in _probe_variants()])
 def test_probe_runs_one_layer_of_each_kind_and_measures_what_running_all_does(variant):
     """The probe's forwards run the first two layers of each kind and pass the others through (at long context most of
     its time): every figure, and the loss tail's peak, equals what running every layer measures."""

@@ -262,6 +262,7 @@ def test_chunks_inside_compiled_layers():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # dynamo compiles
 def test_a_budget_s_chunking_reaches_compiled_layers(monkeypatch):
     """A memory budget may make auto's chunking cover every call over one chunk (``chunk_every_long_call``) after the
     layers were compiled, and put it back (``restore_bound``): the compiled layers follow each change (their graphs
