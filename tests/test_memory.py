@@ -696,6 +696,11 @@ def test_a_sharded_budget_plans_with_this_processs_share():
     shared.remove(model)
     assert shared.plan.fixed_bytes == sum(sharded_state_bytes(model, "adamw", True, sharding))
     assert shared.plan.fixed_bytes < whole.plan.fixed_bytes == training_state_bytes(model)
+    # refused, it names a length without probing it (each process would decide alone whether to probe again, and a
+    # probe of a sharded model gathers weights across all of them)
+    tight = shared.plan.fixed_bytes + (shared.plan.predicted_peak_bytes - shared.plan.fixed_bytes) // 4
+    with pytest.raises(ConfigurationError, match="not confirmed by a probe at that length"):
+        MemoryBudget(budget=tight, sample_batch=batch, verbose=False, sharding=sharding, headroom=0.0).apply(model)
 
 
 class _StepPeak:

@@ -228,12 +228,13 @@ class MemoryBudget(CheckpointingPolicy):
         The probe's sizes scaled linearly name a length; part of a step does not shrink with its tokens (a fused
         loss's chunk of logits, a chunked MLP's chunk), so a probe at that length (random tokens in one row) checks
         it, and where no plan fits there, the sizes taken as affine through the last two probes name a shorter one
-        (LONGEST_CHECKS probes at most)."""
+        (LONGEST_CHECKS probes at most; none for a sharded model)."""
         from .plan import longest_feasible_tokens, plan_checkpointing
 
         length = longest_feasible_tokens(self.probe.layers, tokens, **planning)
         before = (tokens, self.probe)
-        for _ in range(LONGEST_CHECKS):
+        # a sharded model's probes gather its weights across processes, which might not all need the same probes
+        for _ in range(LONGEST_CHECKS if self.sharding is None else 0):
             if not length:
                 break
             probe = self._probe(model, _synthetic_batch(model, length, device), run, device)
