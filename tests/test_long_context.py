@@ -345,9 +345,10 @@ def test_budget_chunks_the_mlps_auto_leaves_unchunked_before_refusing(capsys):
     """At a length mlp_chunks="auto" runs unchunked (under its threshold, for speed), a budget that no plan meets so
     but one does with the MLPs chunked chunks every MLP call over one chunk, says so, and trains with no
     checkpointing's gradients; removing the plan puts auto's chunking back. A budget under even that refuses, says
-    the chunking was tried, and leaves auto's chunking as it was."""
+    the chunking was tried, and leaves auto's chunking as it was; a sharded one refuses naming the setting."""
     from hf_accel.memory import mlp_chunks
     from hf_accel.memory.checkpointing import remove_checkpointing
+    from hf_accel.memory.estimate import Sharding
 
     tokens, chunk = 256, 32
     batch = _tokens_batch(tokens)
@@ -379,6 +380,13 @@ def test_budget_chunks_the_mlps_auto_leaves_unchunked_before_refusing(capsys):
     assert all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps)
     with pytest.raises(ConfigurationError, match="every MLP call over 32 tokens chunked"):
         MemoryBudget(budget=chunked - 1, sample_batch=batch, headroom=0.0, verbose=False).apply(model)
+    assert all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps)
+    # sharded, each process would decide alone whether to probe again (a probe gathers weights across all of them):
+    # it refuses and names the setting instead
+    sharded = MemoryBudget(budget=(chunked + unchunked) // 2, sample_batch=batch, headroom=0.0, verbose=False,
+                           sharding=Sharding("fsdp2", 1, None))
+    with pytest.raises(ConfigurationError, match=r"patch\(model, mlp_chunks=32\) chunks them here too"):
+        sharded.apply(model)
     assert all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps)
 
 

@@ -152,8 +152,8 @@ class MemoryBudget(CheckpointingPolicy):
         tokens = batch["input_ids"].numel()
         started = time.perf_counter()
         planning = self._plan(model, batch, run, device, modes, budget)
-        chunked = None
-        if not self.plan.fits and _auto_leaves_unchunked(model, tokens):
+        chunked, unchunked = None, not self.plan.fits and _auto_leaves_unchunked(model, tokens)
+        if unchunked and self.sharding is None:  # (sharded: each process would decide alone whether to probe again)
             # before refusing: chunk this length's MLPs too (auto chunks only the longest calls, for speed), so a
             # layer's backward rebuilds one chunk's MLP intermediates, not every token's
             chunked = mlp_chunks.chunk_every_long_call(model)
@@ -162,6 +162,10 @@ class MemoryBudget(CheckpointingPolicy):
             longest, checked = self._longest(model, run, device, tokens, planning)
             mlp_chunks.restore_bound(model)
             why = self._refusal(budget, tokens, planning["grads"] is None, longest, checked, chunked)
+            if unchunked and chunked is None:
+                chunk = mlp_chunks.chunking_of(decoder_mlps(model)[0][1]).chunk_tokens
+                why += (f" This length's MLPs run unchunked (mlp_chunks='auto' chunks only the longest calls): "
+                        f"patch(model, mlp_chunks={chunk}) chunks them here too; try that first.")
             raise BudgetExceeded(why, longest,
                                  f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
         try:
