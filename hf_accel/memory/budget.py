@@ -152,8 +152,8 @@ class MemoryBudget(CheckpointingPolicy):
         tokens = batch["input_ids"].numel()
         started = time.perf_counter()
         planning = self._plan(model, batch, run, device, modes, budget)
-        chunked, unchunked = None, not self.plan.fits and _auto_leaves_unchunked(model, tokens)
-        if unchunked and self.sharding is None:  # (sharded: each process would decide alone whether to probe again)
+        chunked, unchunked = None, None if self.plan.fits else _unchunked_auto(model, tokens)
+        if unchunked is not None and self.sharding is None:  # (sharded: each process would decide alone whether to probe again)
             # before refusing: chunk this length's MLPs too (auto chunks only the longest calls, for speed), so a
             # layer's backward rebuilds one chunk's MLP intermediates, not every token's
             chunked = mlp_chunks.chunk_every_long_call(model)
@@ -162,10 +162,9 @@ class MemoryBudget(CheckpointingPolicy):
             longest, checked = self._longest(model, run, device, tokens, planning)
             mlp_chunks.restore_bound(model)
             why = self._refusal(budget, tokens, planning["grads"] is None, longest, checked, chunked)
-            if unchunked and chunked is None:
-                chunk = mlp_chunks.chunking_of(decoder_mlps(model)[0][1]).chunk_tokens
+            if unchunked is not None and chunked is None:
                 why += (f" This length's MLPs run unchunked (mlp_chunks='auto' chunks only the longest calls): "
-                        f"patch(model, mlp_chunks={chunk}) chunks them here too; try that first.")
+                        f"patch(model, mlp_chunks={unchunked.chunk_tokens}) chunks them here too; try that first.")
             raise BudgetExceeded(why, longest,
                                  f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
         try:
@@ -399,6 +398,8 @@ def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dic
 def _affine(a: tuple, b: tuple):
     """The sizes of two probes (tokens, plan.Probe) as affine functions of the tokens: each layer's figures and the
     loss tail through both points (at least 0; nothing at 0 tokens)."""
+    from dataclasses import fields
+
     from .plan import LayerActivation
 
     (ta, pa), (tb, pb) = a, b
@@ -409,20 +410,18 @@ def _affine(a: tuple, b: tuple):
         return 0 if t == 0 else max(fb + (fa - fb) * (t - tb) // (ta - tb), 0)
 
     def layers_at(t: int) -> list:
-        return [LayerActivation(*(at(t, getattr(la, f), getattr(lb, f)) for f in _LAYER_FIELDS))
+        return [LayerActivation(**{f.name: at(t, getattr(la, f.name), getattr(lb, f.name))
+                                   for f in fields(LayerActivation)})
                 for la, lb in zip(pa.layers, pb.layers)]
 
     return layers_at, lambda t: at(t, pa.tail_peak_bytes, pb.tail_peak_bytes)
 
 
-_LAYER_FIELDS = ("none_bytes", "op_bytes", "full_bytes", "eager_none_bytes", "backward_bytes")
-
-
-def _auto_leaves_unchunked(model: nn.Module, tokens: int) -> bool:
-    """The decoder MLPs chunk with mlp_chunks="auto", which runs a call of `tokens` unchunked (under its threshold),
-    though the call is longer than one chunk."""
+def _unchunked_auto(model: nn.Module, tokens: int) -> mlp_chunks.MlpChunking | None:
+    """The decoder MLPs' one chunking, where it is mlp_chunks="auto"'s and leaves a call of `tokens` unchunked
+    (``MlpChunking.leaves_unchunked``); else None."""
     chunking = {mlp_chunks.chunking_of(mlp) for _, mlp in decoder_mlps(model)}
     if len(chunking) != 1 or None in chunking:
-        return False
+        return None
     (chunking,) = chunking
-    return chunking.auto and not chunking.chunk_at(tokens) and tokens > chunking.chunk_tokens
+    return chunking if chunking.leaves_unchunked(tokens) else None

@@ -272,7 +272,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         def layers_at(tokens: int) -> list[LayerActivation]:
             return [_layer_at(per_token, mlp_per_token, chunking, tokens)] * config.num_hidden_layers
 
-        breaks = () if chunking is None else (max(chunking.min_tokens, chunking.chunk_tokens),)  # last unchunked
+        breaks = () if chunking is None else (chunking.longest_unchunked,)
         choices, longest = _choices_for(checkpointing, layers_at, fixed, loss_at, device_bytes, host_bytes,
                                         batch_tokens, breaks)
         layer = layers_at(batch_tokens)[0]
@@ -281,10 +281,9 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     loss_at = _loss_function(config, loss, b, compute_bytes, base_4bit)
     choices, longest, layer, peak = plan(chunking)
     budget = _budget(checkpointing, device_bytes) if str(checkpointing).startswith("budget:") else None
-    if budget is not None and peak > budget and chunking is not None and chunking.auto and \
-            not chunking.chunk_at(batch_tokens):
+    if budget is not None and peak > budget and chunking is not None and chunking.leaves_unchunked(batch_tokens):
         # as the run's budget does before refusing a length auto leaves unchunked: chunk every MLP call over a chunk
-        every = mlp_chunking.MlpChunking(chunking.chunk_tokens, chunking.chunk_tokens, auto=True)
+        every = chunking.every_long_call()
         chunked = plan(every)
         if chunked[3] <= budget:
             chunking, (choices, longest, layer, peak) = every, chunked

@@ -91,7 +91,21 @@ class MlpChunking:
 
     def chunk_at(self, tokens: int) -> int:
         """The chunk size of a training call over `tokens` tokens, or 0: it runs unchunked."""
-        return self.chunk_tokens if tokens > max(self.min_tokens, self.chunk_tokens) else 0
+        return self.chunk_tokens if tokens > self.longest_unchunked else 0
+
+    @property
+    def longest_unchunked(self) -> int:
+        """The most tokens a training call may have and still run unchunked."""
+        return max(self.min_tokens, self.chunk_tokens)
+
+    def leaves_unchunked(self, tokens: int) -> bool:
+        """"auto" runs a call of `tokens` unchunked (under its threshold, for speed) though it is longer than one
+        chunk: what a memory budget may chunk before refusing (``every_long_call``)."""
+        return self.auto and not self.chunk_at(tokens) and tokens > self.chunk_tokens
+
+    def every_long_call(self) -> MlpChunking:
+        """These chunks for every training call over one chunk, not only those over the threshold."""
+        return MlpChunking(self.chunk_tokens, self.chunk_tokens, auto=self.auto)
 
     def describe(self) -> str:
         if self.auto:
@@ -203,7 +217,7 @@ def chunk_every_long_call(model: nn.Module) -> MlpChunking | None:
         forward = mlp.__dict__.get("forward")
         bound = getattr(forward, _BOUND, None)
         if bound is not None and bound.auto:
-            now = MlpChunking(bound.chunk_tokens, bound.chunk_tokens, auto=True)
+            now = bound.every_long_call()
             setattr(forward, _CHUNKING, now)
     return now
 
