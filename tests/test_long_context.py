@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_accel.errors import ConfigurationError
-from hf_accel.memory.budget import MemoryBudget, host_available_bytes
+from hf_accel.memory.budget import MemoryBudget
+from hf_accel.memory.machine import host_available_bytes
 from hf_accel.memory.checkpointing import (FullCheckpointing, NoCheckpointing, PerLayer, decoder_layers,
                                            policy_from_spec)
 from hf_accel.memory.offload import MIN_PIECE, copy_to_pieces, join_pieces, pinned_pieces
@@ -399,6 +400,31 @@ def test_host_available_memory_honours_a_cgroup_limit(tmp_path):
     assert host_available_bytes(str(tmp_path)) == min(3 << 30, host_available_bytes(str(tmp_path / "none")))
     (tmp_path / "memory.max").write_text("max\n")
     assert host_available_bytes(str(tmp_path)) == host_available_bytes(str(tmp_path / "none"))
+
+
+def test_every_host_memory_check_honours_a_container_s_limit(tmp_path, monkeypatch):
+    """The QLoRA defaults' host-copy limit and the background saves' room check count host memory as the budget plan
+    does: inside a container, its cgroup limit caps MemAvailable (they read the machine's MemAvailable before, so a
+    4-bit base in a container could plan to copy half of the machine's free memory into a smaller container)."""
+    from hf_accel.attention.kernels.base import DeviceInfo
+    from hf_accel.memory import machine
+    from hf_accel.memory.defaults import checkpoint_default
+    from hf_accel.training.snapshot import SnapshotBuffers
+
+    (tmp_path / "memory.max").write_text(str(4 << 30))
+    (tmp_path / "memory.current").write_text(str(3 << 30))
+    monkeypatch.setattr(machine, "CGROUP_ROOT", str(tmp_path))
+    room = host_available_bytes()
+    assert room == min(1 << 30, host_available_bytes(str(tmp_path / "none")))
+    from hf_accel.memory.targets import _hf_enable_function
+
+    model = tiny_llama()
+    _hf_enable_function(model)({"use_reentrant": False})  # (the kwargs are named per version)
+    storage = checkpoint_default(model, DeviceInfo("cuda", (9, 0)), base_4bit=True,
+                                 output_projections=("mlp.down_proj",), processes=1)
+    assert storage.policy.host_limit == int(0.5 * room)
+    state = {"w": torch.zeros(int(room * 0.9) // 4 + 1, dtype=torch.float32, device="meta")}
+    assert "host memory is short" in SnapshotBuffers(pin=False).shortfall(state)
 
 
 def test_host_copies_come_in_power_of_two_pieces():

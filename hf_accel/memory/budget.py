@@ -13,7 +13,6 @@ the longest micro-batch this one holds. Before refusing a length that patch()'s 
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
@@ -23,6 +22,7 @@ from torch import nn
 
 from . import mlp_chunks
 from .context import RunContext
+from .machine import device_cap_bytes, host_available_bytes
 from .policies import CheckpointingPolicy, LayerChoice, PerLayer, logger, remove_checkpointing
 from .targets import base_model, decoder_mlps
 from ..errors import BudgetExceeded, ConfigurationError
@@ -317,44 +317,6 @@ _RUN_FACTS = ("batch_tokens", "sharding", "grads_freed", "compiled", "autocast")
 DEFAULT_PROBE_TOKENS = 2048
 LONGEST_CHECKS = 3  # probes a refusal may run to confirm the longest length it names
 HOST_SHARE = 0.8  # an offloading plan may use at most this share of the host memory available when it is made
-
-
-def host_available_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """Host memory this process can still take: the kernel's MemAvailable (psutil), or less where a cgroup (a
-    container's memory limit) allows less: its limit minus its usage, reclaimable file pages counted as free."""
-    import os
-
-    import psutil
-
-    available = psutil.virtual_memory().available
-    for limit_name, usage_name, inactive_key in (("memory.max", "memory.current", "inactive_file"),
-                                                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
-                                                  "total_inactive_file")):
-        try:
-            with open(os.path.join(cgroup_root, limit_name)) as f:
-                limit = int(f.read().strip())  # "max": no limit (ValueError)
-            with open(os.path.join(cgroup_root, usage_name)) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        inactive = 0
-        with contextlib.suppress(OSError, ValueError):
-            with open(os.path.join(cgroup_root, os.path.dirname(limit_name), "memory.stat")) as f:
-                stats = dict(line.split() for line in f if len(line.split()) == 2)
-            inactive = int(stats.get(inactive_key, 0))
-        return min(available, max(limit - usage + inactive, 0))
-    return available
-
-
-def device_cap_bytes(device: torch.device) -> int | None:
-    """What this process may allocate on a CUDA device: its size times the per-process memory fraction
-    (torch.cuda.set_per_process_memory_fraction); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
-    return round(total * (fraction(index) if fraction is not None else 1.0))
 
 
 def _check_host_memory(plan, budget) -> None:

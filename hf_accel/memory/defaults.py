@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .machine import host_available_bytes
 from .policies import CheckpointingPolicy, FullCheckpointing, OffloadedCheckpointing, applied_policy
 from .targets import decoder_layers, fsdp_activation_checkpointing_active
 from ..attention.kernels.base import DeviceInfo
@@ -57,7 +58,7 @@ def checkpoint_default(model: nn.Module, device: DeviceInfo, *, base_4bit: bool,
     trimmed = (f"its recompute skips the {' and '.join(output_projections)} matmul"
                f"{'s' if len(output_projections) > 1 else ''}: only the discarded layer output reads them")
     if base_4bit and device.type == "cuda":
-        host_free = _host_free() if host_free is None else host_free
+        host_free = host_available_bytes() if host_free is None else host_free
         processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if processes is None else processes)
         limit = int(HOST_SHARE * host_free / processes)
         return CheckpointDefault(
@@ -102,9 +103,3 @@ def _torch_checkpoint(func) -> bool:
 
 def _non_reentrant(func) -> bool:
     return isinstance(func, functools.partial) and func.keywords.get("use_reentrant") is False
-
-
-def _host_free() -> int:
-    import psutil  # accelerate's dependency
-
-    return psutil.virtual_memory().available

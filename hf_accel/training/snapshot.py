@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..memory.machine import host_available_bytes
+
 logger = logging.getLogger("hf_accel")
 
 HEADROOM = 0.2  # keep this fraction of the snapshot's size free beyond it
@@ -29,12 +31,6 @@ def proc_bytes(path: str, key: str) -> int | None:
     except OSError:
         pass
     return None
-
-
-def host_available_bytes() -> int:
-    """The kernel's estimate of memory available without swapping (MemAvailable); very large if unknown."""
-    available = proc_bytes("/proc/meminfo", "MemAvailable")
-    return 1 << 62 if available is None else available
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
