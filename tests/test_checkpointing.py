@@ -243,6 +243,14 @@ def test_policy_from_spec_parsing_and_errors():
     for bad in ("every_0", "every_x", "budget:lots", "sometimes", None, 3):
         with pytest.raises(ConfigurationError, match="Allowed"):
             policy_from_spec(bad)
+    # a budget the parser can tell is wrong is refused there (the command refuses it before loading anything)
+    for bad, why in (("budget:-3GiB", "must be positive"), ("budget:0GiB", "must be positive"),
+                     ("budget:0.0", "must be positive"), ("budget:1.5", "between 0 and 1.*'budget:1.5GiB'"),
+                     ("budget:2", "needs a unit.*'budget:2GiB'"), ("budget:inf", "Allowed"),
+                     ("budget:nanGiB", "Allowed")):
+        with pytest.raises(ConfigurationError, match=why):
+            policy_from_spec(bad)
+    assert policy_from_spec("budget:1.0").budget == 1.0 and policy_from_spec("budget:120B+offload").budget == "120b"
     with pytest.raises(ConfigurationError, match="non-reentrant"):
         OpLevel(use_reentrant=True).apply(tiny_llama())
     for make_bad in (lambda: FullCheckpointing(trim_recompute="no"), lambda: EveryN(n=2, use_reentrant=1),

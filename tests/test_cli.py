@@ -32,7 +32,9 @@ REFUSED = {
     ("--max-steps", "ten"): "--max-steps: invalid int value: 'ten'",
     ("--bad-rows", "keep"): "--bad-rows: invalid choice: 'keep'",
     ("--max-stepz", "3"): "unknown argument '--max-stepz'; did you mean --max-steps?",
-    ("--epochs", "0"): "--epochs 0.0: must be positive",
+    ("--epochs", "0"): "--epochs 0.0: must be a positive number",
+    ("--epochs", "inf"): "--epochs inf: must be a positive number",
+    ("--lr", "nan"): "--lr nan: must be a positive number",
     ("--grad-accum", "0"): "--grad-accum 0: must be at least 1",
     ("--eval-examples", "-1"): "--eval-examples -1: must be 0",
     ("--dataset", "missing.jsonl"): "--dataset missing.jsonl: no such file or folder",
@@ -215,7 +217,10 @@ def test_estimate_memory_command_prints_the_estimate(capsys):
     want = estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True, nested_quant=True).table()
     assert capsys.readouterr().out.strip() == want.strip() and "a 4-bit base (nested statistics" in want
     for argv, message in ((["--load-in-4bit"], "add --lora-rank"),
-                          (["--lora-rank", "8", "--use-bnb-nested-quant"], "add --load-in-4bit")):
+                          (["--lora-rank", "8", "--use-bnb-nested-quant"], "add --load-in-4bit"),
+                          (["--host-gib", "nan"], "--host-gib nan: must be a positive number"),
+                          (["--device-gib", "0"], "--device-gib 0.0: must be a positive number"),
+                          (["--checkpointing", "budget:2"], "needs a unit")):
         assert main(["estimate-memory", "llama-3.2-1b", *argv]) == 2
         assert message in capsys.readouterr().err
 

@@ -39,10 +39,10 @@ def check_sft_args(args: argparse.Namespace) -> None:
     if args.max_steps is not None and args.max_steps < 1:
         raise UsageError(f"--max-steps {args.max_steps}: must be a positive number of optimizer steps (leave it out "
                          "to train for --epochs)")
-    if not args.epochs > 0:
-        raise UsageError(f"--epochs {args.epochs}: must be positive")
-    if args.lr is not None and not args.lr > 0:
-        raise UsageError(f"--lr {args.lr}: must be positive")
+    if not 0 < args.epochs < float("inf"):
+        raise UsageError(f"--epochs {args.epochs}: must be a positive number")
+    if args.lr is not None and not 0 < args.lr < float("inf"):
+        raise UsageError(f"--lr {args.lr}: must be a positive number")
     _positive(args, ("batch_size", "grad_accum", "max_tokens_per_batch", "sequence_parallel", "save_steps",
                      "logging_steps", "threads", "save_total_limit", "doc_length", "max_length", "lora_alpha"))
     if args.eval_examples < 0:

@@ -64,8 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 1")
     for name in ("device_gib", "host_gib"):
         value = getattr(args, name)
-        if value is not None and (value < 0 or (name == "device_gib" and value == 0)):
-            raise UsageError(f"--{name.replace('_', '-')} {value}: must be positive")
+        if value is not None and not (value > 0 or (name == "host_gib" and value == 0)) or value == float("inf"):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be a positive number of GiB")
     try:
         spec = parse_checkpointing(args.checkpointing)
     except ConfigurationError as e:  # the allowed forms

@@ -18,8 +18,14 @@ def parse_bytes(text: str) -> int:
     lowered = text.strip().lower()
     for unit, scale in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
         if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * scale)
-    return int(float(lowered))
+            return _whole(float(lowered[: -len(unit)]) * scale)
+    return _whole(float(lowered))
+
+
+def _whole(n: float) -> int:
+    if n != n or n in (float("inf"), float("-inf")):
+        raise ValueError(f"not a finite size: {n}")
+    return int(n)
 
 
 @dataclass(frozen=True)
@@ -45,12 +51,28 @@ def parse_checkpointing(spec: str) -> CheckpointSpec:
             if value.endswith(suffix):
                 value, offload = value[: -len(suffix)], flag
                 break
+        if value.replace(".", "", 1).isdigit() and float(value) == 0:
+            raise ConfigurationError(f"checkpointing spec {spec!r}: a memory budget must be positive, "
+                                     "e.g. 'budget:20GiB' or 'budget:0.8'.")
         if value.replace(".", "", 1).isdigit() and "." in value:
+            if not float(value) <= 1:
+                raise ConfigurationError(
+                    f"checkpointing spec {spec!r}: a budget without a unit is a fraction of the device's memory, "
+                    f"between 0 and 1 (e.g. 'budget:0.8'); for a size write its unit (e.g. 'budget:{value}GiB')."
+                )
             return CheckpointSpec("budget", budget=float(value), offload=offload)
         try:
-            parse_bytes(value)
-        except ValueError:
+            size = parse_bytes(value)
+        except (ValueError, OverflowError):
             pass
         else:
+            if value.replace(".", "", 1).isdigit():
+                raise ConfigurationError(
+                    f"checkpointing spec {spec!r}: a budget needs a unit or a decimal point: 'budget:{value}GiB' (a "
+                    f"size) or 'budget:0.8' (a fraction of the device's memory). Allowed: {ALLOWED}."
+                )
+            if size <= 0:
+                raise ConfigurationError(f"checkpointing spec {spec!r}: a memory budget must be positive, "
+                                         "e.g. 'budget:20GiB'.")
             return CheckpointSpec("budget", budget=value, offload=offload)
     raise ConfigurationError(f"unknown checkpointing spec {spec!r}. Allowed: {ALLOWED}.")
