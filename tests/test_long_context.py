@@ -391,6 +391,69 @@ def test_budget_chunks_the_mlps_auto_leaves_unchunked_before_refusing(capsys):
     assert all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps)
 
 
+def test_a_refusal_above_auto_s_threshold_names_a_shorter_length_that_chunks(monkeypatch):
+    """A length over mlp_chunks="auto"'s threshold that no plan meets: the longest length the refusal names is
+    searched as the budget would plan it, chunked every long call (a shorter length auto leaves unchunked is chunked
+    before refusing). Probed unchunked there, a line through a chunked and an unchunked probe named 0 tokens and
+    blamed the training state, though a plan at a shorter length fits. Nothing stays chunked after the refusal."""
+    from hf_accel.memory import mlp_chunks
+    from hf_accel.memory.state import training_state_bytes
+
+    model = tiny_llama()
+    auto = mlp_chunks.MlpChunking(32, 256, auto=True)  # calls over 256 tokens chunked
+    mlp_chunks.apply(model, auto)
+    mlps = [mlp for _, mlp in mlp_chunks.decoder_mlps(model)]
+
+    def policy(n, budget):
+        return MemoryBudget(budget=budget, sample_batch=_tokens_batch(n), headroom=0.0, verbose=False, offload=False)
+
+    mlp_chunks.chunk_every_long_call(model)
+    layers, fixed, tail = _probe_sizes(model, _tokens_batch(240))
+    budget = plan_checkpointing(layers, fixed_bytes=fixed, budget_bytes=0, extra_bytes=tail,
+                                modes=("none", "op", "full", "spaced")).predicted_peak_bytes  # 240 tokens, chunked
+    mlp_chunks.restore_bound(model)
+    assert training_state_bytes(model) < budget
+    with pytest.raises(ConfigurationError, match=r"train on at most ([0-9,]+) tokens") as err:
+        policy(400, budget).apply(model)
+    named = int(re.search(r"at most ([0-9,]+) tokens", str(err.value)).group(1).replace(",", ""))
+    assert 200 < named < 400 and all(mlp_chunks.chunking_of(mlp) == auto for mlp in mlps)
+    fits = policy(named, budget)
+    fits.apply(model)
+    assert fits.plan.fits
+
+
+def test_a_budget_leaves_the_run_s_random_streams_and_its_chunking_as_they_were(monkeypatch):
+    """The probes draw random tokens and run dropout: a seeded run draws the same numbers after apply() as without
+    it (its data order, dropout and any later init). A probe that raises midway (an out-of-memory error, an
+    interrupt) leaves patch()'s MLP chunking bound as it was, not the every-long-call fallback."""
+    from hf_accel.memory import mlp_chunks
+    from hf_accel.memory import plan as plan_module
+
+    model = tiny_llama()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    MemoryBudget(budget="1GiB", batch_tokens=64, verbose=False).apply(model)
+    assert torch.equal(torch.rand(3), expected)
+
+    auto = mlp_chunks.MlpChunking(32, 1024, auto=True)
+    mlp_chunks.apply(model, auto)
+    real, calls = plan_module.probe_training_memory, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the probe after chunk_every_long_call
+            raise torch.OutOfMemoryError("out of memory in the second probe")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "probe_training_memory", failing)
+    fixed = _probe_sizes(model, _tokens_batch(256))[1]
+    with pytest.raises(torch.OutOfMemoryError):
+        MemoryBudget(budget=fixed + 1000, sample_batch=_tokens_batch(256), headroom=0.0, verbose=False).apply(model)
+    assert len(calls) == 2
+    assert all(mlp_chunks.chunking_of(mlp) == auto for _, mlp in mlp_chunks.decoder_mlps(model))
+
+
 def test_host_available_memory_honours_a_cgroup_limit(tmp_path):
     """Inside a container the host's MemAvailable overstates what the process may take: a cgroup v2 limit minus its
     usage (reclaimable file pages counted free) caps it; no limit ("max") leaves MemAvailable."""

@@ -106,6 +106,15 @@ def _probe_variants():
         return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
                                                           layers_to_transform=[0, 2]))
 
+    def lora_middle_layers():
+        # frozen layers below the adapted ones get an input that needs no gradient (they save nothing), those above
+        # one that does: one kind, two ways of saving (no input-grads hook: non-reentrant checkpointing adds none)
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**_LLAMA_LIKE, "num_hidden_layers": 8})).train()
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                          layers_to_transform=[3, 4]))
+
     def patched(**options):
         def make():
             model = build("llama")
@@ -115,6 +124,7 @@ def _probe_variants():
 
     variants = {name: (lambda name=name: build(name)) for name in CONFIGS}
     variants.update({"gemma3-mixed": gemma3_mixed, "lora-some-layers": lora_some_layers,
+                     "lora-middle-layers": lora_middle_layers,
                      "compiled": patched(compile={"backend": "aot_eager"}), "mlp-chunks": patched(mlp_chunks=16)})
     return variants
 
@@ -123,7 +133,8 @@ def _probe_variants():
                                      for v in _probe_variants()])
 def test_probe_runs_one_layer_of_each_kind_and_measures_what_running_all_does(variant):
     """The probe's forwards run the first two layers of each kind and pass the others through (at long context most of
-    its time): every figure, and the loss tail's peak, equals what running every layer measures."""
+    its time): every figure, and the loss tail's peak, equals what running every layer measures, also where layers
+    of one kind get inputs that need a gradient and inputs that do not."""
     from hf_accel.memory.layer_kinds import representatives
 
     torch._dynamo.reset()
@@ -133,6 +144,7 @@ def test_probe_runs_one_layer_of_each_kind_and_measures_what_running_all_does(va
     batch = {"input_ids": ids, "labels": ids}
     expected = {"gemma3-mixed": [0, 1, 2, 1, 1, 5],  # two kinds: sliding (0, 1, 3, 4) and full (2, 5)
                 "lora-some-layers": [0, 1, 2],  # layers 0 and 2 adapted, 1 not: each measured
+                "lora-middle-layers": [0, 1, 1, 3, 4, 1, 1, 1],  # by kind alone (the forward tells inputs apart)
                 "gemma2": [0, 1, 2], "llama-tied": [0, 1]}  # alternating kinds; two layers
     assert representatives(decoder_layers(model)) == expected.get(variant, [0, 1, 1])
     fast = probe_training_memory(model, batch, compiled=compiled)

@@ -139,39 +139,28 @@ class MemoryBudget(CheckpointingPolicy):
         return value
 
     def apply(self, model: nn.Module, context: RunContext | None = None) -> None:
-        from .plan import format_bytes
-
         run = self.context_for(context)
         for name in _RUN_FACTS:  # what this plan is made for, readable on the policy
             setattr(self, name, getattr(run, name))
         remove_checkpointing(model)
         device = next(model.parameters()).device
         modes, budget = self.modes(device), self.budget_bytes(device)  # bad settings raise before the probe forward
-        batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens or DEFAULT_PROBE_TOKENS, device)
-        self.budget_bytes_resolved = budget
-        tokens = batch["input_ids"].numel()
-        started = time.perf_counter()
-        planning = self._plan(model, batch, run, device, modes, budget)
-        chunked, unchunked = None, None if self.plan.fits else _unchunked_auto(model, tokens)
-        if unchunked is not None and self.sharding is None:  # (sharded: each process would decide alone whether to probe again)
-            # before refusing: chunk this length's MLPs too (auto chunks only the longest calls, for speed), so a
-            # layer's backward rebuilds one chunk's MLP intermediates, not every token's
-            chunked = mlp_chunks.chunk_every_long_call(model)
-            planning = self._plan(model, batch, run, device, modes, budget)
-        if not self.plan.fits:
-            longest, checked = self._longest(model, run, device, tokens, planning)
-            mlp_chunks.restore_bound(model)
-            why = self._refusal(budget, tokens, planning["grads"] is None, longest, checked, chunked)
-            if unchunked is not None and chunked is None:
-                why += (f" This length's MLPs run unchunked (mlp_chunks='auto' chunks only the longest calls): "
-                        f"patch(model, mlp_chunks={unchunked.chunk_tokens}) chunks them here too; try that first.")
-            raise BudgetExceeded(why, longest,
-                                 f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
         try:
+            # the probes draw random tokens and run dropout: the run's random streams are left as they were
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                tokens, planning, chunked, started = self._plan_or_refuse(model, run, device, modes, budget)
             _check_host_memory(self.plan, self.budget)
-        except ConfigurationError:
+            self._announce(tokens, modes, planning, chunked, started)
+            super().apply(model, run)
+        except BaseException:  # (a refusal, an OOM in a probe, an interrupt): patch()'s MLP chunking again
             mlp_chunks.restore_bound(model)
             raise
+
+    def _announce(self, tokens: int, modes: tuple[str, ...], planning: dict, chunked: mlp_chunks.MlpChunking | None,
+                  started: float) -> None:
+        """The plan's printout (logged; printed too where ``verbose``, by the first process)."""
+        from .plan import format_bytes
+
         sharded = "" if self.sharding is None else (
             f", the training state as one of {self.sharding.world_size} {self.sharding.engine} processes holds it")
         text = (f"hf_accel checkpointing plan for budget {self.budget} ({tokens} tokens per micro-batch, loss and "
@@ -189,7 +178,32 @@ class MemoryBudget(CheckpointingPolicy):
         logger.info("%s", text)
         if self.verbose and _first_process():
             print(text, flush=True)
-        super().apply(model, run)
+
+    def _plan_or_refuse(self, model: nn.Module, run: RunContext, device: torch.device, modes: tuple[str, ...],
+                        budget: int) -> tuple[int, dict, mlp_chunks.MlpChunking | None, float]:
+        """Probe and plan (``self.probe``, ``self.plan``); where no plan fits a length auto's MLP chunking leaves
+        unchunked, chunk every long MLP call and plan again; where still none fits, raise BudgetExceeded naming the
+        longest length that fits. The tokens planned for, the planning arguments, the chunking the fallback put in
+        force (None: none) and when probing started."""
+        batch = self.sample_batch or _synthetic_batch(model, self.batch_tokens or DEFAULT_PROBE_TOKENS, device)
+        self.budget_bytes_resolved = budget
+        tokens = batch["input_ids"].numel()
+        started = time.perf_counter()
+        planning = self._plan(model, batch, run, device, modes, budget)
+        chunked, unchunked = None, None if self.plan.fits else _unchunked_auto(model, tokens)
+        if unchunked is not None and self.sharding is None:  # (sharded: each process would decide alone whether to probe again)
+            # before refusing: chunk this length's MLPs too (auto chunks only the longest calls, for speed), so a
+            # layer's backward rebuilds one chunk's MLP intermediates, not every token's
+            chunked = mlp_chunks.chunk_every_long_call(model)
+            planning = self._plan(model, batch, run, device, modes, budget)
+        if self.plan.fits:
+            return tokens, planning, chunked, started
+        longest, checked = self._longest(model, run, device, tokens, planning)
+        why = self._refusal(budget, tokens, planning, longest, checked, chunked)
+        if unchunked is not None and chunked is None:
+            why += (f" This length's MLPs run unchunked (mlp_chunks='auto' chunks only the longest calls): "
+                    f"patch(model, mlp_chunks={unchunked.chunk_tokens}) chunks them here too; try that first.")
+        raise BudgetExceeded(why, longest, f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
 
     def _plan(self, model: nn.Module, batch: dict, run: RunContext, device: torch.device, modes: tuple[str, ...],
               budget: int) -> dict:
@@ -234,6 +248,10 @@ class MemoryBudget(CheckpointingPolicy):
         (LONGEST_CHECKS probes at most; none for a sharded model)."""
         from .plan import longest_feasible_tokens, plan_checkpointing
 
+        if self.sharding is None:
+            # every probe in one regime: a shorter length that auto's MLP chunking leaves unchunked is one this
+            # budget would chunk before refusing (apply), so it is probed chunked; the caller restores the chunking
+            mlp_chunks.chunk_every_long_call(model)
         length = longest_feasible_tokens(self.probe.layers, tokens, **planning)
         before = (tokens, self.probe)
         # a sharded model's probes gather its weights across processes, which might not all need the same probes
@@ -248,7 +266,7 @@ class MemoryBudget(CheckpointingPolicy):
                 layers_at, length, **{**planning, "extra_bytes": extra_at, "upper": length - 1})
         return length, False
 
-    def _refusal(self, budget: int, tokens: int, grads_counted: bool, longest: int, checked: bool,
+    def _refusal(self, budget: int, tokens: int, planning: dict, longest: int, checked: bool,
                  chunked: mlp_chunks.MlpChunking | None) -> str:
         """Why no plan fits: the leanest plan's needs, the smallest budget that fits these tokens, and the longest
         micro-batch (document) this budget holds."""
@@ -256,7 +274,7 @@ class MemoryBudget(CheckpointingPolicy):
 
         plan = self.plan
         smallest = plan.predicted_peak_bytes / (1 - self.headroom)
-        held = "weights, gradients and optimizer states" if grads_counted else "weights and optimizer states"
+        held = "weights, gradients and optimizer states" if planning["grads"] is None else "weights and optimizer states"
         host = "" if plan.host_budget_bytes is None or "offload" not in plan.choices else (
             f" with {format_bytes(plan.host_bytes)} of host memory (of {format_bytes(plan.host_budget_bytes)} "
             "it may use)")
@@ -267,8 +285,11 @@ class MemoryBudget(CheckpointingPolicy):
                    f"the probe of {tokens:,} tokens scaled linearly, not confirmed by a probe at that length")
             shorter = (f"or train on at most {longest:,} tokens per micro-batch: about the longest document this "
                        f"budget holds ({how})")
-        else:
+        elif plan.fixed_bytes >= planning["budget_bytes"]:
             shorter = "even an empty micro-batch does not fit: the training state alone is over the budget"
+        else:
+            shorter = ("no shorter micro-batch was found to fit either (its probes did not): train on fewer tokens "
+                       "per micro-batch and let the plan say")
         return (f"checkpointing budget {self.budget} ({format_bytes(budget)}) cannot be met for {tokens:,} tokens per "
                 f"micro-batch: even the leanest plan ({PerLayer(choices=plan.choices).describe()}{host}) needs "
                 f"{format_bytes(plan.predicted_peak_bytes)} on the device ({format_bytes(plan.fixed_bytes)} of it "

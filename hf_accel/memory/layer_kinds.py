@@ -1,5 +1,5 @@
-"""Decoder layers' call slots, for the memory probe (``memory.plan``): which layers save alike (one kind), each
-layer's call wrapped (``calls_wrapped``), and the layers another stands for passing their input through
+"""Decoder layers' call slots, for the memory probe (``memory.plan``): which layers save alike (one kind, and an input
+alike), each layer's call wrapped (``calls_wrapped``), and the layers another stands for passing their input through
 (``passing_through``), so a probe forward runs two layers of each kind instead of all of them."""
 from __future__ import annotations
 
@@ -7,20 +7,28 @@ import contextlib
 import itertools
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from .targets import CALL_SLOT
 
 
+def kind_ids(layers: Sequence[nn.Module]) -> list[int]:
+    """Each layer's kind (``layer_kind``) named by the index of the first layer of that kind."""
+    first: dict[tuple, int] = {}
+    return [first.setdefault(layer_kind(layer), i) for i, layer in enumerate(layers)]
+
+
 def representatives(layers: Sequence[nn.Module]) -> list[int]:
-    """For each layer, the index of the layer whose probe figures stand for it: itself for the first two layers of
-    each kind (``layer_kind``), the second of its kind for the others."""
-    seen: dict[tuple, list[int]] = {}
+    """For each layer, the index of the layer whose probe figures stand for it where every layer's input is alike: itself
+    for the first two layers of each kind, the second of its kind for the others (``passing_through`` decides at
+    each call, with each input's state)."""
+    seen: dict[int, list[int]] = {}
     stands_for = []
-    for i, layer in enumerate(layers):
-        kind = seen.setdefault(layer_kind(layer), [])
-        kind.append(i)
-        stands_for.append(i if len(kind) <= 2 else kind[1])
+    for i, kind in enumerate(kind_ids(layers)):
+        ran = seen.setdefault(kind, [])
+        ran.append(i)
+        stands_for.append(i if len(ran) <= 2 else ran[1])
     return stands_for
 
 
@@ -43,25 +51,31 @@ def layer_kind(layer: nn.Module) -> tuple:
 
 
 @contextlib.contextmanager
-def passing_through(layers: Sequence[nn.Module], stands_for: Sequence[int], on_pass=lambda i: None):
-    """Each layer that another stands for (``stands_for[i] != i``) returns the hidden states it is given, in the form
-    its kind returns them (a tensor, or a tuple led by them, as the last layer that ran returned), and calls
-    ``on_pass(i)``; every layer's checkpointing is off. The call slots and flags are restored exactly on exit."""
-    last = {}
+def passing_through(layers: Sequence[nn.Module], kinds: Sequence[int], stands_for: list[int],
+                    on_pass=lambda i: None):
+    """Layers of one kind (``kinds``: ``kind_ids``, or every index for none alike) save alike only where their inputs
+    are alike too: one whose input needs a gradient saves what one whose input does not leaves out (a frozen layer
+    below the first trainable one saves nothing, one above it everything). So each call decides: a layer runs when
+    fewer than two of its kind with an input in its state ran before it (``stands_for[i] = i``); else it returns the
+    hidden states it is given, in the form its kind returns them (a tensor, or a tuple led by them, as the last layer
+    that ran returned), sets ``stands_for[i]`` to the second that ran and calls ``on_pass(i)``. Every layer's
+    checkpointing is off; the call slots and flags are restored exactly on exit."""
+    last, ran = {}, {}
 
     def wrap(i: int, layer: nn.Module, call):
-        if stands_for[i] == i:
-            def run(*args, **kwargs):
+        def decide(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            alike = ran.setdefault((kinds[i], torch.is_grad_enabled() and hidden.requires_grad), [])
+            if len(alike) < 2:
+                alike.append(i)
+                stands_for[i] = i
                 out = last["out"] = call(*args, **kwargs)
                 return out
-            return run
-
-        def through(*args, **kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
+            stands_for[i] = alike[1]
             on_pass(i)
             out = last["out"]
             return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
-        return through
+        return decide
 
     with calls_wrapped(layers, wrap):
         yield

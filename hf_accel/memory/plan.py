@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # loaded by `import
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .layer_kinds import calls_wrapped, passing_through, representatives
+from .layer_kinds import calls_wrapped, kind_ids, passing_through
 from .planner import (CHECKPOINTED, DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED,  # noqa: F401 (re-exported)
                       CheckpointPlan, GradientBytes, LayerActivation, format_bytes, layer_peaks,
                       longest_feasible_tokens, parse_bytes, plan_checkpointing, plan_cost, plan_peak_bytes)
@@ -77,14 +77,15 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     backward: also measure what one layer's backward makes on top of its saved tensors (``layer_backward_bytes``);
     False leaves it at 0 (a sharded model, whose layer backward alone would start its collectives).
 
-    Layers alike in every respect (``layer_kinds.representatives``) save alike: the forwards run the first two of each kind and
-    pass the hidden states through the others, whose figures are the second one's (the first may also hold what
-    the model hands every layer, such as rotary tables). At long context that is most of the probe's time (Llama-3-8B
+    Layers alike in every respect, their inputs included (``layer_kinds.passing_through``), save alike: the forwards
+    run the first two of each kind and pass the hidden states through the others, whose figures are the second
+    one's (the first may also hold what the model hands every layer, such as rotary tables). At long context that is most of the probe's time (Llama-3-8B
     at 344k tokens: two forwards of ~60 s each on an H200). ``every_layer``: run them all."""
     from .targets import decoder_layers, default_save_ops
 
     layers = list(layers if layers is not None else decoder_layers(model))
-    stands_for = list(range(len(layers))) if every_layer else representatives(layers)
+    kinds = list(range(len(layers))) if every_layer else kind_ids(layers)
+    stands_for = list(range(len(layers)))  # filled in by the forward (passing_through)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     counter = _SavedBytes(len(layers), params)
     tally = _ForwardTally(counter, save_ops if save_ops is not None else default_save_ops(), params)
@@ -93,7 +94,7 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
         for i, layer in enumerate(layers):
             handles.append(layer.register_forward_pre_hook(tally.entering(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(tally.leave))
-        with passing_through(layers, stands_for, lambda i: tally.leave()), torch.enable_grad(), counter.hooks(), \
+        with passing_through(layers, kinds, stands_for, lambda i: tally.leave()), torch.enable_grad(), counter.hooks(), \
                 tally, torch.compiler.set_stance("force_eager"):
             out = model(**batch)
         del out
@@ -110,7 +111,7 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     if not compiled:
         return Probe([LayerActivation(s, i + o, i, backward_bytes=backward)
                       for s, o, i in zip(saved, op_out, inputs)], tail_peak)
-    bound = each(_bound_saved_bytes(model, batch, layers, params, stands_for))
+    bound = each(_bound_saved_bytes(model, batch, layers, params, kinds))
     return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s, backward_bytes=backward)
                   for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak)
 
@@ -299,7 +300,7 @@ class _SavedBytes:
 
 
 def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module], params: set[int],
-                       stands_for: Sequence[int]) -> list[int]:
+                       kinds: Sequence[int]) -> list[int]:
     """Per decoder layer, the bytes autograd saves when the layers run as bound (compiled ones through their graphs);
     the layers another stands for pass their input through (``layer_kinds.passing_through``: 0 here).
 
@@ -317,8 +318,8 @@ def _bound_saved_bytes(model: nn.Module, batch: dict, layers: Sequence[nn.Module
                 counter.layer = None
         return run
 
-    with calls_wrapped(layers, attributed), passing_through(layers, stands_for), torch.enable_grad(), \
-            counter.hooks():
+    with calls_wrapped(layers, attributed), passing_through(layers, kinds, list(range(len(layers)))), \
+            torch.enable_grad(), counter.hooks():
         out = model(**batch)
     del out
     return counter.saved
