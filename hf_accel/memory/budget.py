@@ -28,6 +28,9 @@ from .targets import base_model, decoder_mlps
 from ..errors import BudgetExceeded, ConfigurationError
 
 
+HEADROOM = 0.03  # MemoryBudget.headroom by default (the offline estimate plans with it too)
+
+
 @dataclass(kw_only=True)
 class MemoryBudget(CheckpointingPolicy):
     """The least recompute that fits `budget`: bytes, "20GiB", or a fraction (0, 1] of the device's memory.
@@ -56,7 +59,7 @@ class MemoryBudget(CheckpointingPolicy):
     device_bytes: int | None = None  # total device memory for fractional budgets; default: the CUDA device's
     # Share of the budget kept free for what the probe cannot see (allocator fragmentation, transient buffers): on the
     # GPU, measured peaks ran 1-2% over plans made to the full budget (benchmarks/other-measurements.md, frontier).
-    headroom: float = 0.03
+    headroom: float = HEADROOM
     verbose: bool = True  # print the plan (on the first process only)
     # plans may keep layers' saved inputs in pinned host memory ("offload", priced above full recompute, so chosen
     # only where device-only plans do not fit): None = where the model is on CUDA; spec "budget:...+offload" forces

@@ -281,8 +281,10 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     loss_at = _loss_function(config, loss, b, compute_bytes, base_4bit)
     choices, longest, layer, peak = plan(chunking)
     budget = _budget(checkpointing, device_bytes) if str(checkpointing).startswith("budget:") else None
-    if budget is not None and peak > budget and chunking is not None and chunking.leaves_unchunked(batch_tokens):
+    if budget is not None and peak > budget and chunking is not None and chunking.auto \
+            and chunking.every_long_call() != chunking:
         # as the run's budget does before refusing a length auto leaves unchunked: chunk every MLP call over a chunk
+        # (so the longest length is searched so too, also from a length over auto's threshold)
         every = chunking.every_long_call()
         chunked = plan(every)
         if chunked[3] <= budget:
@@ -350,7 +352,9 @@ def _mlp_chunks_note(chunking: mlp_chunking.MlpChunking | None, tokens: int, mlp
 def _budget_verdict(budget: str, tokens: int, fits: bool, longest: int) -> str:
     """Whether the budget holds the micro-batch; if not, the longest that fits."""
     if fits:
-        return f"budget {budget}: fits"
+        from .budget import HEADROOM
+
+        return f"budget {budget}: fits (with the run's {HEADROOM:.0%} headroom)"
     return (f"budget {budget}: does NOT fit with any plan by this estimate (an upper bound, see above: the run's own "
             f"plan measures the real forward); the longest micro-batch of at most {tokens:,} tokens it holds is "
             f"{longest:,} tokens")
@@ -371,7 +375,8 @@ def _budget(spec, device_bytes: int | None) -> int:
     from .checkpointing import policy_from_spec
 
     policy = policy_from_spec(spec)
-    return MemoryBudget(budget=policy.budget, device_bytes=device_bytes).budget_bytes(torch.device("meta"))
+    budget = MemoryBudget(budget=policy.budget, device_bytes=device_bytes)
+    return int(budget.budget_bytes(torch.device("meta")) * (1 - budget.headroom))  # what the run plans for
 
 
 def _choices_for(spec, layers_at: Callable[[int], list[LayerActivation]], fixed: int, extra_at: Callable[[int], int],
