@@ -514,43 +514,44 @@ def test_offline_estimate_plans_the_split_and_names_the_longest_length():
 
     gib = 1 << 30
     kwargs = dict(lora_rank=16, batch_tokens=16384)
-    device_only = estimate_training_memory("llama-3.2-1b", checkpointing="budget:10.5GiB", **kwargs)
-    split = estimate_training_memory("llama-3.2-1b", checkpointing="budget:10.5GiB", host_bytes=gib, **kwargs)
+    device_only = estimate_training_memory("llama-3.2-1b", checkpointing="budget:13GiB", **kwargs)
+    split = estimate_training_memory("llama-3.2-1b", checkpointing="budget:13GiB", host_bytes=gib, **kwargs)
     assert "offload" not in device_only.choices and device_only.host_bytes == 0
     assert "offload" in split.choices and 0 < split.host_bytes <= gib
     assert "| host memory (offloaded inputs) |" in split.table() and "offload" in split.table()
-    assert ": fits" in split.notes[-1] and split.peak_bytes <= 0.97 * 10.5 * gib
-    tight = estimate_training_memory("llama-3.2-1b", checkpointing="budget:8GiB", host_bytes=gib, **kwargs)
+    assert ": fits" in split.notes[-1] and split.peak_bytes <= 0.97 * 13 * gib
+    tight = estimate_training_memory("llama-3.2-1b", checkpointing="budget:10.5GiB", host_bytes=gib, **kwargs)
     longest = int(re.search(r"holds is ([0-9,]+) tokens", tight.notes[-1]).group(1).replace(",", ""))
     assert 0 < longest < 16384
 
     def fits(tokens):
-        return ": fits" in estimate_training_memory("llama-3.2-1b", checkpointing="budget:8GiB", host_bytes=gib,
+        return ": fits" in estimate_training_memory("llama-3.2-1b", checkpointing="budget:10.5GiB", host_bytes=gib,
                                                     lora_rank=16, batch_tokens=tokens).notes[-1]
 
     assert fits(longest) and not fits(longest + 1)
 
 
 def test_offline_estimate_counts_chunked_mlps_past_the_auto_threshold():
-    """Llama-3-8B QLoRA under an 80 GiB budget with 110 GiB of host memory (issue 40c's run): past the length where
-    mlp_chunks="auto" chunks the MLPs (199,728 tokens) a layer keeps no MLP intermediates, so 344,064 tokens fit (the
-    H200 ran them at 78.3 GiB; the estimate without chunks said 173,232 tokens at most), within the run's 3% headroom,
-    and the longest length named for 393,216 lies past the threshold, where it fits and one token more does not.
-    Just under the threshold, where auto's unchunked MLPs do not fit, the plan chunks them, as the run's budget does
+    """Llama-3-8B QLoRA with 110 GiB of host memory (issue 40c's shape): past the length where mlp_chunks="auto"
+    chunks the MLPs (199,728 tokens) a layer keeps no MLP intermediates, so 344,064 tokens fit an 88 GiB budget,
+    and not unchunked; the longest length named for 393,216 lies past the threshold, where it fits and one token
+    more does not. The estimate stays above what the H200 measured for that length under an 80 GiB cap (78.3 GiB,
+    tests/gpu/RESULTS.md run 30): an upper bound, so under 'budget:80GiB' it does not promise 344,064 tokens. Just
+    under the threshold, where auto's unchunked MLPs do not fit, the plan chunks them, as the run's budget does
     before refusing (and says so)."""
     from hf_accel.memory.estimate import estimate_training_memory
     from hf_accel.memory.mlp_chunks import auto_min_tokens
 
-    def estimate(tokens, **kwargs):
+    def estimate(tokens, budget="88GiB", **kwargs):
         return estimate_training_memory("llama-3-8b", lora_rank=16, base_4bit=True, batch_tokens=tokens,
-                                        checkpointing="budget:80GiB", host_bytes=110 << 30, **kwargs)
+                                        checkpointing=f"budget:{budget}", host_bytes=110 << 30, **kwargs)
 
     def fits(tokens, **kwargs):
         return ": fits" in estimate(tokens, **kwargs).notes[-1]
 
     threshold = auto_min_tokens(14336, 2)
     assert fits(344064) and not fits(344064, mlp_chunks=False)
-    assert estimate(344064).peak_bytes <= 0.97 * (80 << 30)
+    assert estimate(344064, budget="80GiB").peak_bytes > 78.3 * 2**30 and not fits(344064, budget="80GiB")
     longest = int(re.search(r"holds is ([0-9,]+) tokens", estimate(393216).notes[-1]).group(1).replace(",", ""))
     assert threshold < longest < 393216 and fits(longest) and not fits(longest + 1)
     under = estimate(threshold)

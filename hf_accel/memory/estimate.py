@@ -121,14 +121,18 @@ def _layer_bytes(config, b: int, lora_rank: int | None, adapted) -> tuple[LayerA
             per_token.mlp + inside)
 
 
-def _layer_at(per_token: LayerActivation, mlp_per_token: int, chunking, tokens: int) -> LayerActivation:
+def _layer_at(per_token: LayerActivation, mlp_per_token: int, grads_per_token: int, chunking,
+              tokens: int) -> LayerActivation:
     """One decoder layer's bytes over a micro-batch of `tokens`: the per-token figures times the tokens, except where
     patch()'s MLP chunking (``chunking``: a ``mlp_chunks.MlpChunking``, or None) runs this length in chunks: then the
-    'none' figure keeps no MLP intermediates and the layer's backward rebuilds one chunk's at a time."""
+    'none' figure keeps no MLP intermediates and the layer's backward rebuilds one chunk's at a time. The backward
+    also holds the gradients of the layer's input and output (`grads_per_token`, every token's) and, unchunked,
+    those of every token's MLP intermediates (counted as large as the intermediates: an upper bound of what the
+    probe measures)."""
     chunk = chunking.chunk_at(tokens) if chunking is not None else 0
     none = per_token.none_bytes - (mlp_per_token if chunk else 0)
     return LayerActivation(none * tokens, per_token.op_bytes * tokens, per_token.full_bytes * tokens,
-                           backward_bytes=mlp_per_token * chunk)
+                           backward_bytes=mlp_per_token * (chunk or tokens) + grads_per_token * tokens)
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         """With this MLP chunking: the choices at batch_tokens, the longest micro-batch up to it that fits, one layer
         at batch_tokens and the plan's peak."""
         def layers_at(tokens: int) -> list[LayerActivation]:
-            return [_layer_at(per_token, mlp_per_token, chunking, tokens)] * config.num_hidden_layers
+            return [_layer_at(per_token, mlp_per_token, 2 * config.hidden_size * b, chunking, tokens)] \
+                * config.num_hidden_layers
 
         breaks = () if chunking is None else (chunking.longest_unchunked,)
         choices, longest = _choices_for(checkpointing, layers_at, fixed, loss_at, device_bytes, host_bytes,
@@ -326,7 +331,7 @@ def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
                  "CUDA default)")
     notes = ("attention counted flash-style (no seq x seq tensor); HF's eager/sdpa paths with a mask add one",
              f"{loss_note}, and eager layers: an upper bound for patch()'s CUDA defaults, whose loss kernel works in "
-             "place and whose compiled layers save less (Llama-1B at 16k tokens: this estimate 40.5 GiB, 55.4 with "
+             "place and whose compiled layers save less (Llama-1B at 16k tokens: this estimate 41.6 GiB, 56.6 with "
              "--loss full; measured on the H200: the fused defaults 27.2, attention-only patch 57.2); a budget: plan "
              "probes the real forward instead")
     if quantized:
