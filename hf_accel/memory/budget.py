@@ -249,7 +249,7 @@ class MemoryBudget(CheckpointingPolicy):
         loss's chunk of logits, a chunked MLP's chunk), so a probe at that length (random tokens in one row) checks
         it, and where no plan fits there, the sizes taken as affine through the last two probes name a shorter one
         (LONGEST_CHECKS probes at most; none for a sharded model)."""
-        from .plan import longest_feasible_tokens, plan_checkpointing
+        from .plan import affine_between, longest_feasible_tokens, plan_checkpointing
 
         if self.sharding is None:
             # every probe in one regime: a shorter length that auto's MLP chunking leaves unchunked is one this
@@ -264,7 +264,7 @@ class MemoryBudget(CheckpointingPolicy):
             probe = self._probe(model, _synthetic_batch(model, length, device), run, device)
             if plan_checkpointing(probe.layers, **{**planning, "extra_bytes": probe.tail_peak_bytes}).fits:
                 return length, True
-            layers_at, extra_at = _affine(before, (length, probe))
+            layers_at, extra_at = affine_between(before, (length, probe))
             before, length = (length, probe), longest_feasible_tokens(
                 layers_at, length, **{**planning, "extra_bytes": extra_at, "upper": length - 1})
         return length, False
@@ -379,28 +379,6 @@ def _synthetic_batch(model: nn.Module, tokens: int, device: torch.device) -> dic
     input_ids = torch.randint(0, vocab, (1, tokens), device=device)
     position_ids = torch.arange(tokens, device=device)[None]
     return {"input_ids": input_ids, "labels": input_ids.clone(), "position_ids": position_ids, "use_cache": False}
-
-
-def _affine(a: tuple, b: tuple):
-    """The sizes of two probes (tokens, plan.Probe) as affine functions of the tokens: each layer's figures and the
-    loss tail through both points (at least 0; nothing at 0 tokens)."""
-    from dataclasses import fields
-
-    from .plan import LayerActivation
-
-    (ta, pa), (tb, pb) = a, b
-
-    def at(t: int, fa: int | None, fb: int | None) -> int | None:
-        if fa is None or fb is None:
-            return None
-        return 0 if t == 0 else max(fb + (fa - fb) * (t - tb) // (ta - tb), 0)
-
-    def layers_at(t: int) -> list:
-        return [LayerActivation(**{f.name: at(t, getattr(la, f.name), getattr(lb, f.name))
-                                   for f in fields(LayerActivation)})
-                for la, lb in zip(pa.layers, pb.layers)]
-
-    return layers_at, lambda t: at(t, pa.tail_peak_bytes, pb.tail_peak_bytes)
 
 
 def _unchunked_auto(model: nn.Module, tokens: int) -> mlp_chunks.MlpChunking | None:

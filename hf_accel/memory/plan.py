@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -347,3 +347,21 @@ def live_activation_bytes(model: nn.Module, batch: dict) -> int:
         out = model(**batch)
     total = sum(n for ref, n in refs.values() if not ref.expired())
     return total - sum(t.untyped_storage().nbytes() for t in out.values() if isinstance(t, torch.Tensor))
+
+
+def affine_between(a: tuple, b: tuple):
+    """The sizes of two probes (tokens, plan.Probe) as affine functions of the tokens: each layer's figures and the
+    loss tail through both points (at least 0; nothing at 0 tokens)."""
+    (ta, pa), (tb, pb) = a, b
+
+    def at(t: int, fa: int | None, fb: int | None) -> int | None:
+        if fa is None or fb is None:
+            return None
+        return 0 if t == 0 else max(fb + (fa - fb) * (t - tb) // (ta - tb), 0)
+
+    def layers_at(t: int) -> list:
+        return [LayerActivation(**{f.name: at(t, getattr(la, f.name), getattr(lb, f.name))
+                                   for f in fields(LayerActivation)})
+                for la, lb in zip(pa.layers, pb.layers)]
+
+    return layers_at, lambda t: at(t, pa.tail_peak_bytes, pb.tail_peak_bytes)
