@@ -767,6 +767,11 @@ def test_predicted_peak_covers_the_backward_of_a_real_step(spec):
     batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(tokens)[None], "use_cache": False}
     probe = probe_training_memory(model, batch)
     assert probe.layers[0].backward_bytes > 0
+    # a sharded model's probe runs no layer backward alone: it counts the input's and output's gradients, a lower
+    # bound of what the backward makes (it counted none)
+    unmeasured = probe_training_memory(model, batch, backward=False).layers
+    assert all(0 < layer.backward_bytes == 2 * layer.full_bytes < probe.layers[0].backward_bytes
+               for layer in unmeasured)
     policy_from_spec(spec).apply(model)
     predicted = plan_peak_bytes(probe.layers, [spec] * 3, 0, probe.tail_peak_bytes)
     peak = _StepPeak(model)

@@ -75,7 +75,8 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
     layer's no-checkpointing (and recompute) bytes; op-level layers, which run eagerly, keep the eager figures.
 
     backward: also measure what one layer's backward makes on top of its saved tensors (``layer_backward_bytes``);
-    False leaves it at 0 (a sharded model, whose layer backward alone would start its collectives).
+    False counts the gradients of each layer's input and output only (twice its input: a lower bound of that; for a
+    sharded model, whose layer backward alone would start its collectives).
 
     Layers alike in every respect, their inputs included (``layer_kinds.passing_through``), save alike: the forwards
     run the first two of each kind and pass the hidden states through the others, whose figures are the second
@@ -107,13 +108,14 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
 
     op_out, inputs, tail_peak = each(tally.op_out), each(tally.inputs), tally.tail_peak
     saved = each(counter.saved)
-    backward = layer_backward_bytes(model, batch, layers[0], compiled) if layers and backward else 0
+    measured = layer_backward_bytes(model, batch, layers[0], compiled) if layers and backward else None
+    backwards = [2 * i if measured is None else measured for i in inputs]
     if not compiled:
-        return Probe([LayerActivation(s, i + o, i, backward_bytes=backward)
-                      for s, o, i in zip(saved, op_out, inputs)], tail_peak)
+        return Probe([LayerActivation(s, i + o, i, backward_bytes=w)
+                      for s, o, i, w in zip(saved, op_out, inputs, backwards)], tail_peak)
     bound = each(_bound_saved_bytes(model, batch, layers, params, kinds))
-    return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s, backward_bytes=backward)
-                  for b, s, o, i in zip(bound, saved, op_out, inputs)], tail_peak)
+    return Probe([LayerActivation(b, i + o, i, eager_none_bytes=s, backward_bytes=w)
+                  for b, s, o, i, w in zip(bound, saved, op_out, inputs, backwards)], tail_peak)
 
 
 class _Measured(Exception):
