@@ -454,6 +454,31 @@ def test_a_budget_leaves_the_run_s_random_streams_and_its_chunking_as_they_were(
     assert all(mlp_chunks.chunking_of(mlp) == auto for _, mlp in mlp_chunks.decoder_mlps(model))
 
 
+def test_a_budget_probes_frozen_lower_layers_as_training_runs_them():
+    """Applying a plan enables transformers' checkpointing, which hooks the input embeddings so that the decoder's
+    input needs a gradient (5.25: every model taking input_ids): the frozen layers below LoRA's first adapted layer
+    then save their activations. The budget's probe sees them so (it probed them saving nothing), and its figures
+    equal a probe of the model with that hook."""
+    peft = pytest.importorskip("peft")
+    from hf_accel.memory.plan import probe_training_memory
+
+    def lora_middle_layers():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                             num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        return peft.get_peft_model(LlamaForCausalLM(config).train(),
+                                   peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], layers_to_transform=[3]))
+
+    batch = _tokens_batch(128)
+    hooked = lora_middle_layers()
+    hooked.enable_input_require_grads()
+    expected = probe_training_memory(hooked, batch).layers
+    model = lora_middle_layers()
+    policy = MemoryBudget(budget="1GiB", sample_batch=batch, headroom=0.0, verbose=False)
+    policy.apply(model)
+    assert policy.probe.layers == expected and expected[0].none_bytes > 0
+
+
 def test_host_available_memory_honours_a_cgroup_limit(tmp_path):
     """Inside a container the host's MemAvailable overstates what the process may take: a cgroup v2 limit minus its
     usage (reclaimable file pages counted free) caps it; no limit ("max") leaves MemAvailable."""

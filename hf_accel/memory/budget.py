@@ -227,11 +227,17 @@ class MemoryBudget(CheckpointingPolicy):
         return planning
 
     def _probe(self, model: nn.Module, batch: dict, run: RunContext, device: torch.device):
-        """One probe (``plan.probe_training_memory``) of `batch` as training runs it: train mode, its autocast."""
+        """One probe (``plan.probe_training_memory``) of `batch` as training runs it: train mode, its autocast, and
+        the decoder's input needing a gradient (transformers' checkpointing enable, which applying the plan calls,
+        hooks the input embeddings so: in 5.25 for every model taking input_ids; where it does not, the probe is an
+        upper bound for frozen layers below the first trainable one, which it had probed saving nothing)."""
         from .plan import probe_training_memory
 
         was_training = model.training
         model.train()
+        embeddings = base_model(model).get_input_embeddings()
+        hook = embeddings.register_forward_hook(lambda module, args, out: out.requires_grad_(True)
+                                                if torch.is_grad_enabled() and not out.requires_grad else out)
         try:
             with run.autocast_context(device):  # the autocast training runs under: its kernels, its saved dtypes
                 # a sharded model runs every layer: its engine's hooks (ZeRO-3 traces the order of the first forward's
@@ -240,6 +246,7 @@ class MemoryBudget(CheckpointingPolicy):
                 return probe_training_memory(model, batch, compiled=self.compiled, backward=not sharded,
                                              every_layer=sharded)
         finally:
+            hook.remove()
             model.train(was_training)
 
     def _longest(self, model: nn.Module, run: RunContext, device: torch.device, tokens: int,
