@@ -194,7 +194,8 @@ class MemoryBudget(CheckpointingPolicy):
         started = time.perf_counter()
         planning = self._plan(model, batch, run, device, modes, budget)
         chunked, unchunked = None, None if self.plan.fits else _unchunked_auto(model, tokens)
-        if unchunked is not None and self.sharding is None:  # (sharded: each process would decide alone whether to probe again)
+        # (sharded: each process would decide alone whether to probe again)
+        if unchunked is not None and self.sharding is None:
             # before refusing: chunk this length's MLPs too (auto chunks only the longest calls, for speed), so a
             # layer's backward rebuilds one chunk's MLP intermediates, not every token's
             chunked = mlp_chunks.chunk_every_long_call(model)
@@ -206,7 +207,8 @@ class MemoryBudget(CheckpointingPolicy):
         if unchunked is not None and chunked is None:
             why += (f" This length's MLPs run unchunked (mlp_chunks='auto' chunks only the longest calls): "
                     f"patch(model, mlp_chunks={unchunked.chunk_tokens}) chunks them here too; try that first.")
-        raise BudgetExceeded(why, longest, f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}")
+        smallest = f"budget:{_ceil_bytes(self.plan.predicted_peak_bytes / (1 - self.headroom))}"
+        raise BudgetExceeded(why, longest, smallest)
 
     def _plan(self, model: nn.Module, batch: dict, run: RunContext, device: torch.device, modes: tuple[str, ...],
               budget: int) -> dict:
@@ -284,7 +286,8 @@ class MemoryBudget(CheckpointingPolicy):
 
         plan = self.plan
         smallest = plan.predicted_peak_bytes / (1 - self.headroom)
-        held = "weights, gradients and optimizer states" if planning["grads"] is None else "weights and optimizer states"
+        held = ("weights, gradients and optimizer states" if planning["grads"] is None
+                else "weights and optimizer states")
         host = "" if plan.host_budget_bytes is None or "offload" not in plan.choices else (
             f" with {format_bytes(plan.host_bytes)} of host memory (of {format_bytes(plan.host_budget_bytes)} "
             "it may use)")

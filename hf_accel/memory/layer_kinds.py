@@ -20,9 +20,9 @@ def kind_ids(layers: Sequence[nn.Module]) -> list[int]:
 
 
 def representatives(layers: Sequence[nn.Module]) -> list[int]:
-    """For each layer, the index of the layer whose probe figures stand for it where every layer's input is alike: itself
-    for the first two layers of each kind, the second of its kind for the others (``passing_through`` decides at
-    each call, with each input's state)."""
+    """For each layer, the index of the layer whose probe figures stand for it where every layer's input is alike:
+    itself for the first two layers of each kind, the second of its kind for the others (``passing_through`` decides
+    at each call, with each input's state)."""
     seen: dict[int, list[int]] = {}
     stands_for = []
     for i, kind in enumerate(kind_ids(layers)):

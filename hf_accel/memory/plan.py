@@ -80,8 +80,9 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
 
     Layers alike in every respect, their inputs included (``layer_kinds.passing_through``), save alike: the forwards
     run the first two of each kind and pass the hidden states through the others, whose figures are the second
-    one's (the first may also hold what the model hands every layer, such as rotary tables). At long context that is most of the probe's time (Llama-3-8B
-    at 344k tokens: two forwards of ~60 s each on an H200). ``every_layer``: run them all."""
+    one's (the first may also hold what the model hands every layer, such as rotary tables). At long context that is
+    most of the probe's time (Llama-3-8B at 344k tokens: two forwards of ~60 s each on an H200). ``every_layer``:
+    run them all."""
     from .targets import decoder_layers, default_save_ops
 
     layers = list(layers if layers is not None else decoder_layers(model))
@@ -95,8 +96,8 @@ def probe_training_memory(model: nn.Module, batch: dict, layers: Sequence[nn.Mod
         for i, layer in enumerate(layers):
             handles.append(layer.register_forward_pre_hook(tally.entering(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(tally.leave))
-        with passing_through(layers, kinds, stands_for, lambda i: tally.leave()), torch.enable_grad(), counter.hooks(), \
-                tally, torch.compiler.set_stance("force_eager"):
+        with passing_through(layers, kinds, stands_for, lambda i: tally.leave()), torch.enable_grad(), \
+                counter.hooks(), tally, torch.compiler.set_stance("force_eager"):
             out = model(**batch)
         del out
     finally:
