@@ -139,8 +139,19 @@ def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="au
     PatchOptions(fused_ce=fused_ce, fused_ops=fused_ops, compile=compile)  # the same checks, the same messages
     on_cuda = device.type == "cuda"
     out = {}
+    wrapped = "forward" in vars(model)  # accelerate's autocast / device hooks, another library's loss: its own forward
     if fused_ce != AUTO:
+        if wrapped and fused_ce is not False and fused_ce is not None:
+            raise ConfigurationError(
+                f"fused_ce={fused_ce!r}: this {type(model).__name__}'s forward is already wrapped on the instance "
+                f"({getattr(vars(model)['forward'], '__qualname__', 'a callable')}: e.g. accelerate's autocast or "
+                "device hooks from accelerator.prepare / a device_map over several devices), and the fused loss's "
+                "training path would bypass that wrapper. Patch before wrapping, or pass fused_ce=False."
+            )
         out["fused_ce"] = _explicit("fused_ce", fused_ce)
+    elif wrapped:
+        out["fused_ce"] = Speedup("fused_ce", False, "auto: the model's forward is already wrapped on the instance "
+                                  "(e.g. accelerate's autocast or device hooks): the fused loss would bypass it")
     elif not on_cuda:
         out["fused_ce"] = Speedup("fused_ce", False, f"auto: on CUDA only; this model is on {device.type}")
     elif model.get_output_embeddings() is None:

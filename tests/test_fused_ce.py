@@ -210,6 +210,81 @@ def test_patch_fused_ce_equals_stock_loss_and_grads(variant):
     assert "forward" not in fused.__dict__
 
 
+def _stock_and_fused(variant="llama-gqa"):
+    import copy
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hf_accel
+    from tiny_models import VOCAB, make
+
+    stock = make(variant).train()
+    fused = copy.deepcopy(stock)
+    hf_accel.patch(stock)
+    hf_accel.patch(fused, fused_ce=True)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    return stock, fused, ids
+
+
+def test_fused_training_calls_return_what_the_stock_forward_returns():
+    """A training call with labels returns the stock forward's hidden states and attentions when asked (they were
+    dropped), and a call asking for a tuple (return_dict=False) gets the stock forward's tuple (it crashed)."""
+    stock, fused, ids = _stock_and_fused()
+    outs = [model(input_ids=ids, labels=ids, output_hidden_states=True) for model in (stock, fused)]
+    assert len(outs[1].hidden_states) == len(outs[0].hidden_states) == 3
+    for ours, theirs in zip(outs[1].hidden_states, outs[0].hidden_states):
+        torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-5, atol=1e-6)
+    tuples = [model(input_ids=ids, labels=ids, return_dict=False) for model in (stock, fused)]
+    assert isinstance(tuples[1], tuple) and len(tuples[1]) == len(tuples[0])
+    for ours, theirs in zip(tuples[1], tuples[0]):
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "create_graph"])
+def test_a_second_backward_through_the_fused_loss_is_a_typed_error(how):
+    """The fused loss hands out gradients it computed in the forward, scaled in place: a second backward through the
+    same loss failed with torch's in-place error (retain_graph) or silently missed second-order terms (create_graph);
+    both now say what to do."""
+    _, fused, ids = _stock_and_fused()
+    loss = fused(input_ids=ids, labels=ids).loss
+    with pytest.raises(ConfigurationError, match="hands them out once.*fused_ce=False"):
+        if how == "retain_graph":
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:
+            torch.autograd.grad(loss, [p for p in fused.parameters() if p.requires_grad], create_graph=True)
+
+
+def test_a_forward_already_wrapped_on_the_instance_keeps_its_wrapper():
+    """A model whose forward is already wrapped on the instance (accelerate's autocast from accelerator.prepare, its
+    device hooks): the fused loss's training path would bypass the wrapper, so "auto" leaves it off and True is
+    refused; unpatch leaves the wrapper in place (it removed it)."""
+    import types
+
+    import hf_accel
+    from hf_accel.attention.kernels.base import DeviceInfo
+    from hf_accel.patch_options import resolve_speedups
+    from tiny_models import make
+
+    model = make("llama-gqa").train()
+    calls = []
+
+    def wrapper(self, *args, **kwargs):
+        calls.append(1)
+        return type(self).forward(self, *args, **kwargs)
+
+    model.forward = types.MethodType(wrapper, model)
+    assert not resolve_speedups(model, DeviceInfo("cuda", (9, 0)), liger_installed=False)["fused_ce"].on
+    with pytest.raises(ConfigurationError, match="already wrapped on the instance"):
+        hf_accel.patch(model, fused_ce=True)
+    hf_accel.patch(model)
+    hf_accel.unpatch(model)
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch"])
 def test_patch_fused_ce_honours_shift_labels(variant):
     """transformers' causal-LM loss takes pre-shifted ``shift_labels`` (what sequence parallelism's data loader

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import ConfigurationError
+
 IGNORE_INDEX = -100
 
 
@@ -200,6 +202,13 @@ class _GradInForwardLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
+        if torch.is_grad_enabled() or getattr(ctx, "handed_out", False):
+            raise ConfigurationError(
+                "hf_accel's fused loss computes its gradients in the forward and hands them out once: a second "
+                "backward through the same loss (retain_graph=True) or a second-order gradient (create_graph=True) "
+                "cannot be taken from it. Patch with fused_ce=False for that step's model."
+            )
+        ctx.handed_out = True  # the gradients are scaled in place and may now be the parameters' .grad
         grads = tuple(None if g is None else _scale_(g, grad_total) for g in ctx.saved_tensors)
         return (*grads, None, None, None)
 

@@ -281,10 +281,13 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
     cache_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
     stock = model.forward
+    missing = object()
+    own = vars(model).get("forward", missing)  # (patch() binds only where there is none: resolve_speedups)
 
     def forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
         target_rows = kwargs.pop(TARGET_ROWS_KEY, None)  # batch metadata for this loss only
-        if labels is None or not self.training or args:
+        as_tuple = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
+        if labels is None or not self.training or args or as_tuple:  # (a tuple's fields sit where logits would)
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return stock(*args, labels=labels, **kwargs)
@@ -297,7 +300,9 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
                                           shift_labels=shift_labels, target_rows=target_rows, chunk_size=chunk_size,
                                           method=method, softcap=softcap)
-        return CausalLMOutputWithPast(loss=loss, logits=None, **{cache_field: getattr(out, cache_field, None)})
+        return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
+                                      attentions=getattr(out, "attentions", None),
+                                      **{cache_field: getattr(out, cache_field, None)})
 
     # Keep the stock signature visible: Trainer picks dataset columns by inspecting model.forward.
     stock_sig = inspect.signature(stock)
@@ -307,7 +312,10 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
     model.forward = types.MethodType(forward, model)
 
     def undo() -> None:
-        model.__dict__.pop("forward", None)
+        if own is missing:
+            model.__dict__.pop("forward", None)
+        else:
+            model.__dict__["forward"] = own
         model.__dict__.pop(_STOCK_FORWARD, None)
 
     return undo
