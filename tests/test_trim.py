@@ -251,3 +251,83 @@ def test_the_report_says_whether_the_recompute_is_trimmed(spec, trims):
         report = hf_accel.patch(make("gemma2-softcap").train(), backend="reference", compile=False,
                                 checkpointing=spec)
         assert "recompute skips" not in report.checkpointing, report.checkpointing
+
+
+@pytest.mark.parametrize("policy", ["full", "offload", "chunks"])
+def test_a_second_backward_recomputes_again(policy):
+    """torch enters a checkpoint's recompute context at every recompute (a second backward through the graph:
+    retain_graph, or autograd.grad then backward): the trimmed recompute's context was a one-shot generator and
+    crashed there, for the default policies and for chunked MLPs. Both backwards now equal untrimmed ones."""
+    def run(trim_recompute):
+        model = make("llama-gqa").train()
+        checkpointing = FullCheckpointing(trim_recompute=trim_recompute) if policy == "full" else (
+            "offload" if policy == "offload" else "none")
+        hf_accel.patch(model, backend="reference", checkpointing=checkpointing,
+                       mlp_chunks=4 if policy == "chunks" else False)
+        if policy == "offload" and not trim_recompute:
+            from hf_accel.memory.checkpointing import OffloadedCheckpointing
+
+            hf_accel.unpatch(model)
+            hf_accel.patch(model, backend="reference", checkpointing=OffloadedCheckpointing(trim_recompute=False))
+        loss = model(**batch()).loss
+        weight = model.model.layers[1].mlp.down_proj.weight
+        first = torch.autograd.grad(loss, weight, retain_graph=True)[0]
+        loss.backward()
+        return first, {n: p.grad for n, p in model.named_parameters()}
+
+    (first, grads), (first_ref, grads_ref) = run(True), run(False)
+    torch.testing.assert_close(first, first_ref, rtol=1e-5, atol=1e-7)
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("where", ["down_proj", "mlp", "lora wrapper", "global"])
+def test_a_forward_hook_that_could_see_the_fill_stops_the_trim(where):
+    """A forward hook on an output projection, on a module between the layer and it, or a global one, would run on
+    the recompute's fill and may save it (a soft clamp of down_proj's output took gradients 100% off): such a
+    layer's recompute is not trimmed, and the step is the untrimmed one."""
+    def clamp(module, args, out):
+        return torch.tanh(300 * out) / 300
+
+    def model_with_hook(trim_recompute):
+        model = lora_model("llama-gqa", FullCheckpointing(trim_recompute=trim_recompute))
+        mlp = model.get_base_model().model.layers[1].mlp
+        target = {"down_proj": mlp.down_proj.get_base_layer(), "mlp": mlp, "lora wrapper": mlp.down_proj}.get(where)
+        handle = (torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: clamp(module, args, out) if module is mlp.down_proj.get_base_layer() else out)
+            if target is None else target.register_forward_hook(clamp))
+        return model, handle
+
+    model, handle = model_with_hook(True)
+    try:
+        a = trimmed_step(model, batch())
+    finally:
+        handle.remove()
+    reference, handle = model_with_hook(False)
+    try:
+        b = trimmed_step(reference, batch())
+    finally:
+        handle.remove()
+    assert_equal_steps(a, b)
+    assert a[2] == (0 if where == "global" else 1)  # layer 0 still trims, but not under a global hook
+
+
+def test_functorch_transforms_after_a_trimmed_step():
+    """The trimmed forward stays bound between steps; under functorch's transforms (vmap(grad): per-sample
+    gradients) it takes the stock forward (its custom op was refused there)."""
+    from torch.func import functional_call, grad, vmap
+
+    model = full_ft_model("llama-gqa", FullCheckpointing())
+    trimmed_step(model, batch())
+    down = model.model.layers[1].mlp.down_proj
+    assert "forward" in down.__dict__
+    params = dict(down.named_parameters())
+    x = torch.randn(3, 2, down.in_features)
+
+    def loss(p, xi):
+        return functional_call(down, p, (xi,)).square().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    expected = torch.stack([torch.func.grad(loss)(params, xi)["weight"] for xi in x])
+    torch.testing.assert_close(per_sample["weight"], expected)
+    torch.testing.assert_close(per_sample["weight"][0], 2 * torch.einsum("so,si->oi", down(x[0]), x[0]))

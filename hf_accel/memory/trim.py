@@ -34,7 +34,7 @@ import threading
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,18 +62,21 @@ def recomputing() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
-@contextlib.contextmanager
-def _recompute() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
+class _Recompute:
+    """This thread is inside a trimmed recompute while entered. Entered again at each recompute of one checkpoint
+    (torch calls ``context_fn`` once per checkpoint call and enters its recompute context at every recompute: a
+    second backward through the graph, retain_graph or a second-order gradient): so a class, not a generator."""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
         _state.depth -= 1
 
 
 def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """A non-reentrant checkpoint's ``context_fn``: the forward as it is, the recompute with trimmed projections."""
-    return contextlib.nullcontext(), _recompute()
+    return contextlib.nullcontext(), _Recompute()
 
 
 # ----------------------------------------------------------------------------------------------- the ops
@@ -163,8 +166,8 @@ def _gemm_4bit_op():
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear's forward (``F.linear``) through ``linear_unless_recomputing``, casting as autocast would."""
     weight, bias = self.weight, self.bias
-    if not torch.is_grad_enabled():
-        return type(self).forward(self, x)
+    if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():  # (vmap / grad: a custom op
+        return type(self).forward(self, x)  # without setup_context is refused there)
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -178,7 +181,8 @@ def _linear_4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ``gemm_4bit_unless_recomputing``; the stock forward for everything else."""
     stock = type(self).forward
     state = getattr(self.weight, "quant_state", None)
-    if not (torch.is_grad_enabled() and self.bias is None and not self.weight.requires_grad and state is not None
+    if not (torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active() and self.bias is None
+            and not self.weight.requires_grad and state is not None
             and len(state.shape) == 2 and not getattr(state, "packing_format_for_cpu", False)
             and x.shape[-1] == state.shape[1] and x.numel() > 0
             and (not state.nested or state.state2.blocksize == 256)):
@@ -254,7 +258,7 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
     """Whether ``layer``'s recompute may be trimmed now: every projection at ``paths`` has a base layer of a kind
     with a trimmed forward (bound here on first sight, recorded in ``bindings``). Checked at each checkpoint call, so
     LoRA added after ``patch()`` is seen."""
-    if not paths:
+    if not paths or _transforms_outputs(torch.nn.modules.module._global_forward_hooks.values()):
         return False
     for path in paths:
         try:
@@ -262,6 +266,10 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
         except AttributeError:
             return False
         base = _base_of(module)
+        on_the_way = [layer, *(layer.get_submodule(".".join(path.split(".")[:i + 1]))
+                               for i in range(path.count(".") + 1)), *([base] if base is not None else [])]
+        if any(_transforms_outputs(m._forward_hooks.values()) for m in on_the_way):
+            return False  # a forward hook there would see (and may save) the recompute's fill
         forward = None if base is None else _trimmed_forward(base)
         if forward is None:
             return False
@@ -272,6 +280,16 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
         elif getattr(current, "__func__", None) is not forward:
             return False  # a forward of someone else's (accelerate's device hooks, a user's wrapper): left alone
     return True
+
+
+def _transforms_outputs(hooks) -> bool:
+    """Whether any of these forward hooks may read or change a module's output: all but the sharding engines' own
+    (FSDP2's and DeepSpeed ZeRO-3's move parameters around a module's call and leave its output as it is)."""
+    for hook in hooks:
+        owner = getattr(getattr(hook, "func", hook), "__module__", None) or ""
+        if not owner.startswith(("torch.distributed.", "deepspeed.")):
+            return True
+    return False
 
 
 class TrimmedCheckpoint:
