@@ -122,6 +122,26 @@ def test_chunked_mlp_with_lora(checkpointing):
     assert all(g.abs().max() > 0 for g in grads.values())
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_dropout_inside_a_chunked_mlp_is_said_once(dropout, caplog):
+    """LoRA dropout on the MLP's projections draws its masks chunk by chunk: the same distribution, not the masks
+    of one draw over every token, so not the unpatched model's step for a seed. The first chunked call says so (once);
+    without dropout nothing is said (and the step is the unpatched one: test_chunked_mlp_with_lora)."""
+    peft = pytest.importorskip("peft")
+
+    def lora(model):
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_dropout=dropout,
+                                                          target_modules=["gate_proj", "up_proj", "down_proj"]))
+
+    ours, _ = chunked_pair("llama-gqa", wrap=lora)
+    with caplog.at_level("WARNING", logger="hf_accel"):
+        for _ in range(2):
+            loss_and_grads(ours, packed_batch())
+    said = [r.getMessage() for r in caplog.records if "dropout inside it" in r.getMessage()]
+    assert len(said) == (1 if dropout else 0)  # once per model, not per call or per layer
+    assert all("lora_dropout=0" in m and "lora_dropout.default" in m for m in said)
+
+
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "short"])
 def test_other_calls_run_the_original_forward(mode, monkeypatch):
     model = make("llama-gqa").train()

@@ -8,6 +8,9 @@ decoder layer's MLP *instance* ``forward`` with one that splits the tokens into 
 (views of the MLP's input), and backward rebuilds one chunk's intermediate at a time. The cost is one more MLP
 forward per chunked call (its recompute). The math is the same per token, equal up to rounding: a matmul over fewer
 rows may round differently (BLAS picks kernels by shape), and weight gradients are the same sums in another order.
+Dropout inside the MLP (PEFT's ``lora_dropout`` on its projections) draws its masks chunk by chunk: the same
+distribution, but not the masks one draw over every token gives, so not the unpatched model's step for a seed; the
+first such call says so in a warning (``lora_dropout=0`` or ``mlp_chunks=False`` keep the unpatched masks).
 
 A memory budget (``memory.budget``) that no plan meets with auto's threshold may lower it to one chunk for its run
 (``chunk_every_long_call``; ``restore_bound`` puts it back): the bound forward reads its chunking at each call.
@@ -32,6 +35,7 @@ bookkeeping.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +46,8 @@ from torch.utils.checkpoint import checkpoint
 from . import trim
 from .targets import decoder_mlps
 from ..errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 AUTO_MIN_TOKENS = 32768  # "auto" never chunks a training call of this many tokens or fewer
@@ -163,8 +169,14 @@ _CHUNKING = "__hf_accel_mlp_chunks__"  # on a chunked forward: the chunking its 
 _BOUND = "__hf_accel_mlp_chunks_bound__"  # ... and the one patch() bound (a memory budget may chunk more: below)
 
 
+def _active_dropout(module: nn.Module) -> str:
+    """The dropout modules inside ``module`` that drop now (training, p > 0), named; '' for none."""
+    return ", ".join(name for name, m in module.named_modules()
+                     if isinstance(m, nn.Dropout) and m.training and m.p > 0)
+
+
 def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking, trimmed: tuple[str, ...],
-                     bindings: trim.Bindings) -> Callable:
+                     bindings: trim.Bindings, said: set) -> Callable:
     @functools.wraps(forward)
     def chunked(*args, **kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
@@ -172,6 +184,13 @@ def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking
         chunk = getattr(chunked, _CHUNKING).chunk_for(args[0], module.training)
         if not chunk:
             return forward(args[0])
+        if "dropout" not in said and _active_dropout(module):  # (once per model: `said` is its MLPs')
+            said.add("dropout")
+            logger.warning(
+                "hf_accel: %s runs in chunks of %d tokens with dropout inside it (%s): its masks are drawn chunk by "
+                "chunk (the same distribution, not the masks of one draw over every token). For the unpatched "
+                "model's masks: lora_dropout=0, or patch(model, mlp_chunks=False).", type(module).__name__, chunk,
+                _active_dropout(module))
         return run_in_chunks(forward, args[0], chunk, trimmed=trim.prepare(module, trimmed, bindings))
 
     setattr(chunked, _CHUNKING, chunking)
@@ -185,11 +204,11 @@ def apply(model: nn.Module, chunking: MlpChunking, output_projections: tuple[str
     ``output_projections``: the family's (paths in a decoder layer); those inside its ``mlp`` a chunk's recompute
     skips (``memory.trim``)."""
     trimmed = tuple(path.removeprefix("mlp.") for path in output_projections if path.startswith("mlp."))
-    bindings = trim.Bindings([])
+    bindings, said = trim.Bindings([]), set()
     names, undo = [], [bindings.unbind]
     for name, mlp in decoder_mlps(model):
         had_own, previous = "forward" in mlp.__dict__, mlp.__dict__.get("forward")
-        mlp.forward = _chunked_forward(mlp, mlp.forward, chunking, trimmed, bindings)
+        mlp.forward = _chunked_forward(mlp, mlp.forward, chunking, trimmed, bindings, said)
 
         def restore(mlp=mlp, had_own=had_own, previous=previous) -> None:
             if had_own:
