@@ -317,6 +317,17 @@ def test_trainer_turns_the_rows_on_with_the_fused_loss_and_trains_the_same(tmp_p
     assert not _trainer(tmp_path / "plain", False, data).data_collator.target_rows
 
 
+def test_the_trainer_lists_no_rows_for_data_parallel(tmp_path, monkeypatch):
+    """Several GPUs in one process: transformers' Trainer runs nn.DataParallel, which splits every tensor of the batch
+    along dim 0, the (T,) list of flattened positions too (each replica would gather rows of another's part): the
+    collator lists none there."""
+    import transformers
+
+    monkeypatch.setattr(transformers.TrainingArguments, "n_gpu", property(lambda self: 2))
+    data = prompt_masked([9, 14, 5, 20], seed=3)
+    assert not _trainer(tmp_path, True, data).data_collator.target_rows
+
+
 # ---- what MFU counts ------------------------------------------------------------------------------------------------
 def test_mfu_counts_the_lm_head_on_target_tokens_only():
     """The FLOP model charges the LM head for the tokens that have a target (the head's work a masked position needs

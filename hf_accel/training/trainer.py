@@ -144,9 +144,10 @@ class AccelMixin(CheckpointFilesMixin):
         elif policy is not None:
             policy.apply(self.model, context)
         if self.patch_report is not None and self.patch_report.fused_ce and getattr(self, "_own_collator", False) \
-                and hasattr(self.data_collator, "target_rows"):
+                and hasattr(self.data_collator, "target_rows") and self.args.n_gpu <= 1:
             # the fused loss consumes the collator's target rows (and takes them out of the batch): no LM-head work
-            # for masked positions. Only then: a stock forward must not receive the key.
+            # for masked positions. Only then: a stock forward must not receive the key. Not under nn.DataParallel
+            # (several GPUs, one process): it splits every tensor of the batch along dim 0, the (T,) list too.
             self.data_collator.target_rows = True
 
     def _accel_default_checkpointing(self) -> None:
