@@ -68,8 +68,10 @@ def head_shape(config) -> tuple[int, int, int]:
 
 
 def training_dropout(config) -> float:
-    """Falcon applies attention dropout only on its ALiBi path (the rotary path never did)."""
-    return float(config.attention_dropout or 0.0) if config.alibi else 0.0
+    """Falcon's attention dropout in training: on its ALiBi path always; on its rotary path from transformers 5.25 on
+    (its attention-interface forward passes the config's dropout on both), none up to 5.24 (that eager / SDPA rotary
+    path applied none)."""
+    return float(config.attention_dropout or 0.0) if (config.alibi or not TAKES_ALIBI) else 0.0
 
 
 def split_qkv(module: FalconAttention, fused_bsx: torch.Tensor):
@@ -113,7 +115,7 @@ def _attend(self: FalconAttention, q, k, v, attention_mask, position_ids, with_a
     opts = AttnOptions(
         scale=self.inv_norm_factor,
         causal=True,
-        dropout_p=_dropout_p(self) if (self.training and with_alibi) else 0.0,
+        dropout_p=_dropout_p(self) if (self.training and (with_alibi or not TAKES_ALIBI)) else 0.0,
         alibi_slopes=alibi_slopes(self.num_heads, self.head_dim, q.device) if with_alibi else None,
     )
     # Falcon's decoder layers pass no keyword arguments down: the collator's metadata comes from the model's forward.

@@ -331,9 +331,40 @@ def test_report_predicts_the_backend_training_calls_use():
     rw = make("falcon-rw-alibi")
     rw.config.attention_dropout = 0.1
     assert training_request(rw, family_for("falcon"), None).dropout
+    from hf_accel.patches.falcon import TAKES_ALIBI
+
     rotary = make("falcon-mha")
     rotary.config.attention_dropout = 0.1
-    assert not training_request(rotary, family_for("falcon"), None).dropout  # Falcon's rotary path has no dropout
+    # Falcon's rotary path has dropout from transformers 5.25 on (its attention-interface forward), none before
+    assert training_request(rotary, family_for("falcon"), None).dropout == (not TAKES_ALIBI)
+
+
+@pytest.mark.parametrize("variant", ["falcon-40b-newarch", "falcon-mha", "falcon-rw-alibi", "llama-gqa"])
+def test_attention_dropout_in_training_is_the_unpatched_model_s(variant):
+    """With attention dropout in training, the patched model draws what the unpatched one draws: the same loss for a
+    seed, and another for another seed (dropout applied). Falcon's rotary path had none patched, though
+    transformers 5.25 applies it there (the loss never moved with the seed)."""
+    import copy
+
+    import hf_accel
+    from hf_accel.patches.falcon import TAKES_ALIBI
+
+    config = make(variant).config  # (modules read their dropout when built: a model of the edited config)
+    config.attention_dropout, config.hidden_dropout = 0.2, 0.0
+    torch.manual_seed(0)
+    ref = type(make(variant))(config).train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours, backend="sdpa")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss(model, seed):
+        torch.manual_seed(seed)
+        return model(input_ids=ids, labels=ids).loss.item()
+
+    for seed in (1, 2):
+        assert loss(ours, seed) == pytest.approx(loss(ref, seed), rel=1e-6, abs=1e-6)
+    applies = variant in ("falcon-rw-alibi", "llama-gqa") or not TAKES_ALIBI  # (5.17's rotary Falcon: none)
+    assert (loss(ours, 1) != loss(ours, 2)) == applies
 
 
 # ---- defaults: "auto" resolves to the fast path on CUDA, to today's behaviour elsewhere -------------------------
