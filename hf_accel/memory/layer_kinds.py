@@ -19,19 +19,6 @@ def kind_ids(layers: Sequence[nn.Module]) -> list[int]:
     return [first.setdefault(layer_kind(layer), i) for i, layer in enumerate(layers)]
 
 
-def representatives(layers: Sequence[nn.Module]) -> list[int]:
-    """For each layer, the index of the layer whose probe figures stand for it where every layer's input is alike:
-    itself for the first two layers of each kind, the second of its kind for the others (``passing_through`` decides
-    at each call, with each input's state)."""
-    seen: dict[int, list[int]] = {}
-    stands_for = []
-    for i, kind in enumerate(kind_ids(layers)):
-        ran = seen.setdefault(kind, [])
-        ran.append(i)
-        stands_for.append(i if len(ran) <= 2 else ran[1])
-    return stands_for
-
-
 def layer_kind(layer: nn.Module) -> tuple:
     """What decides the tensors a decoder layer saves, module by module: its class, its plain settings (attention
     type, sliding window, scaling, dropout: every int, float, str, bool or None it holds but its index), its

@@ -184,13 +184,14 @@ def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking
         chunk = getattr(chunked, _CHUNKING).chunk_for(args[0], module.training)
         if not chunk:
             return forward(args[0])
-        if "dropout" not in said and _active_dropout(module):  # (once per model: `said` is its MLPs')
+        dropping = "dropout" not in said and _active_dropout(module)  # (once per model: `said` is its MLPs')
+        if dropping:
             said.add("dropout")
             logger.warning(
                 "hf_accel: %s runs in chunks of %d tokens with dropout inside it (%s): its masks are drawn chunk by "
                 "chunk (the same distribution, not the masks of one draw over every token). For the unpatched "
                 "model's masks: lora_dropout=0, or patch(model, mlp_chunks=False).", type(module).__name__, chunk,
-                _active_dropout(module))
+                dropping)
         return run_in_chunks(forward, args[0], chunk, trimmed=trim.prepare(module, trimmed, bindings))
 
     setattr(chunked, _CHUNKING, chunking)

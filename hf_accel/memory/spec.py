@@ -3,6 +3,7 @@ torch, so the ``hf-accel`` command refuses a wrong one before it loads anything.
 policy from what ``parse_checkpointing`` returns."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ConfigurationError
@@ -23,7 +24,7 @@ def parse_bytes(text: str) -> int:
 
 
 def _whole(n: float) -> int:
-    if n != n or n in (float("inf"), float("-inf")):
+    if not math.isfinite(n):
         raise ValueError(f"not a finite size: {n}")
     return int(n)
 
@@ -51,10 +52,11 @@ def parse_checkpointing(spec: str) -> CheckpointSpec:
             if value.endswith(suffix):
                 value, offload = value[: -len(suffix)], flag
                 break
-        if value.replace(".", "", 1).isdigit() and float(value) == 0:
+        bare = value.replace(".", "", 1).isdigit()  # a number without a unit
+        if bare and float(value) == 0:
             raise ConfigurationError(f"checkpointing spec {spec!r}: a memory budget must be positive, "
                                      "e.g. 'budget:20GiB' or 'budget:0.8'.")
-        if value.replace(".", "", 1).isdigit() and "." in value:
+        if bare and "." in value:
             if not float(value) <= 1:
                 raise ConfigurationError(
                     f"checkpointing spec {spec!r}: a budget without a unit is a fraction of the device's memory, "
@@ -66,7 +68,7 @@ def parse_checkpointing(spec: str) -> CheckpointSpec:
         except (ValueError, OverflowError):
             pass
         else:
-            if value.replace(".", "", 1).isdigit():
+            if bare:
                 raise ConfigurationError(
                     f"checkpointing spec {spec!r}: a budget needs a unit or a decimal point: 'budget:{value}GiB' (a "
                     f"size) or 'budget:0.8' (a fraction of the device's memory). Allowed: {ALLOWED}."
