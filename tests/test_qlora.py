@@ -223,6 +223,34 @@ def test_off_cuda_the_defaults_trim_a_4bit_base_s_recompute_with_the_same_bits(s
             assert ((grads[name] - g).abs().max() / g.abs().max()).item() <= 1e-4, name
 
 
+def test_a_long_context_plan_s_chunked_mlps_with_a_hook_in_forward_only(saved_llama):
+    """The 344k-token QLoRA step's plan on the GPU (offloaded and spaced layers, chunked MLPs, trimmed recompute)
+    failed in backward with torch's CheckpointError: a chunk's forward ran bitsandbytes' stock forward (which keeps
+    the 4-bit weight on its context, unseen by checkpointing) and its recompute the bound trimmed one (which saves
+    it). A forward under a global hook, gone before backward, made that sequence on the CPU: it stopped the trim
+    before binding, and a later call bound it. The step now equals one without the hook, bit for bit."""
+    from hf_accel.memory.checkpointing import PerLayer
+
+    def model():
+        m = qlora(saved_llama, compute=torch.float32)
+        hf_accel.patch(m, backend="reference", compile=False, checkpointing=PerLayer(choices=["offload", "spaced"]),
+                       mlp_chunks=4)
+        return m
+
+    batch = packed([5, 9, 3], 0)
+    hooked = model()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        loss = hooked(**batch).loss
+    finally:
+        handle.remove()
+    loss.backward()
+    grads = {n: p.grad for n, p in hooked.named_parameters() if p.grad is not None}
+    ref_loss, ref_grads = step(model(), batch, autocast=False)
+    assert torch.equal(loss.detach(), ref_loss) and grads.keys() == ref_grads.keys() and grads
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
 @pytest.mark.parametrize("case", ["not 4-bit", "no checkpointing", "context_fn", "hf_accel policy", "reentrant"])
 def test_where_the_defaults_keep_the_model_s_checkpointing(saved_llama, case):
     import functools

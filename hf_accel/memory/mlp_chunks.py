@@ -175,6 +175,21 @@ def _active_dropout(module: nn.Module) -> str:
                      if isinstance(m, nn.Dropout) and m.training and m.p > 0)
 
 
+@torch._dynamo.disable  # (inside a compiled layer: the trim's binding and its checks run as written, each call)
+def _run_chunked(module: nn.Module, forward: Callable, hidden_states: torch.Tensor, chunk: int,
+                 trimmed: tuple[str, ...], bindings: trim.Bindings, said: set) -> torch.Tensor:
+    """A chunked call: the dropout warning (once per model: `said` is its MLPs'), then the chunks."""
+    dropping = "dropout" not in said and _active_dropout(module)
+    if dropping:
+        said.add("dropout")
+        logger.warning(
+            "hf_accel: %s runs in chunks of %d tokens with dropout inside it (%s): its masks are drawn chunk by "
+            "chunk (the same distribution, not the masks of one draw over every token). For the unpatched "
+            "model's masks: lora_dropout=0, or patch(model, mlp_chunks=False).", type(module).__name__, chunk,
+            dropping)
+    return run_in_chunks(forward, hidden_states, chunk, trimmed=trim.prepare(module, trimmed, bindings))
+
+
 def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking, trimmed: tuple[str, ...],
                      bindings: trim.Bindings, said: set) -> Callable:
     @functools.wraps(forward)
@@ -184,15 +199,7 @@ def _chunked_forward(module: nn.Module, forward: Callable, chunking: MlpChunking
         chunk = getattr(chunked, _CHUNKING).chunk_for(args[0], module.training)
         if not chunk:
             return forward(args[0])
-        dropping = "dropout" not in said and _active_dropout(module)  # (once per model: `said` is its MLPs')
-        if dropping:
-            said.add("dropout")
-            logger.warning(
-                "hf_accel: %s runs in chunks of %d tokens with dropout inside it (%s): its masks are drawn chunk by "
-                "chunk (the same distribution, not the masks of one draw over every token). For the unpatched "
-                "model's masks: lora_dropout=0, or patch(model, mlp_chunks=False).", type(module).__name__, chunk,
-                dropping)
-        return run_in_chunks(forward, args[0], chunk, trimmed=trim.prepare(module, trimmed, bindings))
+        return _run_chunked(module, forward, args[0], chunk, trimmed, bindings, said)
 
     setattr(chunked, _CHUNKING, chunking)
     setattr(chunked, _BOUND, chunking)

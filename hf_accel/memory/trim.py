@@ -254,31 +254,45 @@ class Bindings:
         self.bound.clear()
 
 
-def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> bool:
-    """Whether ``layer``'s recompute may be trimmed now: every projection at ``paths`` has a base layer of a kind
-    with a trimmed forward (bound here on first sight, recorded in ``bindings``). Checked at each checkpoint call, so
-    LoRA added after ``patch()`` is seen."""
-    if not paths or _transforms_outputs(torch.nn.modules.module._global_forward_hooks.values()):
-        return False
+def bind(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> bool:
+    """Bind the trimmed forward to the base layer of each projection at ``paths`` that has none yet (recorded in
+    ``bindings``); whether every one has it now (False: a path missing, a LoRA variant, a kind with no trimmed
+    forward, a forward of someone else's: accelerate's device hooks, a user's wrapper, left alone)."""
+    bound = bool(paths)
     for path in paths:
         try:
-            module = layer.get_submodule(path)
+            base = _base_of(layer.get_submodule(path))
         except AttributeError:
-            return False
-        base = _base_of(module)
-        on_the_way = [layer, *(layer.get_submodule(".".join(path.split(".")[:i + 1]))
-                               for i in range(path.count(".") + 1)), *([base] if base is not None else [])]
-        if any(_transforms_outputs(m._forward_hooks.values()) for m in on_the_way):
-            return False  # a forward hook there would see (and may save) the recompute's fill
+            bound = False
+            continue
         forward = None if base is None else _trimmed_forward(base)
-        if forward is None:
-            return False
-        current = base.__dict__.get("forward")
-        if current is None:
+        current = None if base is None else base.__dict__.get("forward")
+        if forward is None or (current is not None and getattr(current, "__func__", None) is not forward):
+            bound = False
+        elif current is None:
             bindings.bound.append((base, False, None))
             base.forward = types.MethodType(forward, base)
-        elif getattr(current, "__func__", None) is not forward:
-            return False  # a forward of someone else's (accelerate's device hooks, a user's wrapper): left alone
+    return bound
+
+
+def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> bool:
+    """Whether ``layer``'s recompute may be trimmed now: every projection at ``paths`` has a base layer of a kind
+    with a trimmed forward (bound here on first sight: ``bind``) and no forward hook could see the fill. Checked at
+    each checkpoint call, so LoRA added after ``patch()`` is seen.
+
+    Binding comes before the hook checks, and so at the first call that could trim whatever the hooks: the bound
+    forward saves other tensors than the stock one (bitsandbytes' keeps its weight on the context, unseen), so a
+    checkpoint whose forward ran the stock forward and whose recompute found it bound (a later call bound it: a
+    hook present in forward only, or a chunked MLP's recompute inside its layer's) fails torch's check of the
+    recomputed tensors."""
+    if not bind(layer, paths, bindings) or _transforms_outputs(torch.nn.modules.module._global_forward_hooks.values()):
+        return False
+    for path in paths:
+        module = layer.get_submodule(path)
+        on_the_way = [layer, *(layer.get_submodule(".".join(path.split(".")[:i + 1]))
+                               for i in range(path.count(".") + 1)), _base_of(module)]
+        if any(_transforms_outputs(m._forward_hooks.values()) for m in on_the_way):
+            return False  # a forward hook there would see (and may save) the recompute's fill
     return True
 
 
