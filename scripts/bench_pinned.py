@@ -5,14 +5,17 @@
     python scripts/bench_pinned.py --device cpu --gib 0.01 --tensors 2   # CPU smoke run (the test uses it)
 
 Run 30 (tests/gpu/RESULTS.md) saw the GPU idle ~40 s of the first 344k-token step while torch's caching host
-allocator page-locked ~69 GiB of layer inputs (``cudaHostAlloc``, one block at a time: ~1.7 GB/s). torch can instead
+allocator page-locked the layer inputs (``cudaHostAlloc``, one block at a time; run 31 measured 2.95 GB/s here, with a
+matmul beside it held until the allocation ended). torch can instead
 allocate, touch the pages on N threads and register them (``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:
 True,pinned_num_register_threads:N``). Each way runs in its own child process (the setting is the process's and freed
 blocks stay cached), allocating ``--tensors`` layer inputs of ``--gib`` each in the pieces the offloader asks for
 (``memory.offload.pinned_pieces``), then copying a device tensor into them as the offloader's pack does (the copy's
 GB/s shows whether the memory is page-locked: pageable copies run several times slower). With ``--overlap`` a second
 set is allocated on a thread while the main thread runs matmuls: the matmuls' slowdown says whether reserving the
-pieces in the background, before the step needs them, would cost the step anything.
+pieces in the background, before the step needs them, would cost the step anything. Way ``hf_accel``: no allocator
+environment, the setting hf_accel's offloader makes at run time (``memory.offload.register_pinned_host_memory``):
+it should read as ``register-8``.
 """
 from __future__ import annotations
 
@@ -30,14 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # 344,064 tokens x hidden 4096 x bf16: one Llama-3-8B layer input at issue 40c's length
 LAYER_GIB = 344064 * 4096 * 2 / 2**30
 WAYS = {"cudaHostAlloc": "", "register-8": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
-        "register-16": "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"}
+        "register-16": "pinned_use_cuda_host_register:True,pinned_num_register_threads:16",
+        "hf_accel": None}  # no environment: the setting hf_accel's offloader makes at run time (memory.offload)
 
 
-def child(device: str, gib: float, tensors: int, overlap: bool) -> dict:
-    """One way's figures, in this process (its allocator settings come from the environment)."""
+def child(device: str, gib: float, tensors: int, overlap: bool, runtime: bool = False) -> dict:
+    """One way's figures, in this process (its allocator settings come from the environment, or with `runtime` from
+    hf_accel's offloader, which sets them after torch has started)."""
     import torch
 
-    from hf_accel.memory.offload import pinned_pieces
+    from hf_accel.memory.offload import pinned_pieces, register_pinned_host_memory
 
     cuda = device == "cuda"
     pin = cuda
@@ -47,6 +52,7 @@ def child(device: str, gib: float, tensors: int, overlap: bool) -> dict:
     if cuda:
         torch.empty(1, device="cuda")
         torch.empty(1, pin_memory=True)  # the allocator's own set-up, outside the timing
+    set_at_runtime = register_pinned_host_memory() if runtime else None
     start = time.perf_counter()
     pieces = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in sizes]
     alloc_s = time.perf_counter() - start
@@ -57,7 +63,7 @@ def child(device: str, gib: float, tensors: int, overlap: bool) -> dict:
         piece.copy_(part, non_blocking=cuda)
     sync()
     copy_s = time.perf_counter() - start
-    out = {"allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bytes": sum(p.numel() for p in pieces),
+    out = {"allocator_conf": set_at_runtime or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bytes": sum(p.numel() for p in pieces),
            "pieces": len(pieces), "alloc_s": alloc_s, "alloc_gb_s": sum(sizes) / alloc_s / 1e9,
            "copy_gb_s": nbytes / copy_s / 1e9, "pinned": bool(pieces[0].is_pinned()) if cuda else False}
     if overlap:
@@ -107,18 +113,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--overlap", action="store_true", help="also allocate on a thread beside matmuls")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--runtime", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.device, args.gib, args.tensors, args.overlap)))
+        print(json.dumps(child(args.device, args.gib, args.tensors, args.overlap, args.runtime)))
         return {}
     results = {"command": "python scripts/bench_pinned.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "ways": {}}
     for way in args.ways.split(","):
         if way not in WAYS:
             parser.error(f"--ways: unknown way {way!r}; choose from {', '.join(WAYS)}")
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": WAYS[way]}
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+        if WAYS[way] is not None:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = WAYS[way]
         cmd = [sys.executable, __file__, "--child", "--device", args.device, "--gib", str(args.gib),
-               "--tensors", str(args.tensors)] + (["--overlap"] if args.overlap else [])
+               "--tensors", str(args.tensors)] + (["--overlap"] if args.overlap else []) + (
+                   ["--runtime"] if WAYS[way] is None else [])
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             results["ways"][way] = {"error": done.stderr.strip().splitlines()[-1:]}

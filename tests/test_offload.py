@@ -189,3 +189,43 @@ def test_budget_plans_under_reentrant_checkpointing_use_whole_layers_only():
     policy.apply(model := tiny_llama())
     assert set(policy.plan.choices) <= {"none", "full"} and "full" in policy.plan.choices
     step(model, packed_batch())  # trains with reentrant checkpointing
+
+
+@pytest.fixture
+def pinning(monkeypatch):
+    """register_pinned_host_memory's process-wide state, fresh, with torch's setter recorded (on the CPU the setting
+    would do nothing; the GPU figures: scripts/bench_pinned.py, way hf_accel)."""
+    from hf_accel.memory import offload
+
+    monkeypatch.setattr(offload, "_PINNING", {})
+    for name in offload.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    return offload, calls
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 2), (6, 4), (16, 8), (64, 8)])
+def test_pinned_host_memory_is_registered_on_threads_once_per_process(pinning, monkeypatch, cpus, threads):
+    offload, calls = pinning
+    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    settings = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+    assert offload.register_pinned_host_memory() == settings and calls == [settings]
+    assert offload.register_pinned_host_memory() == settings and calls == [settings]  # once
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_a_user_s_allocator_configuration_is_left_alone(pinning, monkeypatch, name):
+    offload, calls = pinning
+    monkeypatch.setenv(name, "expandable_segments:True")
+    assert offload.register_pinned_host_memory() is None and calls == []
+
+
+def test_a_refused_setting_leaves_the_default_allocation(pinning, monkeypatch):
+    offload, _ = pinning
+
+    def refuse(settings):
+        raise RuntimeError("unknown allocator option")
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
+    assert offload.register_pinned_host_memory() is None

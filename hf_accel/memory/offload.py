@@ -24,12 +24,16 @@ to it (bit for bit: the same kernels see the same values).
 """
 from __future__ import annotations
 
+import logging
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 class _Offloaded:
@@ -72,6 +76,41 @@ class OffloadStats:
 
 
 MIN_PIECE = 1 << 20  # bytes below this share one (rounded) piece
+
+
+# torch's caching host allocator page-locks a new block with cudaHostAlloc by default, which holds the GPU until it
+# returns; registering ordinary memory on 8 threads page-locked ~3x faster with matmuls running beside it
+# (scripts/bench_pinned.py, figures in docs/long-context.md): a 344k-token step's first forward pins ~99 GiB.
+PINNED_REGISTER_THREADS = 8
+ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_PINNING: dict = {}  # "settings": what register_pinned_host_memory set in this process (None: left alone)
+
+
+def register_pinned_host_memory() -> str | None:
+    """Once per process, before the first pinned copy: torch's caching host allocator page-locks new blocks by
+    registering ordinary memory on several threads (``pinned_use_cuda_host_register``) instead of ``cudaHostAlloc``,
+    which holds the GPU while it runs. Only where no allocator configuration was given (``ALLOCATOR_ENV``): a user's
+    own stays as it is. The same page-locked memory either way. The settings made, or None where none were."""
+    if "settings" in _PINNING:
+        return _PINNING["settings"]
+    _PINNING["settings"] = None
+    given = next((name for name in ALLOCATOR_ENV if os.environ.get(name)), None)
+    if given is not None:
+        logger.info("hf_accel: %s is set; the pinned host memory of offloaded checkpointing is allocated as it says",
+                    given)
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = min(PINNED_REGISTER_THREADS, 1 << (max(cpus, 1).bit_length() - 1))  # (a power of two, as torch asks)
+    settings = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    try:
+        setter(settings)
+    except (RuntimeError, ValueError, AttributeError) as exc:  # (a speed setting: the default way still works)
+        logger.info("hf_accel: pinned host memory stays with cudaHostAlloc (%s: %s)", settings, exc)
+        return None
+    _PINNING["settings"] = settings
+    logger.info("hf_accel: pinned host memory for offloaded checkpointing: %s", settings)
+    return settings
 
 
 def pinned_pieces(nbytes: int) -> list[int]:
@@ -135,6 +174,8 @@ class ActivationOffloader:
             self.stats.over_limit += 1
             return tensor
         if tensor.device.type == "cuda":
+            if self.pin_memory:
+                register_pinned_host_memory()
             compute, side = torch.cuda.current_stream(tensor.device), self._side_stream(tensor.device)
             side.wait_stream(compute)  # the tensor's producer must finish before the copy reads it
             with torch.cuda.stream(side):
