@@ -202,6 +202,7 @@ def pinning(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
     return offload, calls
 
 
@@ -218,6 +219,13 @@ def test_pinned_host_memory_is_registered_on_threads_once_per_process(pinning, m
 def test_a_user_s_allocator_configuration_is_left_alone(pinning, monkeypatch, name):
     offload, calls = pinning
     monkeypatch.setenv(name, "expandable_segments:True")
+    assert offload.register_pinned_host_memory() is None and calls == []
+
+
+def test_allocator_settings_made_in_code_are_left_alone(pinning, monkeypatch):
+    """A setting resets the keys it does not name (max_split_size_mb, roundup_power2_divisions, ...)."""
+    offload, calls = pinning
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "max_split_size_mb:512", raising=False)
     assert offload.register_pinned_host_memory() is None and calls == []
 
 

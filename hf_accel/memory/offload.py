@@ -89,14 +89,16 @@ _PINNING: dict = {}  # "settings": what register_pinned_host_memory set in this 
 def register_pinned_host_memory() -> str | None:
     """Once per process, before the first pinned copy: torch's caching host allocator page-locks new blocks by
     registering ordinary memory on several threads (``pinned_use_cuda_host_register``) instead of ``cudaHostAlloc``,
-    which holds the GPU while it runs. Only where no allocator configuration was given (``ALLOCATOR_ENV``): a user's
-    own stays as it is. The same page-locked memory either way. The settings made, or None where none were."""
+    which holds the GPU while it runs. Only where no allocator configuration was given (``ALLOCATOR_ENV``, or settings
+    made in code): a user's own stays as it is (a new setting would reset the keys it does not name). The same page-locked memory either way. The settings made, or None where none were."""
     if "settings" in _PINNING:
         return _PINNING["settings"]
     _PINNING["settings"] = None
-    given = next((name for name in ALLOCATOR_ENV if os.environ.get(name)), None)
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # (settings made in code, not the env)
+    given = next((name for name in ALLOCATOR_ENV if os.environ.get(name)), None) or (
+        "torch's allocator settings" if getter is not None and getter() else None)
     if given is not None:
-        logger.info("hf_accel: %s is set; the pinned host memory of offloaded checkpointing is allocated as it says",
+        logger.info("hf_accel: %s given; the pinned host memory of offloaded checkpointing is allocated as they say",
                     given)
         return None
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
