@@ -237,17 +237,12 @@ def test_a_long_context_plan_s_chunked_mlps_with_a_hook_in_forward_only(saved_ll
                        mlp_chunks=4)
         return m
 
+    from tiny_models import loss_and_grads, loss_and_grads_hook_in_forward
+
     batch = packed([5, 9, 3], 0)
-    hooked = model()
-    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
-    try:
-        loss = hooked(**batch).loss
-    finally:
-        handle.remove()
-    loss.backward()
-    grads = {n: p.grad for n, p in hooked.named_parameters() if p.grad is not None}
-    ref_loss, ref_grads = step(model(), batch, autocast=False)
-    assert torch.equal(loss.detach(), ref_loss) and grads.keys() == ref_grads.keys() and grads
+    loss, grads = loss_and_grads_hook_in_forward(model(), batch)
+    ref_loss, ref_grads = loss_and_grads(model(), batch)
+    assert loss == ref_loss and grads.keys() == ref_grads.keys() and grads
     assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
 

@@ -14,7 +14,7 @@ from hf_accel.memory import trim
 from hf_accel.memory.checkpointing import FullCheckpointing, PerLayer
 from hf_accel.patches import family_of
 
-from tiny_models import VARIANTS, loss_and_grads, make
+from tiny_models import VARIANTS, loss_and_grads, loss_and_grads_hook_in_forward, make
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -333,19 +333,6 @@ def test_functorch_transforms_after_a_trimmed_step():
     torch.testing.assert_close(per_sample["weight"][0], 2 * torch.einsum("so,si->oi", down(x[0]), x[0]))
 
 
-def _hooked_forward_step(model, data) -> tuple[float, dict]:
-    """A step whose forward runs under a global forward hook that is gone before backward (a profiler's module
-    tracker around the forward)."""
-    model.zero_grad(set_to_none=True)
-    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
-    try:
-        loss = model(**data).loss
-    finally:
-        handle.remove()
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("plan", ["full", "offload-spaced"])
 @pytest.mark.parametrize("training", ["lora", "full"])
 def test_a_hook_in_forward_only_leaves_the_recompute_as_the_forward_ran(plan, training):
@@ -364,4 +351,4 @@ def test_a_hook_in_forward_only_leaves_the_recompute_as_the_forward_ran(plan, tr
                                              init_lora_weights=False))
         return m
 
-    assert_equal_steps(_hooked_forward_step(model(), batch()), loss_and_grads(model(), batch()))
+    assert_equal_steps(loss_and_grads_hook_in_forward(model(), batch()), loss_and_grads(model(), batch()))

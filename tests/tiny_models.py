@@ -99,6 +99,19 @@ def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def loss_and_grads_hook_in_forward(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    """As ``loss_and_grads``, the forward under a global forward hook that is gone before backward (a profiler's
+    module tracker around the forward only)."""
+    model.zero_grad(set_to_none=True)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        loss = model(**batch).loss
+    finally:
+        handle.remove()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def assert_same_step(ours, ref, batch, *, loss_rtol: float, grad_rtol: float) -> None:
     """``ours`` and ``ref`` take the same step on ``batch``: the loss within ``loss_rtol`` and, per parameter, the
     gradient's largest difference within ``grad_rtol`` of the reference gradient's largest entry."""
