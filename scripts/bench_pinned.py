@@ -63,8 +63,8 @@ def child(device: str, gib: float, tensors: int, overlap: bool, runtime: bool = 
         piece.copy_(part, non_blocking=cuda)
     sync()
     copy_s = time.perf_counter() - start
-    out = {"allocator_conf": set_at_runtime or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "bytes": sum(p.numel() for p in pieces),
-           "pieces": len(pieces), "alloc_s": alloc_s, "alloc_gb_s": sum(sizes) / alloc_s / 1e9,
+    out = {"allocator_conf": set_at_runtime or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+           "bytes": sum(p.numel() for p in pieces), "pieces": len(pieces), "alloc_s": alloc_s, "alloc_gb_s": sum(sizes) / alloc_s / 1e9,
            "copy_gb_s": nbytes / copy_s / 1e9, "pinned": bool(pieces[0].is_pinned()) if cuda else False}
     if overlap:
         out.update(_overlap(torch, device, sizes, pin, sync))

@@ -89,8 +89,9 @@ _PINNING: dict = {}  # "settings": what register_pinned_host_memory set in this 
 def register_pinned_host_memory() -> str | None:
     """Once per process, before the first pinned copy: torch's caching host allocator page-locks new blocks by
     registering ordinary memory on several threads (``pinned_use_cuda_host_register``) instead of ``cudaHostAlloc``,
-    which holds the GPU while it runs. Only where no allocator configuration was given (``ALLOCATOR_ENV``, or settings
-    made in code): a user's own stays as it is (a new setting would reset the keys it does not name). The same page-locked memory either way. The settings made, or None where none were."""
+    which holds the GPU while it runs; the same page-locked memory either way. Only where no allocator configuration
+    was given (``ALLOCATOR_ENV``, or settings made in code): a user's own stays as it is (a new setting would reset the
+    keys it does not name). The settings made, or None where none were."""
     if "settings" in _PINNING:
         return _PINNING["settings"]
     _PINNING["settings"] = None

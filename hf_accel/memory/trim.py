@@ -20,10 +20,10 @@ recompute and the choice is made at run time; it is marked unsafe for CUDA graph
 flag). Its backward is the stock one: the input's gradient through the (dequantized) weight, and a trained weight's
 and bias's gradients from the saved input with the matmuls autograd's ``mm`` backward makes.
 
-The stock forward runs wherever the skip could change a result: no grad mode, a bitsandbytes layer with a bias or an
+No skip happens wherever it could change a result: no grad mode, a bitsandbytes layer with a bias or an
 orientation other than [out, in], a LoRA adapter with a variant (DoRA reads the base output), reentrant
-checkpointing (its recompute's output is used), and layers not checkpointed by a trimmed function (op-level, spaced,
-a spaced span's head). Gradients are those of full checkpointing, bit for bit: the same kernels on the same values,
+checkpointing (its recompute's output is used), a forward hook that could see the fill, and layers not checkpointed
+by a trimmed function (op-level, spaced, a spaced span's head); a bound forward computes there as the stock one does. Gradients are those of full checkpointing, bit for bit: the same kernels on the same values,
 and the skipped outputs reach nothing backward reads (the tests fill them with NaN). ``mlp_chunks`` trims its chunks'
 recomputes the same way.
 """
