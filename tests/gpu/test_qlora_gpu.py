@@ -192,3 +192,42 @@ def test_the_long_context_plan_shape_trains_as_full_checkpointing(saved_llama, c
     assert "mlp_chunks" in str(report) and "spaced" in str(report.checkpointing), str(report)
     assert abs(loss - ref_loss) <= 1e-2 * abs(ref_loss), (loss, ref_loss)
     assert grads.norm() > 0 and rel(grads, ref_grads) <= 3e-2, rel(grads, ref_grads)
+
+
+def test_the_bench_s_budget_row_under_a_long_context_plan_shape(monkeypatch):
+    """The bench row run 31's 344k-token step failed in (`hf_accel-qlora-budget`: the NF4 base through PEFT's kbit
+    recipe, LoRA, `patch(model, checkpointing=<budget>, context=...)` with every default, its probe included), tiny
+    shapes on CUDA, with the plan forced to that step's shape (offloaded heads, spaced layers) and mlp_chunks="auto"'s
+    thresholds lowered so its MLPs run in trimmed chunks: two steps train, and the first step's loss is that of the
+    same row under full checkpointing within bf16 rounding."""
+    import math
+
+    from benchlib.configs import CONFIGS, Options
+    from benchlib.train import RunSettings, Timing
+    from benchlib.workloads import WORKLOADS, DataSpec, build_config, make_data
+
+    from hf_accel.memory import mlp_chunks, trim
+    from hf_accel.memory.budget import MemoryBudget
+    from hf_accel.memory.checkpointing import applied_policy
+
+    def run(checkpointing: str):
+        settings = RunSettings(WORKLOADS["llama-8b-qlora"], "cuda", True, steps=2, warmup=0, step_time_budget=120.0)
+        data = make_data(DataSpec.tiny(), build_config(settings.workload, tiny=True).vocab_size, steps=3)
+        timing = Timing()
+        model = CONFIGS["hf_accel-qlora-budget"].run(settings, data, Options(checkpointing=checkpointing), timing)
+        return model, timing
+
+    reference_model, reference = run("full")
+    del reference_model
+    monkeypatch.setattr(mlp_chunks, "auto_min_tokens", lambda *a: 64)
+    monkeypatch.setattr(mlp_chunks, "auto_chunk_tokens", lambda *a: 32)
+    monkeypatch.setattr(MemoryBudget, "layer_choices", lambda self, layers: (["offload", "spaced"] * 8)[:len(layers)])
+    skipped = trim.STATS.skipped
+    model, timing = run("budget:40GiB+offload")
+    policy = applied_policy(model) or applied_policy(model.get_base_model())
+    assert policy.spacer.stats.spaced > 0 and policy.offloader.stats.packed > 0, (policy.spacer.stats,
+                                                                                  policy.offloader.stats)
+    assert trim.STATS.skipped > skipped  # the chunks' recomputes were trimmed
+    assert len(timing.losses) == 2 and all(math.isfinite(x) for x in timing.losses)
+    assert abs(timing.losses[0] - reference.losses[0]) <= 1e-2 * abs(reference.losses[0]), (timing.losses,
+                                                                                           reference.losses)
