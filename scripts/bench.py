@@ -355,8 +355,11 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
             else:
                 status = f"error: timeout after {timeout:.0f}s"
             return {"config": name, "status": status, "log_tail": tail, **extra, **length}
+        host = getattr(proc, "host", None)
         result = json.loads(out.read_text()) if out.exists() else {
-            "config": name, "status": f"error: process exited with code {proc.returncode} (crash or OOM kill)"}
+            "config": name, "status": _exit_status(proc.returncode, host)}
+        if host is not None:
+            result.update(host.figures())
         result.update(extra)
         if args.doc_length:
             result["doc_length"] = args.doc_length
@@ -364,6 +367,16 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
         if result.get("status") != "ok":
             result["log_tail"] = repo_relative(proc.stderr[-3000:])
         return result
+
+
+def _exit_status(returncode: int, host) -> str:
+    """A child that ended without its record: how it ended, and for a kill (SIGKILL: the kernel's OOM killer, where no
+    one else sent it) how much host memory it held and the machine had left at the last look (every 2 s)."""
+    if returncode != -signal.SIGKILL or host is None:
+        return f"error: process exited with code {returncode} (crash or OOM kill)"
+    left = "" if host.min_available_bytes is None else f", {host.min_available_bytes / 2**30:.1f} GiB of the host left"
+    return (f"error: killed (SIGKILL, no Python error: the kernel's OOM killer if the host ran out) at "
+            f"{host.peak_rss_bytes / 2**30:.1f} GiB resident{left}")
 
 
 def _text(stream: bytes | str | None) -> str:

@@ -279,3 +279,24 @@ def test_sweep_gpus_raises_what_a_worker_raised(monkeypatch, tmp_path):
         bench.main(["--workload", "llama-1b-long", "--configs", "a,b", "--doc-lengths", "32,64", "--sweep-gpus", "2",
                     "--device", "cpu", "--tiny", "--out", str(tmp_path)])
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_child_the_kernel_kills_is_recorded_with_its_host_memory(monkeypatch):
+    """A child killed with SIGKILL (the kernel's OOM killer: no Python error, no record of its own; Unsloth at 344k
+    tokens in run 31) is recorded as killed, with the host memory its processes held at the last look and the least
+    the machine had left; a child that ends normally gets the same figures beside its own record."""
+    bench = script_module("bench")
+    hold = "import os, time; x = bytearray(300 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(3)"
+    for tail, killed in (("; os.kill(os.getpid(), 9)", True), ("", False)):
+        monkeypatch.setattr(bench, "child_argv", lambda args, name, out, nproc, tail=tail: [
+            sys.executable, "-c", hold + tail])
+        args = bench.parse_args(["--workload", "llama-1b-long", "--configs", "hf_accel-best", "--doc-lengths", "32",
+                                 "--device", "cpu", "--tiny"])
+        args.doc_length = 32
+        result = bench.run_one(args, "hf_accel-best", 60.0)
+        assert result["host_rss_peak_gib"] >= 0.25 and result["host_available_min_gib"] > 0, result
+        if killed:
+            assert result["status"].startswith("error: killed (SIGKILL"), result["status"]
+            assert "GiB resident" in result["status"] and "GiB of the host left" in result["status"]
+        else:
+            assert result["status"] == "error: process exited with code 0 (crash or OOM kill)"  # (no record written)

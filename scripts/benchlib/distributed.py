@@ -127,23 +127,81 @@ def kill_tree(pid: int) -> None:
 CHILDREN = ChildGroups()
 
 
+class HostWatch:
+    """While a child runs: its processes' resident memory summed (the peak) and the host memory this machine still
+    had (the least; cgroup-aware), sampled every ``interval`` s on a thread. A child the kernel kills (SIGKILL, no
+    Python error: Unsloth at 344k tokens, run 31) leaves no record of its own; these say whether the host ran out."""
+
+    def __init__(self, pid: int, interval: float = 2.0) -> None:
+        self.pid, self.interval = pid, interval
+        self.peak_rss_bytes, self.min_available_bytes = 0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "HostWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval):
+                return
+
+    def sample(self) -> None:
+        import psutil  # accelerate's dependency
+
+        from hf_accel.memory.machine import host_available_bytes
+
+        try:
+            root = psutil.Process(self.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        rss = 0
+        for process in processes:
+            try:
+                rss += process.memory_info().rss
+            except psutil.Error:
+                pass
+        available = host_available_bytes()
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+        self.min_available_bytes = available if self.min_available_bytes is None else min(self.min_available_bytes,
+                                                                                          available)
+
+    def figures(self) -> dict[str, float]:
+        """What the record keeps: GiB, rounded."""
+        out = {"host_rss_peak_gib": round(self.peak_rss_bytes / 2**30, 2)}
+        if self.min_available_bytes is not None:
+            out["host_available_min_gib"] = round(self.min_available_bytes / 2**30, 2)
+        return out
+
+
 def run_group(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run `argv` in its own process group; on a timeout kill the whole group (launcher and every rank) and raise
     subprocess.TimeoutExpired carrying the captured stderr. Raises RunStopped when `CHILDREN.stop` ended the run
-    (before the start or during it: the group is killed either way)."""
+    (before the start or during it: the group is killed either way). The result's ``host`` (a ``HostWatch``): the
+    group's host memory while it ran."""
     proc = CHILDREN.start(argv, env)
     try:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            kill_tree(proc.pid)
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from exc
+        with HostWatch(proc.pid) as host:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as exc:
+                kill_tree(proc.pid)
+                out, err = proc.communicate()
+                raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from exc
     finally:
         CHILDREN.finished(proc)
     if CHILDREN.stopped_by is not None:
         raise RunStopped(CHILDREN.stopped_by)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    completed = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    completed.host = host
+    return completed
 
 
 def gather_ranks(timing: Timing, device: str) -> tuple[Timing, dict[str, Any]]:
