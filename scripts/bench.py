@@ -354,7 +354,9 @@ def run_one(args: argparse.Namespace, name: str, timeout: float, nproc: int | No
                 status = f"skipped: time budget exhausted after {timeout:.0f}s"
             else:
                 status = f"error: timeout after {timeout:.0f}s"
-            return {"config": name, "status": status, "log_tail": tail, **extra, **length}
+            host = getattr(exc, "host", None)
+            return {"config": name, "status": status, "log_tail": tail, **extra, **length,
+                    **(host.figures() if host is not None else {})}
         host = getattr(proc, "host", None)
         result = json.loads(out.read_text()) if out.exists() else {
             "config": name, "status": _exit_status(proc.returncode, host)}

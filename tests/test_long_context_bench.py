@@ -300,3 +300,8 @@ def test_a_child_the_kernel_kills_is_recorded_with_its_host_memory(monkeypatch):
             assert "GiB resident" in result["status"] and "GiB of the host left" in result["status"]
         else:
             assert result["status"] == "error: process exited with code 0 (crash or OOM kill)"  # (no record written)
+    # and one cut at its timeout (run 30's 344k step: host memory climbed to 99 GiB before the cut)
+    monkeypatch.setattr(bench, "child_argv", lambda args, name, out, nproc: [
+        sys.executable, "-c", hold.replace("sleep(3)", "sleep(60)")])
+    result = bench.run_one(args, "hf_accel-best", 5.0)
+    assert result["status"] == "skipped: time budget exhausted after 5s" and result["host_rss_peak_gib"] >= 0.25, result

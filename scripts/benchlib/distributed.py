@@ -184,8 +184,8 @@ class HostWatch:
 def run_group(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run `argv` in its own process group; on a timeout kill the whole group (launcher and every rank) and raise
     subprocess.TimeoutExpired carrying the captured stderr. Raises RunStopped when `CHILDREN.stop` ended the run
-    (before the start or during it: the group is killed either way). The result's ``host`` (a ``HostWatch``): the
-    group's host memory while it ran."""
+    (before the start or during it: the group is killed either way). The result's (or the timeout's) ``host``, a
+    ``HostWatch``: the group's host memory while it ran."""
     proc = CHILDREN.start(argv, env)
     try:
         with HostWatch(proc.pid) as host:
@@ -194,7 +194,9 @@ def run_group(argv: list[str], env: dict[str, str], timeout: float) -> subproces
             except subprocess.TimeoutExpired as exc:
                 kill_tree(proc.pid)
                 out, err = proc.communicate()
-                raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from exc
+                expired = subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err)
+                expired.host = host
+                raise expired from exc
     finally:
         CHILDREN.finished(proc)
     if CHILDREN.stopped_by is not None:
