@@ -23,9 +23,10 @@ and bias's gradients from the saved input with the matmuls autograd's ``mm`` bac
 No skip happens wherever it could change a result: no grad mode, a bitsandbytes layer with a bias or an
 orientation other than [out, in], a LoRA adapter with a variant (DoRA reads the base output), reentrant
 checkpointing (its recompute's output is used), a forward hook that could see the fill, and layers not checkpointed
-by a trimmed function (op-level, spaced, a spaced span's head); a bound forward computes there as the stock one does. Gradients are those of full checkpointing, bit for bit: the same kernels on the same values,
-and the skipped outputs reach nothing backward reads (the tests fill them with NaN). ``mlp_chunks`` trims its chunks'
-recomputes the same way.
+by a trimmed function (op-level, spaced, a spaced span's head); a bound forward computes there as the stock one
+does. Gradients are those of full checkpointing, bit for bit: the same kernels on the same values, and the skipped
+outputs reach nothing backward reads (the tests fill them with NaN). ``mlp_chunks`` trims its chunks' recomputes the
+same way.
 """
 from __future__ import annotations
 
@@ -254,25 +255,29 @@ class Bindings:
         self.bound.clear()
 
 
-def bind(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> bool:
+def bind(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> dict[str, nn.Module] | None:
     """Bind the trimmed forward to the base layer of each projection at ``paths`` that has none yet (recorded in
-    ``bindings``); whether every one has it now (False: a path missing, a LoRA variant, a kind with no trimmed
-    forward, a forward of someone else's: accelerate's device hooks, a user's wrapper, left alone)."""
-    bound = bool(paths)
+    ``bindings``); each path's base layer where every one has it now, None where not (a path missing, a LoRA variant,
+    a kind with no trimmed forward, a forward of someone else's: accelerate's device hooks, a user's wrapper, left
+    alone)."""
+    bases: dict[str, nn.Module] | None = {} if paths else None
     for path in paths:
         try:
             base = _base_of(layer.get_submodule(path))
         except AttributeError:
-            bound = False
+            bases = None
             continue
         forward = None if base is None else _trimmed_forward(base)
         current = None if base is None else base.__dict__.get("forward")
         if forward is None or (current is not None and getattr(current, "__func__", None) is not forward):
-            bound = False
-        elif current is None:
+            bases = None
+            continue
+        if current is None:
             bindings.bound.append((base, False, None))
             base.forward = types.MethodType(forward, base)
-    return bound
+        if bases is not None:
+            bases[path] = base
+    return bases
 
 
 def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> bool:
@@ -285,12 +290,12 @@ def prepare(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> boo
     checkpoint whose forward ran the stock forward and whose recompute found it bound (a later call bound it: a
     hook present in forward only, or a chunked MLP's recompute inside its layer's) fails torch's check of the
     recomputed tensors."""
-    if not bind(layer, paths, bindings) or _transforms_outputs(torch.nn.modules.module._global_forward_hooks.values()):
+    bases = bind(layer, paths, bindings)
+    if bases is None or _transforms_outputs(torch.nn.modules.module._global_forward_hooks.values()):
         return False
-    for path in paths:
-        module = layer.get_submodule(path)
+    for path, base in bases.items():
         on_the_way = [layer, *(layer.get_submodule(".".join(path.split(".")[:i + 1]))
-                               for i in range(path.count(".") + 1)), _base_of(module)]
+                               for i in range(path.count(".") + 1)), base]
         if any(_transforms_outputs(m._forward_hooks.values()) for m in on_the_way):
             return False  # a forward hook there would see (and may save) the recompute's fill
     return True
