@@ -21,7 +21,7 @@ def test_long_context_preset_trains_one_document_per_step_in_a_child(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--preset", "long-context", "--device", "cpu",
            "--tiny", "--doc-lengths", "96", "--configs", "hf_accel-best", "--steps", "1", "--warmup", "1",
-           "--out", str(tmp_path)]
+           "--best-checkpointing", "budget:125GiB", "--out", str(tmp_path)]  # (the preset's: a share of a GPU)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(next(tmp_path.glob("llama-8b-lora-long-tiny_*.json")).read_text())
@@ -50,9 +50,37 @@ def test_a_length_the_budget_plan_refuses_names_the_longest_and_stops_the_config
     record = json.loads(next(tmp_path.glob("*.json")).read_text())
     ok, refused, skipped = record["results"]
     assert ok["status"] == "ok" and refused["status"].startswith("refused by the budget plan: at most ~")
+    plan = ok["checkpointing_plan"]  # what its predicted peak is made of, to set beside the measured one
+    assert plan["predicted_terms_gib"]["peak"] == pytest.approx(plan["predicted_peak_gib"])
+    assert 0 < plan["predicted_terms_gib"]["retained"] + plan["predicted_terms_gib"]["held"]
+    assert 0 < plan["largest_layer_gib"]["full"] < plan["largest_layer_gib"]["none"]
     assert 96 < refused["longest_feasible_tokens"] < 2304 and skipped["status"].startswith("skipped: failed")
     assert record["model_config"]["max_position_embeddings"] == 4096
     assert f"(its budget plan: at most ~{refused['longest_feasible_tokens']:,})" in proc.stdout
+
+
+# torch's total_memory of an H100 80GB HBM3 (benchmarks/results, runs 31-32) and of an H200 (143,771 MiB)
+H100_80GB_BYTES, H200_BYTES = int(79.1787109375 * 2**30), 143771 * 2**20
+
+
+@pytest.mark.parametrize("preset", ["long-context", "long-context-qlora"])
+def test_long_context_presets_run_on_an_80gb_card_and_an_h200(preset):
+    """Each long-context preset's cap and budget fit an 80 GB card as well as an H200 (run 32, an H100: the QLoRA
+    preset's 80 GiB cap and the 8B LoRA preset's 125 GiB budget were refused before any step); the QLoRA preset's
+    cap is that card's own size on either (Unsloth's 342,733 tokens were measured on one), its budget no more."""
+    from hf_accel.memory.budget import MemoryBudget
+    from hf_accel.memory.spec import parse_bytes, parse_checkpointing
+
+    args = script_module("bench").parse_args(["--preset", preset, "--device", "cpu"])
+    budget = parse_checkpointing(args.best_checkpointing).budget  # a size, or a share of the device
+    for total in (H100_80GB_BYTES, H200_BYTES):
+        cap = total if args.device_memory_cap_gib is None else args.device_memory_cap_gib * 2**30
+        assert cap <= total
+        planned = MemoryBudget(budget=budget, device_bytes=int(cap)).budget_bytes(torch.device("cpu"))
+        assert 0.85 * cap < planned <= cap
+    if preset == "long-context-qlora":
+        assert H100_80GB_BYTES - 2**25 < args.device_memory_cap_gib * 2**30 <= H100_80GB_BYTES
+        assert parse_bytes(budget) == pytest.approx(args.device_memory_cap_gib * 2**30)
 
 
 def test_device_memory_cap_and_positions_for_long_documents():
@@ -62,7 +90,6 @@ def test_device_memory_cap_and_positions_for_long_documents():
 
     bench = script_module("bench")
     args = bench.parse_args(["--preset", "long-context-qlora", "--device", "cpu"])
-    assert args.device_memory_cap_gib == 80 and args.best_checkpointing == "budget:80GiB"
     assert "--device-memory-cap-gib" in bench.child_argv(args, "unsloth-qlora", REPO / "x.json")
     assert bench.cap_device_memory(80, "cpu")["device_memory_cap"].startswith("not applied")
     assert bench.cap_device_memory(None, "cuda") == {}

@@ -26,18 +26,26 @@ def run(config: str, workload: str, options: Options = Options()) -> tuple[Timin
     return timing, model
 
 
-@pytest.mark.parametrize("workload", ["llama-8b-qlora", "llama-70b-qlora"])
-@pytest.mark.parametrize("config", ["hf_accel-qlora", "hf_accel-qlora-budget"])
+@pytest.mark.parametrize("config, workload", [
+    *((config, workload) for config in ("hf_accel-qlora", "hf_accel-qlora-budget")
+      for workload in ("llama-8b-qlora", "llama-70b-qlora")),
+    ("hf_accel-qlora-bf16-budget", "llama-8b-qlora")])
 def test_hf_accel_qlora_rows_train_on_a_4bit_base(config, workload):
     import bitsandbytes as bnb
+    import torch
 
     timing, model = run(config, workload)
     assert len(timing.losses) == 2 and all(math.isfinite(x) for x in timing.losses)
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules()) == 2 * 7
     report = next(n for n in timing.notes if n.startswith("patch: "))
     assert "LoRA cast skip: not bound" not in report  # PEFT's 4-bit LoRA layers take the skip
-    if config == "hf_accel-qlora-budget":
+    if config.endswith("budget"):
         assert f"checkpointing: memory budget {configs.QLORA_BUDGET.removeprefix('budget:').lower()}: per layer" in report, report
+    # PEFT's recipe leaves the norms, embeddings and head in fp32 (an fp32 residual stream); the bf16 row keeps
+    # them as Unsloth does, the adapters in fp32 in both
+    kept = {p.dtype for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point()}
+    assert kept == {torch.bfloat16 if "bf16" in config else torch.float32}
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
 
 
 def test_trl_qlora_row_builds_and_trains_through_trl(monkeypatch):

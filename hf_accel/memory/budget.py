@@ -226,6 +226,7 @@ class MemoryBudget(CheckpointingPolicy):
                         modes=modes, costs=RECOMPUTE_COST_COMPILED if self.compiled else RECOMPUTE_COST, grads=grads,
                         host_budget_bytes=self.host_budget_bytes() if "offload" in modes else 0)
         self.plan = plan_checkpointing(self.probe.layers, **planning)
+        self.planning = planning  # (what the plan's peak is made of: plan.peak_terms)
         return planning
 
     def _probe(self, model: nn.Module, batch: dict, run: RunContext, device: torch.device):

@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_leaves
 from .layer_kinds import calls_wrapped, kind_ids, passing_through
 from .planner import (CHECKPOINTED, DEVICE_MODES, RECOMPUTE_COST, RECOMPUTE_COST_COMPILED,  # noqa: F401 (re-exported)
                       CheckpointPlan, GradientBytes, LayerActivation, format_bytes, layer_peaks,
-                      longest_feasible_tokens, parse_bytes, plan_checkpointing, plan_cost, plan_peak_bytes)
+                      longest_feasible_tokens, parse_bytes, peak_terms, plan_checkpointing, plan_cost,
+                      plan_peak_bytes)
 
 
 # ----------------------------------------------------------------------------------------------- measurement

@@ -138,17 +138,29 @@ def plan_peak_bytes(layers: Sequence[LayerActivation], choices: Sequence[str], f
     of the forward's end (with the head's and embeddings' gradients, which the loss may make early) and each layer's
     backward (the activations of the layers below, this layer's retained and held bytes, the gradients of this layer
     and those above). Never above the figure without ``grads``, which counts every gradient on top of everything."""
+    return peak_terms(layers, choices, fixed_bytes, extra_bytes, grads)["peak"]
+
+
+def peak_terms(layers: Sequence[LayerActivation], choices: Sequence[str], fixed_bytes: int, extra_bytes: int = 0,
+               grads: GradientBytes | None = None) -> dict[str, int]:
+    """``plan_peak_bytes``'s terms, to set beside a measured peak: `fixed`, `loss_and_head` (extra_bytes),
+    `retained` (every layer's), `held` (the most one layer's backward holds on top), `forward_end` (the sum of the
+    last three); with ``grads`` also `other_gradients` and `backward` (the worst layer's backward with the gradients
+    made by then); `peak`."""
     retained = [layer.retained(c) for layer, c in zip(layers, choices)]
     held = layer_peaks(layers, choices)
-    forward_end = extra_bytes + sum(retained) + max(held, default=0)
+    terms = {"fixed": fixed_bytes, "loss_and_head": extra_bytes, "retained": sum(retained),
+             "held": max(held, default=0)}
+    terms["forward_end"] = forward_end = extra_bytes + terms["retained"] + terms["held"]
     if grads is None:
-        return fixed_bytes + forward_end
+        return {**terms, "peak": fixed_bytes + forward_end}
     if len(grads.per_layer) != len(retained):
         raise ValueError(f"{len(grads.per_layer)} layers of gradient bytes for {len(retained)} probed layers")
     below = list(itertools.accumulate(retained, initial=0))  # activations of the layers under layer j
     above = list(itertools.accumulate(reversed(grads.per_layer), initial=0))[::-1]  # gradients of layers j and up
     backward = max((below[j] + retained[j] + held[j] + above[j] for j in range(len(retained))), default=0)
-    return fixed_bytes + grads.other + max(forward_end, backward)
+    return {**terms, "other_gradients": grads.other, "backward": backward,
+            "peak": fixed_bytes + grads.other + max(forward_end, backward)}
 
 
 def plan_cost(choices: Sequence[str], costs: dict[str, float] = RECOMPUTE_COST) -> float:

@@ -94,11 +94,14 @@ def nf4_config():
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
 
-def qlora_base(settings: RunSettings, attn_implementation: str) -> nn.Module:
+def qlora_base(settings: RunSettings, attn_implementation: str, keep_bf16: bool = False) -> nn.Module:
     """The workload's model in NF4, prepared as PEFT's QLoRA recipe does (prepare_model_for_kbit_training: norms,
     embeddings and the LM head in fp32; checkpointing as the workload says, non-reentrant). No LoRA yet. The NF4 model
     is the random bf16 one saved and reloaded (the file route, as users load), or for workloads too large for that
-    (`qlora_build="device"`: 70B) built in NF4 on the device one weight at a time (quantized_base.build_4bit_model)."""
+    (`qlora_build="device"`: 70B) built in NF4 on the device one weight at a time (quantized_base.build_4bit_model).
+
+    keep_bf16: those weights back in bf16 after the recipe, as Unsloth's QLoRA keeps them: the residual stream is then
+    bf16, not fp32 (the recipe's fp32 embeddings make it fp32 under autocast), so every layer input is half the bytes."""
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
@@ -117,8 +120,13 @@ def qlora_base(settings: RunSettings, attn_implementation: str) -> nn.Module:
                                                          dtype=torch.bfloat16, attn_implementation=attn_implementation,
                                                          device_map={"": settings.device})
     model.config.use_cache = False
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.workload.checkpointing,
-                                           gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.workload.checkpointing,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if keep_bf16:
+        for param in model.parameters():
+            if param.dtype == torch.float32:  # (the 4-bit weights are uint8 storage: left as they are)
+                param.data = param.data.to(torch.bfloat16)
+    return model
 
 
 def unsloth_runner(load_in_4bit: bool, compiled: bool = True) -> Callable[..., nn.Module]:

@@ -1,6 +1,8 @@
 """The benchmarked configurations: what each needs (as data) and how it builds its model and batches."""
 from __future__ import annotations
 
+import functools
+
 import importlib.util
 import itertools
 from typing import Any, Callable, Iterator
@@ -386,11 +388,12 @@ def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing:
 QLORA_BUDGET = "budget:14.5GiB"
 
 
-def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timing: Timing,
+                  keep_bf16: bool = False) -> nn.Module:
     """The QLoRA model with its LoRA, then `hf_accel.patch(model, checkpointing=<budget plan>)` (--best-checkpointing,
     else QLORA_BUDGET), otherwise the defaults: the plan sees the adapters' states and probes a packed row of the
-    step's size."""
-    model = add_lora(qlora_base(settings, "sdpa"), settings.workload)
+    step's size. keep_bf16: the base's other weights in bf16, as Unsloth keeps them (apart.qlora_base)."""
+    model = add_lora(qlora_base(settings, "sdpa", keep_bf16=keep_bf16), settings.workload)
     from hf_accel.memory.checkpointing import policy_from_spec
 
     policy = policy_from_spec(options.checkpointing or QLORA_BUDGET)
@@ -437,5 +440,10 @@ CONFIGS.update({
                     f"the same QLoRA model with its LoRA, then hf_accel.patch(model, checkpointing=<budget plan>) "
                     f"(--best-checkpointing, else {QLORA_BUDGET}: Unsloth QLoRA's memory class; the plan keeps, "
                     "recomputes, offloads or spaces each layer's input) + hf_accel's packing", sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-bf16-budget", False, ("bitsandbytes", "hf_accel"),
+                    functools.partial(_qlora_budget, keep_bf16=True),
+                    "as hf_accel-qlora-budget on the base as Unsloth's QLoRA keeps it: norms, embeddings and LM head "
+                    "back in bf16 after PEFT's recipe (which makes them fp32), so the residual stream and every layer "
+                    "input is bf16 (half the recipe's bytes)", sites=BNB_SITES),
     ]
 })
