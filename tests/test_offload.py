@@ -119,14 +119,15 @@ def test_budget_plans_offload_on_cuda_or_when_asked_and_only_where_full_does_not
     from hf_accel.memory.plan import DEVICE_MODES, LayerActivation, plan_checkpointing
 
     layers = [LayerActivation(none_bytes=100, op_bytes=60, full_bytes=10)] * 4
-    # all full: 4 * 10 kept + 90 rebuilt = 130; every offloaded layer saves its 10 but rebuilds 100, and above an
-    # offloaded layer a backward also holds that layer's input, prefetched: 3 offloaded + 1 full = 10 + 110
+    # all full: the top layer's backward under the 3 inputs below it: 30 + 10 kept + 90 rebuilt = 130. Offloading
+    # the two middle layers' inputs leaves room for the top layer to keep its 100 through the forward's end (no
+    # recompute): 10 + 100 + 10 (its output); its backward then holds the offloaded input below it, prefetched: 120
     assert not plan_checkpointing(layers, fixed_bytes=0, budget_bytes=125).fits
     plan = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=125, modes=(*DEVICE_MODES, "offload"))
-    assert plan.fits and sorted(plan.choices) == ["full", "offload", "offload", "offload"]
+    assert plan.fits and plan.choices == ("full", "offload", "offload", "none") and plan.predicted_peak_bytes == 120
     roomy = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=130, modes=(*DEVICE_MODES, "offload"))
     assert "offload" not in roomy.choices  # full fits: no host copies
-    assert "offloaded checkpointing | 3 layers" in plan.table() and plan.host_bytes == 3 * 10
+    assert "offloaded checkpointing | 2 layers" in plan.table() and plan.host_bytes == 2 * 10
     assert roomy.host_bytes == 0
     policy = policy_from_spec("budget:20GiB+offload")
     assert policy.offload and policy.budget == "20gib"
@@ -161,12 +162,12 @@ def test_offloading_plan_refused_before_training_when_host_memory_is_short(monke
 
     layers = [LayerActivation(none_bytes=100 << 20, op_bytes=60 << 20, full_bytes=10 << 20)] * 4
     plan = plan_checkpointing(layers, fixed_bytes=0, budget_bytes=125 << 20, modes=(*DEVICE_MODES, "offload"))
-    assert plan.host_bytes == 30 << 20
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int((30 << 20) / HOST_SHARE)))
+    assert plan.host_bytes == 20 << 20
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int((20 << 20) / HOST_SHARE)))
     _check_host_memory(plan, "125MiB")  # just fits
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=20 << 20))
-    with pytest.raises(ConfigurationError, match=r"offloads 3 layers' saved inputs, 30.0 MiB of host memory, but only "
-                                                 r"20.0 MiB is available"):
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=10 << 20))
+    with pytest.raises(ConfigurationError, match=r"offloads 2 layers' saved inputs, 20.0 MiB of host memory, but only "
+                                                 r"10.0 MiB is available"):
         _check_host_memory(plan, "125MiB")
 
 

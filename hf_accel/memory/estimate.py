@@ -331,7 +331,7 @@ def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
                  "CUDA default)")
     notes = ("attention counted flash-style (no seq x seq tensor); HF's eager/sdpa paths with a mask add one",
              f"{loss_note}, and eager layers: an upper bound for patch()'s CUDA defaults, whose loss kernel works in "
-             "place and whose compiled layers save less (Llama-1B at 16k tokens: this estimate 41.6 GiB, 56.6 with "
+             "place and whose compiled layers save less (Llama-1B at 16k tokens: this estimate 40.5 GiB, 55.5 with "
              "--loss full; measured on the H200: the fused defaults 27.2, attention-only patch 57.2); a budget: plan "
              "probes the real forward instead")
     if quantized:

@@ -129,38 +129,48 @@ def host_bytes(layers: Sequence[LayerActivation], choices: Sequence[str]) -> int
 
 def plan_peak_bytes(layers: Sequence[LayerActivation], choices: Sequence[str], fixed_bytes: int,
                     extra_bytes: int = 0, grads: GradientBytes | None = None) -> int:
-    """Peak = fixed + every layer's retained activations + the most one layer's backward holds on top of them
-    (``layer_peaks``: what it rebuilds, plus spaced spans' rebuilt inputs and offloaded inputs fetched back).
+    """Peak = fixed + the larger of the forward's end and the worst layer's backward.
+
+    The forward's end: every layer's retained activations, the top layer's output (the final norm's input; no
+    layer's figures hold it) and the loss tail's peak (`extra_bytes`: the full logits of the stock loss, or a fused
+    loss's chunk and gradient buffers). Layer j's backward: the retained activations of the layers up to j and what
+    j's backward holds on top (``layer_peaks``: what it rebuilds and the gradients it makes, plus spaced spans'
+    rebuilt inputs and offloaded inputs fetched back). The loss tail has run its backward and freed its buffers
+    before any layer's backward starts (what it hands on, the gradient of the top layer's output, is in that layer's
+    backward bytes), so the tail and a layer's backward are not counted together: counting them together
+    over-predicted long documents by the largest layer's backward (docs/long-context.md, "How a plan's peak is
+    counted"); tests/test_memory.py holds real CPU steps to the prediction from below, closely.
 
     grads: the loop frees gradients before each forward (one micro-batch per optimizer step, ``zero_grad(
     set_to_none=True)``), and ``fixed_bytes`` holds no gradients. Gradients then never meet the whole forward's
-    activations: backward makes them top layer first while it frees that layer's activations. The peak is the larger
-    of the forward's end (with the head's and embeddings' gradients, which the loss may make early) and each layer's
-    backward (the activations of the layers below, this layer's retained and held bytes, the gradients of this layer
-    and those above). Never above the figure without ``grads``, which counts every gradient on top of everything."""
+    activations: backward makes them top layer first while it frees that layer's activations. The head's and
+    embeddings' gradients (which the loss may make early) count in both phases; each layer's backward adds the
+    gradients of that layer and those above. Never above the figure without ``grads``, which counts every gradient
+    in ``fixed_bytes``."""
     return peak_terms(layers, choices, fixed_bytes, extra_bytes, grads)["peak"]
 
 
 def peak_terms(layers: Sequence[LayerActivation], choices: Sequence[str], fixed_bytes: int, extra_bytes: int = 0,
                grads: GradientBytes | None = None) -> dict[str, int]:
-    """``plan_peak_bytes``'s terms, to set beside a measured peak: `fixed`, `loss_and_head` (extra_bytes),
-    `retained` (every layer's), `held` (the most one layer's backward holds on top), `forward_end` (the sum of the
-    last three); with ``grads`` also `other_gradients` and `backward` (the worst layer's backward with the gradients
-    made by then); `peak`."""
+    """``plan_peak_bytes``'s terms, to set beside a measured peak: `fixed`, `other_gradients` (the head's and
+    embeddings', with ``grads``), `loss_and_head` (extra_bytes), `retained` (every layer's), `top_output`,
+    `forward_end` (the sum of the last three), `held` (the most one layer's backward holds on top of what it
+    retained), `backward` (the worst layer's backward: the activations up to it, what it holds, the gradients made by
+    then) and `peak`."""
     retained = [layer.retained(c) for layer, c in zip(layers, choices)]
     held = layer_peaks(layers, choices)
-    terms = {"fixed": fixed_bytes, "loss_and_head": extra_bytes, "retained": sum(retained),
-             "held": max(held, default=0)}
-    terms["forward_end"] = forward_end = extra_bytes + terms["retained"] + terms["held"]
-    if grads is None:
-        return {**terms, "peak": fixed_bytes + forward_end}
-    if len(grads.per_layer) != len(retained):
+    if grads is not None and len(grads.per_layer) != len(retained):
         raise ValueError(f"{len(grads.per_layer)} layers of gradient bytes for {len(retained)} probed layers")
+    per_layer = grads.per_layer if grads is not None else (0,) * len(retained)
+    other = grads.other if grads is not None else 0
     below = list(itertools.accumulate(retained, initial=0))  # activations of the layers under layer j
-    above = list(itertools.accumulate(reversed(grads.per_layer), initial=0))[::-1]  # gradients of layers j and up
+    above = list(itertools.accumulate(reversed(per_layer), initial=0))[::-1]  # gradients of layers j and up
+    top_output = layers[-1].full_bytes if len(layers) else 0
+    forward_end = extra_bytes + sum(retained) + top_output
     backward = max((below[j] + retained[j] + held[j] + above[j] for j in range(len(retained))), default=0)
-    return {**terms, "other_gradients": grads.other, "backward": backward,
-            "peak": fixed_bytes + grads.other + max(forward_end, backward)}
+    return {"fixed": fixed_bytes, "other_gradients": other, "loss_and_head": extra_bytes, "retained": sum(retained),
+            "top_output": top_output, "forward_end": forward_end, "held": max(held, default=0), "backward": backward,
+            "peak": fixed_bytes + other + max(forward_end, backward)}
 
 
 def plan_cost(choices: Sequence[str], costs: dict[str, float] = RECOMPUTE_COST) -> float:
@@ -229,27 +239,29 @@ class CheckpointPlan:
 
 # ----------------------------------------------------------------------------------------------- the search
 def _best_first(layers: Sequence[LayerActivation], units: dict[str, int], bound: float, host_budget: float,
-                by_cost: bool, accept: Callable[[tuple[str, ...], int, float], bool]) -> None:
-    """Best-first search over per-layer choices, bottom layer first. Partial plans come off a heap by recompute cost
-    (`by_cost`) or by their partial device bytes (retained + the most one layer holds); both only grow as layers
-    are added, so complete plans come off in that order. A partial plan is dropped when its retained plus held bytes
-    exceed `bound`, when its host bytes exceed `host_budget`, or when one popped before it at the same layer and in
-    the same state (the prefetched input and the open span: what decides later layers' bytes) kept no more device,
-    host and held bytes. `accept(choices, cost, priority)` sees each complete plan (and returns True to stop)."""
+                by_cost: bool, accept: Callable[[tuple[str, ...], int, float], bool], extra_bytes: int = 0) -> None:
+    """Best-first search over per-layer choices, bottom layer first. A partial plan's device bytes are a lower bound
+    of ``plan_peak_bytes``'s (less fixed bytes and gradients): the larger of its retained bytes with `extra_bytes`
+    (the forward's end) and its worst layer's backward so far (the retained bytes up to that layer and what it
+    holds). Partial plans come off a heap by recompute cost (`by_cost`) or by those bytes; both only grow as layers
+    are added, so complete plans come off in that order. A partial plan is dropped when its bytes exceed `bound`,
+    when its host bytes exceed `host_budget`, or when one popped before it at the same layer and in the same state
+    (the prefetched input and the open span: what decides later layers' bytes) kept no more retained, host and
+    backward bytes. `accept(choices, cost, priority)` sees each complete plan (and returns True to stop)."""
     import heapq
 
     counter = itertools.count(1)
     heap = [(0, 0, 0, 0, 0, 0, 0, 0, None, None)]
-    # (priority, tiebreak, layer, retained, host, held, cost, prefetched, pending, path)
+    # (priority, tiebreak, layer, retained, host, backward, cost, prefetched, pending, path)
     popped: dict[tuple, list[tuple[int, int, int]]] = {}
     while heap:
-        priority, _, i, retained, host, held, cost, prefetched, pending, path = heapq.heappop(heap)
+        priority, _, i, retained, host, backward, cost, prefetched, pending, path = heapq.heappop(heap)
         front = popped.setdefault((i, prefetched, pending), [])
-        if any(r <= retained and h <= host and m <= held for r, h, m in front):
+        if any(r <= retained and h <= host and b <= backward for r, h, b in front):
             continue
         # what this one dominates can go: whatever those would drop later (they came off first), it drops too
-        front[:] = [(r, h, m) for r, h, m in front if not (retained <= r and host <= h and held <= m)]
-        front.append((retained, host, held))
+        front[:] = [(r, h, b) for r, h, b in front if not (retained <= r and host <= h and backward <= b)]
+        front.append((retained, host, backward))
         if i == len(layers):
             if accept(_unwind(path), cost, priority):
                 return
@@ -260,10 +272,11 @@ def _best_first(layers: Sequence[LayerActivation], units: dict[str, int], bound:
                 continue
             layer_held, next_prefetched, next_pending = _step(layer, choice, prefetched, pending)
             r, h = retained + layer.retained(choice), host + (layer.full_bytes if choice == "offload" else 0)
-            m = max(held, layer_held)
-            if r + m > bound or h > host_budget:
+            b = max(backward, r + layer_held)
+            device = max(extra_bytes + r, b)
+            if device > bound or h > host_budget:
                 continue
-            heapq.heappush(heap, (cost + unit if by_cost else r + m, next(counter), i + 1, r, h, m, cost + unit,
+            heapq.heappush(heap, (cost + unit if by_cost else device, next(counter), i + 1, r, h, b, cost + unit,
                                   next_prefetched, next_pending, (choice, path)))
 
 
@@ -277,7 +290,7 @@ def _unwind(path) -> tuple[str, ...]:
 
 def _cheapest_fitting(layers, units, fixed_bytes, budget_bytes, extra_bytes, grads, host_budget):
     """The least-recompute plan whose exact peak fits the budget (ties: the lower peak), or None."""
-    base = fixed_bytes + extra_bytes + (grads.other if grads is not None else 0)
+    base = fixed_bytes + (grads.other if grads is not None else 0)
     best: list = []  # [cost, peak, choices]
 
     def accept(choices, cost, priority):
@@ -288,13 +301,13 @@ def _cheapest_fitting(layers, units, fixed_bytes, budget_bytes, extra_bytes, gra
             best[:] = [cost, peak, choices]
         return False
 
-    _best_first(layers, units, budget_bytes - base, host_budget, True, accept)
+    _best_first(layers, units, budget_bytes - base, host_budget, True, accept, extra_bytes)
     return best[2] if best else None
 
 
 def _lowest_peak(layers, units, fixed_bytes, extra_bytes, grads, host_budget):
     """The plan with the lowest exact peak whose host bytes fit (ties: the first found)."""
-    base = fixed_bytes + extra_bytes + (grads.other if grads is not None else 0)
+    base = fixed_bytes + (grads.other if grads is not None else 0)
     best: list = []  # [peak, choices]
 
     def accept(choices, cost, priority):
@@ -305,7 +318,7 @@ def _lowest_peak(layers, units, fixed_bytes, extra_bytes, grads, host_budget):
             best[:] = [peak, choices]
         return False
 
-    _best_first(layers, units, float("inf"), host_budget, False, accept)
+    _best_first(layers, units, float("inf"), host_budget, False, accept, extra_bytes)
     return best[1]
 
 
@@ -317,12 +330,12 @@ def plan_checkpointing(layers: Sequence[LayerActivation], *, fixed_bytes: int, b
     `host_budget_bytes` (pure function, exact on ``plan_peak_bytes``'s model).
 
     A dynamic program over layers keeps, per recompute cost, every plan not beaten on device bytes retained, host
-    bytes and the most one layer's backward holds; the cheapest fitting plan wins, ties to the lower peak. When
+    bytes and its worst layer's backward so far; the cheapest fitting plan wins, ties to the lower peak. When
     nothing fits, the plan with the lowest peak within the host budget is returned with fits=False. `modes`: the
     choices to consider (add "offload" to keep layers' inputs in host memory, "spaced" to rebuild them in backward).
     `costs`: recompute per choice, in layer forwards (RECOMPUTE_COST_COMPILED where the layers are compiled). `grads`:
     gradients freed before each forward (see plan_peak_bytes; `fixed_bytes` then holds none); each candidate's peak
-    is then exact, but the candidates are still the least-retained plans per cost, so the cheapest fitting plan is
+    is then exact, but the candidates are kept by their bytes without the gradients, so the cheapest fitting plan is
     exact only while the forward's end is the peak (a full fine-tune's usual case).
     """
     units = {c: round(costs[c] * 10) for c in modes}
