@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-
 import importlib.util
 import itertools
 from typing import Any, Callable, Iterator
