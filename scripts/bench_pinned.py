@@ -6,10 +6,10 @@
 
 Run 30 (tests/gpu/RESULTS.md) saw the GPU idle ~40 s of the first 344k-token step while torch's caching host
 allocator page-locked the layer inputs (``cudaHostAlloc``, one block at a time; run 31 measured 2.95 GB/s here, with a
-matmul beside it held until the allocation ended). torch can instead
-allocate, touch the pages on N threads and register them (``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:
-True,pinned_num_register_threads:N``). Each way runs in its own child process (the setting is the process's and freed
-blocks stay cached), allocating ``--tensors`` layer inputs of ``--gib`` each in the pieces the offloader asks for
+matmul beside it held until the allocation ended). torch can instead allocate, touch the pages on N threads and
+register them (``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:N``). Each
+way runs in its own child process (the setting is the process's and freed blocks stay cached), allocating
+``--tensors`` layer inputs of ``--gib`` each in the pieces the offloader asks for
 (``memory.offload.pinned_pieces``), then copying a device tensor into them as the offloader's pack does (the copy's
 GB/s shows whether the memory is page-locked: pageable copies run several times slower). With ``--overlap`` a second
 set is allocated on a thread while the main thread runs matmuls: the matmuls' slowdown says whether reserving the
@@ -64,7 +64,8 @@ def child(device: str, gib: float, tensors: int, overlap: bool, runtime: bool = 
     sync()
     copy_s = time.perf_counter() - start
     out = {"allocator_conf": set_at_runtime or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-           "bytes": sum(p.numel() for p in pieces), "pieces": len(pieces), "alloc_s": alloc_s, "alloc_gb_s": sum(sizes) / alloc_s / 1e9,
+           "bytes": sum(p.numel() for p in pieces), "pieces": len(pieces), "alloc_s": alloc_s,
+           "alloc_gb_s": sum(sizes) / alloc_s / 1e9,
            "copy_gb_s": nbytes / copy_s / 1e9, "pinned": bool(pieces[0].is_pinned()) if cuda else False}
     if overlap:
         out.update(_overlap(torch, device, sizes, pin, sync))
@@ -120,10 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     results = {"command": "python scripts/bench_pinned.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "ways": {}}
+    from hf_accel.memory.offload import ALLOCATOR_ENV  # (no allocator setting of this shell reaches a child)
+
     for way in args.ways.split(","):
         if way not in WAYS:
             parser.error(f"--ways: unknown way {way!r}; choose from {', '.join(WAYS)}")
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+        env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
         if WAYS[way] is not None:
             env["PYTORCH_CUDA_ALLOC_CONF"] = WAYS[way]
         cmd = [sys.executable, __file__, "--child", "--device", args.device, "--gib", str(args.gib),

@@ -101,7 +101,8 @@ def qlora_base(settings: RunSettings, attn_implementation: str, keep_bf16: bool 
     (`qlora_build="device"`: 70B) built in NF4 on the device one weight at a time (quantized_base.build_4bit_model).
 
     keep_bf16: those weights back in bf16 after the recipe, as Unsloth's QLoRA keeps them: the residual stream is then
-    bf16, not fp32 (the recipe's fp32 embeddings make it fp32 under autocast), so every layer input is half the bytes."""
+    bf16, not fp32 (the recipe's fp32 embeddings make it fp32 under autocast), so every layer input is half the
+    bytes."""
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 

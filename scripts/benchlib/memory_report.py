@@ -58,8 +58,8 @@ def memory_summary(model: nn.Module, device: str) -> dict[str, Any]:
 
 def _predicted_terms(policy) -> dict[str, Any]:
     """What a budget plan's predicted peak is made of (plan.peak_terms), and the probed figures of its largest layer,
-    in GiB: to set beside the measured peak (run 32, under the count before 12-05 15:00: 76.0
-    predicted, 59.0 measured at 344k tokens)."""
+    in GiB: to set beside the measured peak (run 32, under the count before 12-05 15:00: 76.0 predicted, 59.0
+    measured at 344k tokens)."""
     from hf_accel.memory.plan import peak_terms
 
     planning, probe = getattr(policy, "planning", None), getattr(policy, "probe", None)

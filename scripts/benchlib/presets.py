@@ -203,8 +203,8 @@ PRESETS: dict[str, Preset] = {
             f"budget plan (budget:{EIGHTY_GB_CARD_GIB}GiB) on PEFT's recipe (fp32 residual stream) and on the base "
             "as Unsloth keeps it (bf16) vs Unsloth's QLoRA (published: 342,733 tokens on an 80 GB GPU) and TRL + "
             "flash-attn-4 + Liger QLoRA, where the bitsandbytes / Unsloth packs are installed",
-            "llama-8b-qlora-long", ("hf_accel-qlora-budget", "hf_accel-qlora-bf16-budget", "unsloth-qlora", "trl-qlora"),
-            _QLORA_LONG_SETTINGS,
+            "llama-8b-qlora-long",
+            ("hf_accel-qlora-budget", "hf_accel-qlora-bf16-budget", "unsloth-qlora", "trl-qlora"), _QLORA_LONG_SETTINGS,
         ),
         Preset(
             "long-context-1b", "as long-context, Llama-3.2-1B shapes, full FT",
