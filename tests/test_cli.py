@@ -50,6 +50,9 @@ REFUSED = {
     ("--load-in-4bit",): "--load-in-4bit freezes the base in 4 bits and trains LoRA adapters on it (QLoRA): add "
                          "--lora-r",
     ("--use-bnb-nested-quant",): "--use-bnb-nested-quant applies to a 4-bit base: add --load-in-4bit",
+    ("--keep-base-dtype", "--bf16"): "--keep-base-dtype applies to a 4-bit base: add --load-in-4bit",
+    ("--load-in-4bit", "--lora-r", "4", "--keep-base-dtype"): "--keep-base-dtype keeps the 4-bit base's other weights "
+    "in bf16, and this run computes in fp32",
     ("--bnb-4bit-quant-type", "fp4"): "--bnb-4bit-quant-type applies to a 4-bit base",
     ("--bnb-4bit-quant-type", "int4"): "--bnb-4bit-quant-type: invalid choice: 'int4'",
     ("--load-in-4bit", "--lora-r", "4", "--model-shape", "llama-1b"): "--load-in-4bit loads saved weights in 4 bits, "
@@ -216,8 +219,15 @@ def test_estimate_memory_command_prints_the_estimate(capsys):
     assert main(["estimate-memory", "llama-3.2-1b", *qlora]) == 0
     want = estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True, nested_quant=True).table()
     assert capsys.readouterr().out.strip() == want.strip() and "a 4-bit base (nested statistics" in want
+    assert main(["estimate-memory", "llama-3.2-1b", *qlora, "--keep-base-dtype"]) == 0
+    kept = estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True, nested_quant=True,
+                                    keep_base_dtype=True)
+    assert capsys.readouterr().out.strip() == kept.table().strip() and "counted in 16-bit" in kept.table()
+    assert kept.param_bytes < estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True,
+                                                       nested_quant=True).param_bytes
     for argv, message in ((["--load-in-4bit"], "add --lora-rank"),
                           (["--lora-rank", "8", "--use-bnb-nested-quant"], "add --load-in-4bit"),
+                          (["--lora-rank", "8", "--keep-base-dtype"], "--keep-base-dtype applies to a 4-bit base"),
                           (["--host-gib", "nan"], "--host-gib nan: must be a positive number"),
                           (["--device-gib", "0"], "--device-gib 0.0: must be a positive number"),
                           (["--checkpointing", "budget:2"], "needs a unit")):

@@ -498,3 +498,26 @@ def test_a_checkpoint_stored_in_8bit_trains_as_stored_and_says_so(tmp_path, sft_
                                "--eval-examples", "0", "--threads", "1", "--output-dir", str(tmp_path / "out")])
     assert "stored quantized (bitsandbytes 8-bit) and trains as stored" in capsys.readouterr().out
     assert metrics["steps"] == 2 and all(0 < loss < 10 for loss in metrics["losses"])
+
+
+def test_keep_base_dtype_trains_a_bf16_residual_stream_as_stock(tmp_path, sft_module):
+    """--load-in-4bit --bf16 --keep-base-dtype: after PEFT's recipe the base's weights that are not 4-bit (norms,
+    embeddings, head) are bf16 again, as TRL's SFTTrainer and Unsloth keep them, the hidden states between layers
+    are bf16 (fp32 without the flag: the flag changes the model's numbers, as documented), and the patched run's
+    losses are the stock run's (--no-patch)."""
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+    common = ["--load-in-4bit", "--bf16", "--lora-r", "4", "--max-steps", "3", "--logging-steps", "1", "--seed", "0",
+              "--lr", "3e-3", "--batch-size", "16", "--threads", "1", "--eval-examples", "0"]
+    hidden = {}
+    for keep in (False, True):
+        args = sft_module.parse_args(common + ["--keep-base-dtype"] * keep)
+        model, _ = sft_module.load_model_and_tokenizer(args)
+        floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        assert floating == ({torch.bfloat16} if keep else {torch.float32}), floating
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden[keep] = model(torch.tensor([[5, 6, 7, 8]]), output_hidden_states=True).hidden_states
+    assert {h.dtype for h in hidden[True]} == {torch.bfloat16} and hidden[False][1].dtype == torch.float32
+    losses = {name: sft_module.main([*common, "--keep-base-dtype", *extra, "--output-dir", str(tmp_path / name)])
+              ["losses"] for name, extra in {"patched": [], "stock": ["--no-patch"]}.items()}
+    assert len(losses["patched"]) == 3
+    torch.testing.assert_close(losses["patched"], losses["stock"], rtol=1e-4, atol=0)

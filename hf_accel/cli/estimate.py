@@ -44,6 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "PEFT's kbit preparation leaves them")
     parser.add_argument("--use-bnb-nested-quant", action="store_true",
                         help="with --load-in-4bit: the 4-bit blocks' scales quantized too")
+    parser.add_argument("--keep-base-dtype", action="store_true",
+                        help="with --load-in-4bit: the other weights back in --dtype after PEFT's preparation, as "
+                        "hf-accel sft --keep-base-dtype, TRL's SFTTrainer and Unsloth keep them (a --dtype residual "
+                        "stream)")
     parser.add_argument("--loss", default="fused", choices=("fused", "full"),
                         help="fused: patch()'s chunked loss, its CUDA default (one ~512 MiB chunk of logits at a "
                         "time); full: the stock loss over the whole (tokens, vocab) logits")
@@ -58,8 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.load_in_4bit and args.lora_rank is None:
         raise UsageError("--load-in-4bit: a 4-bit base is frozen and trains LoRA adapters (QLoRA): add --lora-rank R "
                          "(e.g. 16)")
-    if args.use_bnb_nested_quant and not args.load_in_4bit:
-        raise UsageError("--use-bnb-nested-quant applies to a 4-bit base: add --load-in-4bit")
+    for name in ("use_bnb_nested_quant", "keep_base_dtype"):
+        if getattr(args, name) and not args.load_in_4bit:
+            raise UsageError(f"--{name.replace('_', '-')} applies to a 4-bit base: add --load-in-4bit")
     if args.batch_tokens < 1:
         raise UsageError(f"--batch-tokens {args.batch_tokens}: must be at least 1")
     for name in ("device_gib", "host_gib"):
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         checkpointing=args.checkpointing,
         device_bytes=int(args.device_gib * 1024**3) if args.device_gib else None,
         host_bytes=int(args.host_gib * 1024**3) if args.host_gib is not None else None,
-        base_4bit=args.load_in_4bit, nested_quant=args.use_bnb_nested_quant, loss=args.loss,
+        base_4bit=args.load_in_4bit, nested_quant=args.use_bnb_nested_quant, keep_base_dtype=args.keep_base_dtype,
+        loss=args.loss,
         mlp_chunks=args.mlp_chunks,
     )
     print(estimate.table())

@@ -77,7 +77,9 @@ def prepare_quantized(model, args: argparse.Namespace):
     head) in fp32, input gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every
     layer (non-reentrant), which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU
     inference repacking is turned off (patched or not): the held-out evaluation before training would otherwise leave
-    the weights in a layout that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``)."""
+    the weights in a layout that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``).
+    --keep-base-dtype: those weights back in bf16 afterwards (``unquantized_weights_to``)."""
+    import torch
     from peft import prepare_model_for_kbit_training
 
     from ..fused.quantized import keep_cpu_4bit_trainable
@@ -85,5 +87,24 @@ def prepare_quantized(model, args: argparse.Namespace):
     keep_cpu_4bit_trainable(model)
     with warnings.catch_warnings():  # PEFT calls methods transformers 5.2x renamed: nothing a user can change
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
-        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing is None,
-                                               gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing is None,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(args, "keep_base_dtype", False):
+        unquantized_weights_to(model, torch.bfloat16)
+    return model
+
+
+def unquantized_weights_to(model, dtype) -> int:
+    """Cast a prepared quantized base's fp32 weights (those PEFT's ``prepare_model_for_kbit_training`` upcast: norms,
+    embeddings, LM head; the quantized weights are integer storage and stay) to ``dtype``, as TRL's SFTTrainer (which
+    does not run PEFT's preparation) and Unsloth keep them. The residual stream is then ``dtype`` instead of fp32:
+    every layer input a checkpoint saves is half the bytes in bf16. Call it before adding adapters (PEFT makes those
+    fp32 itself). Returns how many tensors it cast."""
+    import torch
+
+    cast = 0
+    for param in model.parameters():
+        if param.dtype == torch.float32:
+            param.data = param.data.to(dtype)
+            cast += 1
+    return cast

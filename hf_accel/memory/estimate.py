@@ -237,7 +237,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                              lora_rank: int | None = None, lora_targets: Sequence[str] | None = None,
                              batch_tokens: int = 4096, checkpointing="none",
                              device_bytes: int | None = None, host_bytes: int | None = None,
-                             base_4bit: bool = False, nested_quant: bool = False,
+                             base_4bit: bool = False, nested_quant: bool = False, keep_base_dtype: bool = False,
                              loss: str = "fused", mlp_chunks="auto") -> MemoryEstimate:
     """Predict weights, gradients, optimizer states, activations and the peak of one training step, offline.
 
@@ -245,6 +245,9 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     base_4bit: QLoRA (needs lora_rank): the linear weights in bitsandbytes 4-bit (``nested_quant``: with nested
     statistics), every other weight in fp32 and the residual stream fp32, as PEFT's ``prepare_model_for_kbit_training``
     leaves them; activations are then counted at fp32 (an upper bound for autocast's half-precision intermediates).
+    keep_base_dtype: with base_4bit, those other weights back in ``dtype`` after the preparation (``hf-accel sft
+    --keep-base-dtype``, as TRL's SFTTrainer and Unsloth keep them): weights, residual stream and activations in
+    ``dtype``.
     checkpointing: "none" | "full" | "every_N" | "op" | "budget:20GiB" | "budget:0.6" (needs device_bytes),
     planned on the formula's per-layer sizes (layers may be spaced; offloaded too, within `host_bytes` of host memory,
     when it is given). batch_tokens: tokens per micro-batch (packed, no padding).
@@ -254,14 +257,15 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     chunks, a layer holds one chunk's MLP intermediates.
     """
     config = load_config(config_or_path)
-    _check_arguments(dtype, lora_rank, base_4bit, nested_quant, loss)
-    b = 4 if base_4bit else DTYPE_BYTES[dtype]  # the kbit preparation: fp32 outside the 4-bit linears
+    _check_arguments(dtype, lora_rank, base_4bit, nested_quant, keep_base_dtype, loss)
+    # the kbit preparation: fp32 outside the 4-bit linears (unless they are kept in the run's dtype)
+    b = 4 if base_4bit and not keep_base_dtype else DTYPE_BYTES[dtype]
     targets = tuple(lora_targets or _family(config).lora_targets)
     counted = _count_parameters(config, lora_rank, targets)
     params, lora = counted.total, counted.lora
     quantized = sum(counted.linear_weights) if base_4bit else 0
     weight_bytes = params * b if not base_4bit else (
-        (params - quantized) * 4 + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights))
+        (params - quantized) * b + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights))
     trainable, train_bytes = (lora, 4) if lora_rank else (params, b)
     per_token, mlp_per_token = _layer_bytes(config, b, lora_rank, counted.adapted)
     state = trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)  # gradients, optimizer
@@ -283,7 +287,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         layer = layers_at(batch_tokens)[0]
         return choices, longest, layer, plan_peak_bytes([layer] * len(choices), choices, fixed, loss_at(batch_tokens))
 
-    loss_at = _loss_function(config, loss, b, compute_bytes, base_4bit)
+    loss_at = _loss_function(config, loss, b, compute_bytes)
     choices, longest, layer, peak = plan(chunking)
     budget = _budget(checkpointing, device_bytes) if str(checkpointing).startswith("budget:") else None
     if budget is not None and peak > budget and chunking is not None and chunking.auto \
@@ -295,7 +299,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
         if chunked[3] <= budget:
             chunking, (choices, longest, layer, peak) = every, chunked
         longest = max(longest, chunked[1])
-    notes = _notes(loss, quantized, nested_quant) + _mlp_chunks_note(chunking, batch_tokens, mlp_per_token)
+    notes = _notes(loss, quantized, nested_quant, b) + _mlp_chunks_note(chunking, batch_tokens, mlp_per_token)
     if budget is not None:
         notes += (_budget_verdict(checkpointing[7:], batch_tokens, peak <= budget, longest),)
     tail = loss_at(batch_tokens)
@@ -309,7 +313,8 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     )
 
 
-def _check_arguments(dtype: str, lora_rank: int | None, base_4bit: bool, nested_quant: bool, loss: str) -> None:
+def _check_arguments(dtype: str, lora_rank: int | None, base_4bit: bool, nested_quant: bool, keep_base_dtype: bool,
+                     loss: str) -> None:
     """estimate_training_memory's arguments that do not fit together, refused with what to pass instead."""
     if dtype not in DTYPE_BYTES:
         raise ConfigurationError(f"unknown dtype {dtype!r}; allowed: {sorted(DTYPE_BYTES)}.")
@@ -318,14 +323,17 @@ def _check_arguments(dtype: str, lora_rank: int | None, base_4bit: bool, nested_
                                  "(estimate-memory --lora-rank 16).")
     if nested_quant and not base_4bit:
         raise ConfigurationError("nested_quant describes a 4-bit base: pass base_4bit=True too (--load-in-4bit).")
+    if keep_base_dtype and not base_4bit:
+        raise ConfigurationError("keep_base_dtype describes a 4-bit base's other weights: pass base_4bit=True too "
+                                 "(--load-in-4bit).")
     if loss not in ("fused", "full"):
         raise ConfigurationError(f"unknown loss {loss!r}: 'fused' (patch()'s default on CUDA) or 'full' (the stock "
                                  "loss over the whole logits).")
 
 
-def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
+def _notes(loss: str, quantized: int, nested_quant: bool, stored_bytes: int) -> tuple[str, ...]:
     """What the estimate counts and how it stands to patch()'s CUDA defaults; `quantized`: a 4-bit base's linear
-    weights (0: none)."""
+    weights (0: none), `stored_bytes`: the bytes of an element of its other weights and activations."""
     loss_note = ("the fused loss (patch()'s CUDA default; --loss full: the stock loss) with its chunk's work as torch "
                  "computes it" if loss == "fused" else "the stock loss over the whole logits (--loss fused: patch()'s "
                  "CUDA default)")
@@ -335,9 +343,10 @@ def _notes(loss: str, quantized: int, nested_quant: bool) -> tuple[str, ...]:
              "--loss full; measured on the H200: the fused defaults 27.2, attention-only patch 57.2); a budget: plan "
              "probes the real forward instead")
     if quantized:
-        notes += (f"a 4-bit base ({'nested statistics, ' if nested_quant else ''}PEFT's kbit preparation): "
-                  f"{quantized:,} linear weights in 4 bits, the other weights, the residual stream and the "
-                  "activations counted in fp32",)
+        kept = "PEFT's kbit preparation" if stored_bytes == 4 else "the other weights kept in the run's dtype"
+        notes += (f"a 4-bit base ({'nested statistics, ' if nested_quant else ''}{kept}): {quantized:,} linear "
+                  f"weights in 4 bits, the other weights, the residual stream and the activations counted in "
+                  f"{'fp32' if stored_bytes == 4 else '16-bit'}",)
     return notes
 
 
@@ -365,12 +374,12 @@ def _budget_verdict(budget: str, tokens: int, fits: bool, longest: int) -> str:
             f"{longest:,} tokens")
 
 
-def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int, base_4bit: bool) -> Callable[[int], int]:
+def _loss_function(config, loss: str, stored_bytes: int, compute_bytes: int) -> Callable[[int], int]:
     """Bytes of the loss tail at t tokens: the fused loss's (a 4-bit base's fp32 head cast to the compute dtype) or
     the full logits' (in the stored dtype, as the estimate's layers are counted)."""
     vocab, hidden = config.vocab_size, config.hidden_size
     if loss == "fused":
-        head_cast = vocab * hidden * compute_bytes if base_4bit and compute_bytes < 4 else 0
+        head_cast = vocab * hidden * compute_bytes if stored_bytes > compute_bytes else 0
         return lambda t: fused_loss_bytes(t, vocab, hidden, compute_bytes, stored_bytes, head_cast)
     return lambda t: loss_bytes(t, vocab, stored_bytes) + t * (4 * hidden + 4)
 

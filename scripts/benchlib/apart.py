@@ -124,9 +124,9 @@ def qlora_base(settings: RunSettings, attn_implementation: str, keep_bf16: bool 
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.workload.checkpointing,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
     if keep_bf16:
-        for param in model.parameters():
-            if param.dtype == torch.float32:  # (the 4-bit weights are uint8 storage: left as they are)
-                param.data = param.data.to(torch.bfloat16)
+        from hf_accel.cli.quantized import unquantized_weights_to  # what hf-accel sft --keep-base-dtype does
+
+        unquantized_weights_to(model, torch.bfloat16)
     return model
 
 
