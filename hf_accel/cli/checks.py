@@ -77,8 +77,8 @@ def _check_4bit(args: argparse.Namespace) -> None:
     if not args.load_in_4bit:
         return
     if args.keep_base_dtype and not args.bf16:
-        raise UsageError("--keep-base-dtype keeps the 4-bit base's other weights in bf16, and this run computes in fp32 "
-                         "(PEFT's recipe's dtype for them already): add --bf16, or leave --keep-base-dtype out")
+        raise UsageError("--keep-base-dtype keeps the 4-bit base's other weights in bf16, and this run computes in "
+                         "fp32 (PEFT's recipe's dtype for them already): add --bf16, or leave --keep-base-dtype out")
     if args.lora_r is None:
         raise UsageError("--load-in-4bit freezes the base in 4 bits and trains LoRA adapters on it (QLoRA): add "
                          "--lora-r R (e.g. 16)")
