@@ -355,6 +355,9 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-cudagraphs", False, ("hf_accel", "cuda"), _patched(compile={"mode": "reduce-overhead"}),
                     "hf_accel.patch(model, compile={'mode': 'reduce-overhead'}): the compiled layers' regions "
                     "replayed as CUDA graphs (one recording per token count seen)"),
+        BenchConfig("hf_accel-torch-fa2", False, ("hf_accel", "cuda"), _patched(backend="torch-fa2"),
+                    "hf_accel.patch(model, backend='torch-fa2'), otherwise no arguments: torch's built-in "
+                    "FlashAttention-2 (varlen) instead of flash-attn-4, the attention kernel on short documents"),
         BenchConfig("hf_accel-fp8", False, ("hf_accel", "torchao"), _patched(precision="fp8"),
                     "hf_accel.patch(model, precision='fp8'), otherwise no arguments: the decoder linears through "
                     "torchao's float8 training (rowwise scaling); an explicit opt-in",
