@@ -20,7 +20,7 @@ from hf_accel.training import adapters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_lora_save  # noqa: E402
-from test_distributed import _launch_or_fail  # noqa: E402
+from multi_gpu_runs import launch_into_new_folder_or_fail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 120  # ~7 s on 2 cores; longer means a rank waits in a collective
@@ -48,11 +48,14 @@ def assert_adapter_loads(adapter_dir: Path, trained: dict[str, torch.Tensor]) ->
 
 @pytest.fixture(scope="module")
 def fsdp_lora_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp-lora")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "dist_lora_save.py"), "--out", str(out)]
-    _launch_or_fail(cmd, out, RUN_TIMEOUT_S)
-    return out
+    """The three layouts' run, once more in a new folder if a gloo rank died of SIGSEGV (launch_into_new_folder_or_fail
+    says when that happened under CI's load)."""
+    def command(out: Path) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(free_port()), str(ROOT / "tests" / "dist_lora_save.py"), "--out", str(out)]
+
+    return launch_into_new_folder_or_fail(command, lambda: tmp_path_factory.mktemp("fsdp-lora"), RUN_TIMEOUT_S,
+                                          env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores

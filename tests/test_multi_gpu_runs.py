@@ -85,3 +85,44 @@ def test_full_model_reload_check_uses_the_checkpoint_names(tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(AssertionError, match="head.weight"):
         assert_full_model_reloads(tmp_path / "run", tmp_path / "renamed")
+
+
+# a launch stand-in: dies of SIGSEGV while a folder count (in the folder above its own) is under CRASHES, else exit CODE
+CRASHING_LAUNCH = """
+import ctypes, pathlib, sys
+folder, crashes, code = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+tries = folder.parent / "tries"
+count = int(tries.read_text()) + 1 if tries.exists() else 1
+tries.write_text(str(count))
+if count <= crashes:
+    ctypes.string_at(0)  # SIGSEGV
+(folder / "done").write_text(str(count))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("crashes, code, launches, passes", [(0, 0, 1, True), (1, 0, 2, True), (2, 0, 2, False),
+                                                              (0, 1, 1, False), (1, 1, 2, False)])
+def test_a_launch_that_dies_of_sigsegv_runs_once_more_in_a_new_folder(tmp_path, crashes, code, launches, passes):
+    """launch_into_new_folder_or_fail: a SIGSEGV launches once more, in a new folder (the returned one holds that
+    launch's files only); a second SIGSEGV or any other failure fails; no SIGSEGV, no second launch."""
+    from multi_gpu_runs import died_of_sigsegv, launch_into_new_folder_or_fail
+
+    made = []
+
+    def new_folder() -> Path:
+        made.append(tmp_path / f"run{len(made)}")
+        made[-1].mkdir()
+        return made[-1]
+
+    def command(folder: Path) -> list[str]:
+        return [sys.executable, "-c", CRASHING_LAUNCH, str(folder), str(crashes), str(code)]
+
+    if passes:
+        folder = launch_into_new_folder_or_fail(command, new_folder, timeout=60)
+        assert folder == made[-1] and (folder / "done").read_text() == str(launches)
+    else:
+        with pytest.raises(pytest.fail.Exception, match=f"exited with {-11 if crashes >= 2 else code}"):
+            launch_into_new_folder_or_fail(command, new_folder, timeout=60)
+    assert len(made) == launches and not any((f / "done").exists() for f in made[:-1])
+    assert died_of_sigsegv(1, "exitcode  : -11 (pid: 20276)  (SIGSEGV)") and not died_of_sigsegv(1, "exitcode: 1")
