@@ -139,10 +139,12 @@ def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved
     assert "skips the mlp.down_proj" in report.checkpointing and skipped == 4 * STEPS, (skipped, str(report))
 
 
-def test_sft_command_load_in_4bit_trains_within_bf16_error_of_stock(saved_llama, tmp_path):
+@pytest.mark.parametrize("keep", [False, True], ids=["recipe", "keep-base-dtype"])
+def test_sft_command_load_in_4bit_trains_within_bf16_error_of_stock(saved_llama, tmp_path, keep):
     """`hf-accel sft --load-in-4bit --bf16` on CUDA (the command's QLoRA: NF4 base on this GPU, PEFT's kbit
     preparation, LoRA r=16, hf_accel's Trainer with its defaults) against the same command with `--no-patch` (stock
-    PEFT QLoRA), both measured against `--no-patch` computing in fp32: 20 steps of the default task's data."""
+    PEFT QLoRA), both measured against `--no-patch` computing in fp32: 20 steps of the default task's data. With
+    `--keep-base-dtype` (the base's other weights back in bf16) for both bf16 runs."""
     import json
     import shutil
 
@@ -157,7 +159,9 @@ def test_sft_command_load_in_4bit_trains_within_bf16_error_of_stock(saved_llama,
     common = ["--model", str(model_dir), "--dataset", str(data), "--load-in-4bit", "--lora-r", "16", "--max-steps",
               str(STEPS), "--logging-steps", "1", "--batch-size", "16", "--seed", "0"]
     losses = {}
-    for name, extra in {"fp32": ["--no-patch"], "stock": ["--no-patch", "--bf16"], "ours": ["--bf16"]}.items():
+    kept = ["--keep-base-dtype"] if keep else []
+    for name, extra in {"fp32": ["--no-patch"], "stock": ["--no-patch", "--bf16", *kept],
+                        "ours": ["--bf16", *kept]}.items():
         metrics = sft.main([*common, *extra, "--output-dir", str(tmp_path / name)])
         losses[name] = metrics["losses"]
         assert len(losses[name]) == STEPS and metrics["patched"] == (name == "ours")
