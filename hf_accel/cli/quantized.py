@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the command imports torch only once its arguments are checked
+    import torch
 
 
 def stored_quantization(config: dict[str, Any]) -> str | None:
@@ -94,7 +97,7 @@ def prepare_quantized(model, args: argparse.Namespace):
     return model
 
 
-def unquantized_weights_to(model, dtype) -> int:
+def unquantized_weights_to(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Cast a prepared quantized base's fp32 weights (those PEFT's ``prepare_model_for_kbit_training`` upcast: norms,
     embeddings, LM head; the quantized weights are integer storage and stay) to ``dtype``, as TRL's SFTTrainer (which
     does not run PEFT's preparation) and Unsloth keep them. The residual stream is then ``dtype`` instead of fp32:
