@@ -419,3 +419,21 @@ def test_the_memory_estimate_bounds_a_4bit_base_s_activations(saved_llama, autoc
     loosest = 2.6 if keep else 1.9
     for choice in ("none", "op"):
         assert measured.retained(choice) <= estimate.retained(choice) <= loosest * measured.retained(choice), choice
+
+
+def test_trl_s_sft_trainer_casts_a_quantized_model_s_adapters_to_bf16(saved_llama, tmp_path):
+    """What docs/qlora.md says of the bench's TRL QLoRA row: TRL's SFTTrainer, built on PEFT's QLoRA model, turns its
+    fp32 adapters into bf16 ones (hf_accel's rows and Trainer keep PEFT's fp32). If TRL stops doing so, the docs and
+    the row's description change with it."""
+    pytest.importorskip("trl", reason="needs trl (pip install 'hf_accel[trl]')")
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_accel.data.default_task import build_tokenizer
+
+    model = qlora(saved_llama)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5]] * 4})
+    SFTTrainer(model=model, train_dataset=rows, processing_class=build_tokenizer(),
+               args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1))
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.bfloat16}

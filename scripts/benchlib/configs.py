@@ -424,7 +424,8 @@ CONFIGS.update({
                     loads_files=True),
         BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
                     "QLoRA (bitsandbytes NF4, bf16 compute, prepare_model_for_kbit_training) + PEFT LoRA r=16, TRL "
-                    "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True", sites=BNB_SITES),
+                    "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True (TRL casts a quantized model's "
+                    "adapters to bf16)", sites=BNB_SITES),
         BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "hf_accel"), _patched(qlora_base),
                     "the same QLoRA model with hf_accel.patch(model), no arguments, + hf_accel's packing",
                     sites=BNB_SITES),
