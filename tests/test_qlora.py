@@ -421,16 +421,21 @@ def test_the_memory_estimate_bounds_a_4bit_base_s_activations(saved_llama, autoc
         assert measured.retained(choice) <= estimate.retained(choice) <= loosest * measured.retained(choice), choice
 
 
-def test_trl_s_sft_trainer_casts_a_quantized_model_s_adapters_to_bf16(saved_llama, tmp_path):
-    """What docs/qlora.md says of the bench's TRL QLoRA row: TRL's SFTTrainer, built on PEFT's QLoRA model, turns its
-    fp32 adapters into bf16 ones (hf_accel's rows and Trainer keep PEFT's fp32). If TRL stops doing so, the docs and
-    the row's description change with it."""
+@pytest.mark.parametrize("trainer", ["trl", "hf_accel"])
+def test_trl_s_sft_trainer_casts_a_quantized_model_s_adapters_to_bf16(saved_llama, tmp_path, trainer):
+    """What docs/qlora.md says of the bench's TRL QLoRA row and of hf_accel.SFTTrainer: TRL's SFTTrainer (and so
+    hf_accel's, its subclass), built on PEFT's QLoRA model, turns its fp32 adapters into bf16 ones (hf_accel's bench
+    rows and Trainer keep PEFT's fp32). If TRL stops doing so, the docs and the row's description change with it."""
     pytest.importorskip("trl", reason="needs trl (pip install 'hf_accel[trl]')")
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
     from hf_accel.data.default_task import build_tokenizer
 
+    if trainer == "trl":
+        from trl import SFTTrainer
+    else:
+        from hf_accel import SFTTrainer
     model = qlora(saved_llama)
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     rows = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5]] * 4})
