@@ -785,36 +785,6 @@ def test_predicted_peak_covers_the_backward_of_a_real_step(spec):
     assert peak.peak <= predicted <= 1.25 * peak.peak, (peak.peak / 2**20, predicted / 2**20)
 
 
-def _step_live_peak_bytes(model, batch) -> int:
-    """The most bytes of tensors one training step (forward and backward) holds at once, beyond the parameters: a
-    dispatch mode sees every storage an op makes (activations, recomputed ones, gradients) and when it is freed."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    made: dict[int, tuple[StorageWeakRef, int]] = {}
-    peak = 0
-
-    class Track(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            nonlocal peak
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-                    storage = t.untyped_storage()
-                    ptr = storage.data_ptr()
-                    if ptr not in made or made[ptr][0].expired():
-                        made[ptr] = (StorageWeakRef(storage), storage.nbytes())
-            peak = max(peak, sum(n for ref, n in made.values() if not ref.expired()))
-            return out
-
-    model.zero_grad(set_to_none=True)
-    with Track():
-        model(**batch).loss.backward()
-    return peak
-
-
 @pytest.mark.parametrize("hidden, vocab, share", [
     pytest.param(512, 1000, 0.0, marks=pytest.mark.slow), (512, 1000, 0.5),
     pytest.param(512, 1000, 1.0, marks=pytest.mark.slow), (256, 8000, 0.0), (256, 8000, 0.5)])
@@ -848,5 +818,9 @@ def test_a_plan_s_predicted_peak_bounds_the_step_s_closely(hidden, vocab, share)
     terms = peak_terms(policy.probe.layers, policy.plan.choices, **{k: policy.planning[k] for k in (
         "fixed_bytes", "extra_bytes", "grads")})
     predicted = terms["peak"] - terms["fixed"]  # (the parameters and optimizer states the step does not make)
-    measured = _step_live_peak_bytes(model, batch)
+    model.zero_grad(set_to_none=True)
+    peak = _StepPeak(model)
+    with peak.mode:
+        model(**batch).loss.backward()
+    measured = peak.peak
     assert 0.9 * predicted <= measured <= predicted, (measured, predicted, policy.plan.choices, terms)

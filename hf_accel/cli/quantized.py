@@ -92,7 +92,7 @@ def prepare_quantized(model, args: argparse.Namespace):
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing is None,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
-    if getattr(args, "keep_base_dtype", False):
+    if args.keep_base_dtype:
         unquantized_weights_to(model, torch.bfloat16)
     return model
 
