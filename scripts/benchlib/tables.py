@@ -30,6 +30,7 @@ WORKLOAD_TITLES = {
     "gemma2-9b-lora": "Gemma-2-9B shapes, LoRA r=16 + checkpointing",
     "llama-1b-completion": "Llama-3.2-1B shapes, full FT, prompt-masked SFT data",
     "llama-8b-lora-completion": "Llama-3-8B shapes, LoRA r=16 + checkpointing, prompt-masked SFT data",
+    "llama-8b-full": "Llama-3-8B shapes, full FT + checkpointing",
 }
 CONFIG_LABELS = {
     "hf-sdpa-padded": "HF, SDPA, padded batches of 8",
