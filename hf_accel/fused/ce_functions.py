@@ -209,15 +209,32 @@ class _GradInForwardLinearCE(torch.autograd.Function):
                 "cannot be taken from it. Patch with fused_ce=False for that step's model."
             )
         ctx.handed_out = True  # the gradients are scaled in place and may now be the parameters' .grad
-        grads = tuple(None if g is None else _scale_(g, grad_total) for g in ctx.saved_tensors)
+        scale_ = _scale_kernel(grad_total.device)
+        grads = tuple(None if g is None else scale_(g, grad_total) for g in ctx.saved_tensors)
         return (*grads, None, None, None)
+
+
+def _scale_kernel(device: torch.device) -> Callable:
+    """hf_accel's one-pass Triton kernel on CUDA for contiguous low-precision gradients; `_scale_` elsewhere."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from .ce_kernel import scale_triton_
+
+        def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            one_pass = grad.dtype not in _WIDE and grad.is_contiguous()
+            return scale_triton_(grad, scale) if one_pass else _scale_(grad, scale)
+
+        return scale_
+    return _scale_
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 def _scale_(grad: torch.Tensor, scale: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
     """grad *= scale in place, the product taken in fp32 (a bf16 multiply would round `scale`, e.g. 1/N, first);
     low-precision grads go in blocks so the fp32 temporary stays small."""
     scale = scale.float()
-    if grad.dtype in (torch.float32, torch.float64):
+    if grad.dtype in _WIDE:
         return grad.mul_(scale)
     for part in grad.view(-1).split(block):
         part.copy_(part.float().mul_(scale))

@@ -90,6 +90,22 @@ def test_triton_ce_grad_matches_torch(vocab):
     assert torch.isnan(ce_grad_triton_(logits.clone(), bad))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_scale_matches_torch(dtype):
+    """The backward's one-pass scale (fp32 product, one rounding) equals `_scale_`'s blockwise fp32 copies bit for
+    bit, over a length that is no multiple of the kernel's block; the scale stays on the device."""
+    from hf_accel.fused.ce_functions import _scale_
+    from hf_accel.fused.ce_kernel import scale_triton_
+
+    torch.manual_seed(4)
+    grad = torch.randn(3 * 4096 + 77, device="cuda").to(dtype)
+    scale = torch.tensor(1 / 11000, device="cuda")  # rounded to bf16 first it would differ by 0.2%
+    mine = scale_triton_(grad.clone(), scale)
+    want = _scale_(grad.clone(), scale, block=1000)
+    assert torch.equal(mine, want)
+    assert not torch.equal(grad * scale.to(dtype), want)  # a low-precision product differs: the test can tell
+
+
 def test_inline_fp32_head_under_bf16_autocast():
     """fp32 weights under bf16 autocast (Trainer bf16=True on an fp32 model): the head computes in bf16 like the
     unfused F.linear, the weight gradient accumulates in fp32 through addmm(out_dtype=float32); gradients come back
