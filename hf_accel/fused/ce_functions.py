@@ -220,7 +220,7 @@ def _scale_kernel(device: torch.device) -> Callable:
         from .ce_kernel import scale_triton_
 
         def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            one_pass = grad.dtype not in _WIDE and grad.is_contiguous()
+            one_pass = grad.dtype in (torch.bfloat16, torch.float16) and grad.is_contiguous()
             return scale_triton_(grad, scale) if one_pass else _scale_(grad, scale)
 
         return scale_

@@ -75,14 +75,14 @@ def _scale_inplace(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     scale = tl.load(scale_ptr).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-    tl.store(x_ptr + offs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(x_ptr + offs, (x * scale).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def scale_triton_(grad: torch.Tensor, scale: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """grad *= scale in place (CUDA, contiguous, any float dtype), the product in fp32 and rounded once to grad's
-    dtype; `scale` a one-element tensor on grad's device."""
-    if not grad.is_contiguous():
-        raise ValueError("scale_triton_ needs a contiguous gradient")
+    """grad *= scale in place (CUDA, contiguous, bf16 or fp16), the product in fp32 and rounded to nearest even
+    once to grad's dtype, as `_scale_` rounds; `scale` a one-element tensor on grad's device."""
+    if not grad.is_contiguous() or grad.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"scale_triton_ needs a contiguous bf16 or fp16 gradient, got {grad.dtype}")
     n = grad.numel()
     if n:
         _scale_inplace[(triton.cdiv(n, block),)](grad, scale.reshape(1), n, BLOCK=block, num_warps=8)
