@@ -192,6 +192,42 @@ def test_refused_clearly_where_torch_compile_cannot_run(monkeypatch):
     assert model.config._attn_implementation == "sdpa"  # the attention seam was undone too
 
 
+def _backward_copies_at_graph_entries(model, batch) -> int:
+    """aten::contiguous calls made by AOTAutograd's runtime as gradients enter compiled graphs' backwards (a copy
+    each where a gradient's strides are not its graph output's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_and_grads(model, batch)
+    return sum(1 for e in prof.events() if e.name == "aten::contiguous" and e.cpu_parent is not None
+               and e.cpu_parent.name == "CompiledFunctionBackward")
+
+
+def test_nested_graph_breaks_match_eager_and_take_q_k_v_gradients_without_copies():
+    """compile={'nested_graph_breaks': True} (hf_accel's key, issue 39c): the layers traced with dynamo's nested graph
+    breaks compute what the eager patched layers compute, and the gradients of q/k/v enter the graph before the
+    attention without the copy the default tracing makes (a frame per enclosing call: their graph's outputs are the
+    (B, H, S, D) RoPE outputs, whose gradients come back (B, S, H, D)-laid out)."""
+    ours, ref = pair("llama-gqa", {**AOT_EAGER, "nested_graph_breaks": True})
+    for seed, lengths in enumerate(STEPS[:3]):
+        assert_same_step(ours, ref, packed(lengths, seed))
+    default, _ = pair("llama-gqa", AOT_EAGER)
+    batch = packed(STEPS[0], 9)
+    layers = ours.config.num_hidden_layers
+    assert _backward_copies_at_graph_entries(default, batch) >= 3 * layers  # the test can tell the two apart
+    assert _backward_copies_at_graph_entries(ours, batch) == 0
+
+
+def test_nested_graph_breaks_refused_clearly_where_dynamo_lacks_them(monkeypatch):
+    import types
+
+    model = make("llama-gqa")
+    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())
+    with pytest.raises(BackendUnavailable, match="nested_graph_breaks.*does not have. Leave the key out"):
+        hf_accel.patch(model, backend="reference", compile={"nested_graph_breaks": True})
+    assert hf_accel.patch_report(model) is None and not compiled_layers(model)
+
+
 @pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
 @pytest.mark.parametrize("family", ["llama", "neox", "falcon"])
 def test_layers_share_their_compiled_graphs(family):

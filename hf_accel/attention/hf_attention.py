@@ -86,29 +86,31 @@ def seam_attention(
 # eagerly, and no guard specialises on the per-step kwargs (max_length_q, cu_seq_lens_q). Falcon's seam caller breaks
 # the same way.
 @torch.compiler.disable
-def _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs) -> torch.Tensor:
+def _hf_accel_attention_varlen(module, q_bshd, k_bshd, v_bshd, attention_mask, scaling, dropout,
+                               kwargs) -> torch.Tensor:
     # transformers' sliding_window counts the query itself: a query sees keys q - window < k <= q
     window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
     opts = AttnOptions(
-        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        scale=scaling if scaling is not None else q_bshd.shape[-1] ** -0.5,
         causal=getattr(module, "is_causal", True),
         window=(window - 1 if window else None, None),
         softcap=float(kwargs.get("softcap") or 0.0),  # Gemma: scores -> softcap * tanh(scores / softcap)
         dropout_p=dropout,
     )
-    if window and attention_mask is not None and _holes(query, attention_mask, kwargs):
+    if window and attention_mask is not None and _holes(q_bshd, attention_mask, kwargs):
+        query, key, value = (t.transpose(1, 2) for t in (q_bshd, k_bshd, v_bshd))
         return _windowed_with_holes(module, query, key, value, attention_mask, scaling, dropout, window, kwargs)
     return seam_attention(
-        module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        module, q_bshd, k_bshd, v_bshd,
         attention_mask=attention_mask, position_ids=kwargs.get("position_ids"), opts=opts,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"), max_length=kwargs.get("max_length_q"),
     )
 
 
-def _holes(query, attention_mask, kwargs) -> bool:
+def _holes(q_bshd, attention_mask, kwargs) -> bool:
     """Whether the padding mask has holes inside a row (read from the forward's layout, memoised for every layer)."""
-    batch, seq = query.shape[0], query.shape[2]
-    return varlen_batch(batch_size=batch, seq_len=seq, device=query.device, attention_mask=attention_mask,
+    batch, seq = q_bshd.shape[:2]
+    return varlen_batch(batch_size=batch, seq_len=seq, device=q_bshd.device, attention_mask=attention_mask,
                         position_ids=kwargs.get("position_ids"), cu_seq_lens=kwargs.get("cu_seq_lens_q"),
                         max_length=kwargs.get("max_length_q")).has_holes
 
@@ -137,14 +139,13 @@ def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, 
         return stock_attention(module)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    q_bshd, k_bshd, v_bshd = (t.transpose(1, 2) for t in (query, key, value))
     if torch.compiler.is_compiling():  # a compiled layer's training call: lay q/k/v out before the graph break
-        query, key, value = (_varlen_layout(t) for t in (query, key, value))
-    return _hf_accel_attention_varlen(module, query, key, value, attention_mask, scaling, dropout, kwargs), None
-
-
-def _varlen_layout(t_bhsd: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) as the varlen kernels read it: `kernel_layout` of its (B, S, H, D) view, seen as (B, H, S, D)."""
-    return kernel_layout(t_bhsd.transpose(1, 2)).transpose(1, 2)
+        # and hand the (B, S, H, D) tensors themselves across it, not (B, H, S, D) views of them: AOTAutograd makes a
+        # gradient coming back into a graph contiguous in the shape of that graph's output, a copy for a view
+        q_bshd, k_bshd, v_bshd = (kernel_layout(t) for t in (q_bshd, k_bshd, v_bshd))
+    out = _hf_accel_attention_varlen(module, q_bshd, k_bshd, v_bshd, attention_mask, scaling, dropout, kwargs)
+    return out, None
 
 
 def kernel_layout(t_bshd: torch.Tensor) -> torch.Tensor:

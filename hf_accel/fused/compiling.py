@@ -34,6 +34,7 @@ forward), so the forward and the backward's recompute both run compiled, with th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 from collections.abc import Callable
@@ -105,11 +106,32 @@ def checkpointed_body(layer: nn.Module) -> Callable | None:
     return body
 
 
+# hf_accel's own key in a compile dict, not a torch.compile option: trace the layers with dynamo's nested graph breaks
+# (torch._dynamo.config.nested_graph_breaks, experimental in torch). The attention seam's break then ends the layer's
+# graph and tracing resumes after it, where by default dynamo compiles the layer, its attention module and
+# transformers' attention function as separate frames (~6 graphs a layer, and the gradients of q/k/v coming back into
+# them as eager copies). Opt-in until measured on a GPU (issue 39c, the `hf_accel-nested-breaks` bench config).
+NESTED_GRAPH_BREAKS = "nested_graph_breaks"
+
+
+def dynamo_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """Take hf_accel's dynamo keys out of a compile dict (in place); the dynamo config to trace the layers under."""
+    if not options.pop(NESTED_GRAPH_BREAKS, False):
+        return {}
+    if not hasattr(torch._dynamo.config, NESTED_GRAPH_BREAKS):
+        raise BackendUnavailable(
+            f"compile={{'{NESTED_GRAPH_BREAKS}': True}} needs dynamo's option of that name, which torch "
+            f"{torch.__version__} does not have. Leave the key out (the default traces without it)."
+        )
+    return {NESTED_GRAPH_BREAKS: True}
+
+
 class TrainingCompiled:
     """A decoder layer's call: compiled for training calls, the layer's own eager call for everything else."""
 
-    def __init__(self, layer: nn.Module, options: dict[str, Any]):
+    def __init__(self, layer: nn.Module, options: dict[str, Any], dynamo_config: dict[str, Any] | None = None):
         self.layer = layer
+        self.dynamo_config = dynamo_config or {}
         self.compiled = torch.compile(layer._call_impl, **options)
         body = checkpointed_body(layer)
         self.compiled_body = None
@@ -142,10 +164,12 @@ class TrainingCompiled:
 
         keep_liger_out_of_compiled_graphs()  # before tracing: liger bound by transformers / TRL stays eager-only
         before = graphs_compiled()
-        if self.compiled_body is not None and getattr(self.layer, "gradient_checkpointing", False):
-            out = self._checkpointed(args, kwargs)
-        else:
-            out = self.compiled(*args, **kwargs)
+        tracing = torch._dynamo.config.patch(**self.dynamo_config) if self.dynamo_config else contextlib.nullcontext()
+        with tracing:
+            if self.compiled_body is not None and getattr(self.layer, "gradient_checkpointing", False):
+                out = self._checkpointed(args, kwargs)
+            else:
+                out = self.compiled(*args, **kwargs)
         if graphs_compiled() != before:
             quiet_full_collections()
         return out
@@ -192,12 +216,13 @@ def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list
     # default (static first, dynamic after a change) the pieces after the attention break, whose token count is a
     # Python int in the resumed frame, compiled again at the first new length (and on CUDA at the second, see above).
     options = {"fullgraph": False, "dynamic": True, **(options or {})}
+    dynamo_config = dynamo_settings(options)
     names = {id(m): n for n, m in model.named_modules()}
     bound, undo = [], []
     for layer in decoder_layers(model):
         had_own = SLOT in layer.__dict__
         previous = layer.__dict__.get(SLOT)
-        call = TrainingCompiled(layer, options)
+        call = TrainingCompiled(layer, options, dynamo_config)
         layer.__dict__[SLOT] = call
         _bound.add(id(call))
 
