@@ -227,14 +227,11 @@ def _scale_kernel(device: torch.device) -> Callable:
     return _scale_
 
 
-_WIDE = (torch.float32, torch.float64)
-
-
 def _scale_(grad: torch.Tensor, scale: torch.Tensor, block: int = 1 << 24) -> torch.Tensor:
     """grad *= scale in place, the product taken in fp32 (a bf16 multiply would round `scale`, e.g. 1/N, first);
     low-precision grads go in blocks so the fp32 temporary stays small."""
     scale = scale.float()
-    if grad.dtype in _WIDE:
+    if grad.dtype in (torch.float32, torch.float64):
         return grad.mul_(scale)
     for part in grad.view(-1).split(block):
         part.copy_(part.float().mul_(scale))

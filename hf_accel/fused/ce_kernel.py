@@ -6,7 +6,8 @@ overwrites the row with its gradient; math in fp32, the row stored back in the l
 
 `scale_triton_`: the backward's grad *= grad_output in one read and one write of a low-precision gradient, the product
 in fp32 with the scale read on the device (no host sync), where torch's form takes an fp32 copy, a multiply and a
-copy back per block (three passes and three launches a block; BENCHMARKS.md has what they cost a step).
+copy back per block (three passes and three launches a block; docs/guide/speedups-and-backends.md, "Measured",
+has what they cost a step).
 
 Imported only where Triton and CUDA are (the pure-torch `hf_accel.fused.ce_functions.ce_grad_` and `_scale_` are the
 same computations elsewhere, and the references the GPU tests hold these to).
