@@ -111,7 +111,7 @@ def profile(args) -> dict:
     collate_s = (time.perf_counter() - collate_start) / len(batches)
 
     timing = Timing()
-    run_loop(model, iter(batches[: args.warmup + args.steps]), loss_fn, settings, timing)
+    optimizer = run_loop(model, iter(batches[: args.warmup + args.steps]), loss_fn, settings, timing)
     steady = sorted(timing.step_seconds)[len(timing.step_seconds) // 2]  # median: robust to JIT-compile steps
 
     kernel_us: dict[str, float] = defaultdict(float)
@@ -127,7 +127,7 @@ def profile(args) -> dict:
                                     warmup=0, step_time_budget=1e9)
         activities = ([ProfilerActivity.CUDA] if cuda else []) + ([ProfilerActivity.CPU] if args.op_sites else [])
         with torch_profile(activities=activities, record_shapes=args.op_sites, with_stack=args.op_sites) as prof:
-            run_loop(model, iter(batches[args.warmup + args.steps:]), loss_fn, prof_settings, Timing())
+            run_loop(model, iter(batches[args.warmup + args.steps:]), loss_fn, prof_settings, Timing(), optimizer)
         gaps = kernel_gaps(prof.events(), args.profile_steps)
         sites = op_sites(prof, args.profile_steps, device=cuda) if args.op_sites else []
         for event in prof.key_averages():
@@ -143,7 +143,7 @@ def profile(args) -> dict:
 
         one = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=1, warmup=0,
                           step_time_budget=1e9)
-        snapshot, baseline = record(lambda: run_loop(model, iter(batches[-1:]), loss_fn, one, Timing()))
+        snapshot, baseline = record(lambda: run_loop(model, iter(batches[-1:]), loss_fn, one, Timing(), optimizer))
         memory_peak = peak_table(snapshot, baseline)
     profiled = batches[args.warmup + args.steps:] or batches
     tokens = sum(mb["input_ids"].numel() for step in profiled for mb in step) / len(profiled)
@@ -153,6 +153,7 @@ def profile(args) -> dict:
         "defaults": args.defaults, "speedups": report.speedups, "notes": report.notes,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "params": sum(p.numel() for p in model.parameters()),
+        "param_tensors": sum(1 for _ in model.parameters()),
         "backend": report.backend, "steady_step_s": steady, "step_seconds": timing.step_seconds,
         "tokens_per_step": tokens, "collate_s_per_step": collate_s,
         "kernel_ms_per_step": {k: v / 1000 for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])},

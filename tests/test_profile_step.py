@@ -95,3 +95,20 @@ def test_memory_peak_needs_cuda():
 
     with pytest.raises(SystemExit, match="--memory-peak reads CUDA"):
         profile_step.main(["--device", "cpu", "--tiny", "--memory-peak"])
+
+
+
+def test_profiled_steps_continue_the_warmup_optimizer(monkeypatch):
+    """The profiled steps are steady steps: they continue the timed steps' optimizer, so its state is not created
+    again inside the profile (a fresh AdamW zero-fills two state tensors per parameter on its first step, which the
+    12-05 GPU profile of Llama-1B showed as 147 bf16 fills a step that no training step launches)."""
+    import functools
+
+    monkeypatch.setattr(profile_step, "op_sites", functools.partial(profile_step.op_sites, top=10**6))
+    ns = profile_step.build_parser().parse_args(["--device", "cpu", "--tiny", "--warmup", "1", "--steps", "1",
+                                                 "--profile-steps", "1", "--workload", "neox-1.4b", "--op-sites"])
+    result = profile_step.profile(ns)
+    assert any(s["op"] == "aten::_fused_adamw_" for s in result["op_sites"]), "the profile holds optimizer steps"
+    fills = [s for s in result["op_sites"] if s["op"] in ("aten::zeros_like", "aten::zero_", "aten::fill_")
+             and not any("Backward" in f for f in s["stack"])]
+    assert sum(s["calls_per_step"] for s in fills) < result["param_tensors"], fills

@@ -243,12 +243,14 @@ class StepClock:
 
 
 def run_loop(
-    model: nn.Module, steps: Iterator[list[Batch]], loss_fn: LossFn, settings: RunSettings, timing: Timing
-) -> None:
-    """Warmup + timed optimizer steps; each step = its micro-batches (input wait and collation included)."""
+    model: nn.Module, steps: Iterator[list[Batch]], loss_fn: LossFn, settings: RunSettings, timing: Timing,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> torch.optim.Optimizer:
+    """Warmup + timed optimizer steps; each step = its micro-batches (input wait and collation included). Returns
+    the optimizer, which a later call can continue (a new one creates its state again on its first step)."""
     model.train()  # from_pretrained returns eval mode, where HF's gradient checkpointing stands down
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     clock = StepClock(settings.device, settings.profile_steps)
     events = HostEvents()
     losses: list[torch.Tensor | float] = []
@@ -285,6 +287,7 @@ def run_loop(
     timing.profile = clock.finish_profile()
     timing.step_seconds = clock.step_seconds()
     timing.losses = [float(x) for x in losses]
+    return optimizer
 
 
 def offline_tokenizer():
