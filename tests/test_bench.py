@@ -254,7 +254,7 @@ def test_host_events_name_what_stalled_a_step():
     compiled_forward = torch.compile(model.forward, backend="eager", dynamic=False)
     calls = []
 
-    def loss_fn(m, batch, step_targets):
+    def loss_fn(m, batch, targets):
         calls.append(1)
         if len(calls) == 3:
             gc.collect()
@@ -517,6 +517,38 @@ def test_run_loop_trains_in_training_mode():
     settings = RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=1, warmup=0, step_time_budget=1e9)
     run_loop(model, iter([batch]), hf_loss, settings, Timing())
     assert modes == [True]
+
+
+def test_run_loop_weighs_micro_batches_from_host_counts(monkeypatch):
+    """The loss of each micro-batch is its mean times its share of the step's targets, both counted on the host
+    batch: a count read from the batch on the GPU waits for the forward (a sync a step that no Trainer makes).
+    The weighted losses sum to the step's mean over all its targets, as one batch holding them all gives."""
+    from benchlib import train
+    from benchlib.workloads import WORKLOADS
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    ids = torch.randint(0, 32, (2, 9))
+    labels = ids.clone()
+    labels[0, :6] = -100  # micro-batches with different target counts: 2 + 8 vs 8 + 8
+    micro = [{"input_ids": ids[:1], "labels": labels[:1]}, {"input_ids": ids[1:], "labels": labels[1:]}]
+    counted, real_count = [], train.target_count
+    monkeypatch.setattr(train, "target_count", lambda b: counted.append(b) or real_count(b))
+    settings = train.RunSettings(WORKLOADS["llama-1b"], "cpu", True, steps=1, warmup=0, step_time_budget=1e9)
+    model.train()
+    with torch.no_grad():
+        whole = model(input_ids=ids, labels=labels).loss
+    loop_losses = []
+
+    def loss_fn(m, batch, targets):
+        loss = train.hf_loss(m, batch, targets)
+        loop_losses.append(loss.detach())
+        return loss
+
+    train.run_loop(model, iter([micro]), loss_fn, settings, train.Timing())
+    assert len(counted) == len(micro)  # once per micro-batch, on the host batch
+    assert torch.stack(loop_losses).sum().item() == pytest.approx(whole.item(), rel=1e-5)
 
 
 def test_profile_steps_record_kernel_time_by_category():

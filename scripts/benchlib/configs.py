@@ -22,7 +22,7 @@ from .apart import (APART_PACKAGES, BNB_SITES, TORCHAO_SITES, UNSLOTH_SITES, chi
 from .distributed import run_accel_trainer
 from .options import BenchConfig, Options
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, forward_autocast,
-                    hf_loss, progress, run_loop, run_trl)
+                    Targets, hf_loss, progress, run_loop, run_trl)
 from .targets import data_targets
 from .workloads import BenchData, Workload, greedy_steps, micro_batches
 
@@ -183,12 +183,12 @@ def _trl(liger: bool) -> Callable[..., nn.Module]:
 
 
 def _fused_loss(options: Options) -> Callable[..., torch.Tensor]:
-    def loss_fn(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
+    def loss_fn(model: nn.Module, batch: Batch, targets: Targets) -> torch.Tensor:
         lm = causal_lm(model)
         decoder = getattr(lm, lm.base_model_prefix)
         inputs = {k: v for k, v in batch.items() if k not in ("labels", TARGET_ROWS_KEY)}
         hidden = call_filtered(decoder, {**inputs, "use_cache": False}).last_hidden_state
-        return causal_lm_loss_from_hidden(model, hidden, batch["labels"], num_items_in_batch=step_targets,
+        return causal_lm_loss_from_hidden(model, hidden, batch["labels"], num_items_in_batch=targets.step,
                                           target_rows=batch.get(TARGET_ROWS_KEY), chunk_size=options.ce_chunk_size,
                                           method=options.fused_ce,
                                           softcap=family_of(lm).final_logit_softcap(lm.config))  # Gemma 2's cap

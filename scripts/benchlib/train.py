@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -20,8 +20,17 @@ from .targets import target_count, targets_where_they_are, trainer_data_targets
 from .workloads import BenchData, Workload, build_config
 
 Batch = dict[str, Any]
-# (model, micro-batch on device, real target tokens in the whole optimizer step) -> loss already divided by them
-LossFn = Callable[[nn.Module, Batch, int], torch.Tensor]
+
+
+class Targets(NamedTuple):
+    """Real target tokens (after the causal shift), counted on the host batch before it moves to the device: a
+    count read from the device batch would wait for the forward to finish before the backward is queued."""
+    micro: int  # in this micro-batch
+    step: int  # in the whole optimizer step
+
+
+# (model, micro-batch on device, its target counts) -> loss already divided by the step's targets
+LossFn = Callable[[nn.Module, Batch, Targets], torch.Tensor]
 _STARTED = time.perf_counter()  # the child imports this module first thing: its start, for progress()
 
 
@@ -119,10 +128,10 @@ def call_filtered(fn: Callable[..., Any], batch: Mapping[str, Any]) -> Any:
     return fn(**{k: v for k, v in batch.items() if k in params})
 
 
-def hf_loss(model: nn.Module, batch: Batch, step_targets: int) -> torch.Tensor:
+def hf_loss(model: nn.Module, batch: Batch, targets: Targets) -> torch.Tensor:
     """Stock loss: the model's own mean over this micro-batch, re-weighted to sum / step targets."""
     loss = call_filtered(model, {**batch, "use_cache": False}).loss
-    return loss * (target_count(batch) / max(step_targets, 1))
+    return loss * (targets.micro / max(targets.step, 1))
 
 
 def _to_device(batch: Mapping[str, Any], device: str) -> Batch:
@@ -259,11 +268,12 @@ def run_loop(
         clock.start()
     for index in range(settings.warmup + settings.steps):
         micro = next(steps)
-        step_targets = sum(target_count(mb) for mb in micro)  # CPU tensors: no sync
+        counts = [target_count(mb) for mb in micro]  # CPU tensors: no sync
+        step_targets = sum(counts)
         step_loss = 0.0  # becomes a device tensor: no host-to-device copy of a CPU scalar (which can sync)
-        for mb in micro:
+        for mb, count in zip(micro, counts):
             with forward_autocast(settings):
-                loss = loss_fn(model, _to_device(mb, settings.device), step_targets)
+                loss = loss_fn(model, _to_device(mb, settings.device), Targets(count, step_targets))
             loss.backward()
             step_loss = loss.detach().float() + step_loss
         optimizer.step()
