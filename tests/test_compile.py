@@ -218,6 +218,17 @@ def test_nested_graph_breaks_match_eager_and_take_q_k_v_gradients_without_copies
     assert _backward_copies_at_graph_entries(ours, batch) == 0
 
 
+@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
+@pytest.mark.parametrize("variant", ["neox-parallel", "falcon-rw-alibi", "falcon-40b-newarch", "qwen3-qk-norm",
+                                     "mistral-window", "gemma2-softcap", "gemma3-text"])
+def test_nested_graph_breaks_match_eager_for_every_family(variant):
+    """Every family's compiled layers traced with nested graph breaks compute what its eager patched layers do
+    (Falcon's seam is its attention module's forward; Gemma's layers alternate windows and soft-caps)."""
+    ours, ref = pair(variant, {**AOT_EAGER, "nested_graph_breaks": True})
+    for seed, lengths in enumerate(STEPS[:3]):
+        assert_same_step(ours, ref, packed(lengths, seed))
+
+
 def test_nested_graph_breaks_refused_clearly_where_dynamo_lacks_them(monkeypatch):
     import types
 

@@ -63,8 +63,9 @@ NESTED = {"nested_graph_breaks": True}  # hf_accel's key: dynamo's nested graph 
 
 
 @pytest.mark.parametrize("name, compile", [("llama-1b", True), ("neox-1.4b", True), ("falcon-1b", True),
-                                           ("llama-1b", NESTED)], ids=["llama-1b", "neox-1.4b", "falcon-1b",
-                                                                       "llama-1b-nested-breaks"])
+                                           ("llama-1b", NESTED), ("neox-1.4b", NESTED), ("falcon-1b", NESTED)],
+                         ids=["llama-1b", "neox-1.4b", "falcon-1b", "llama-1b-nested-breaks",
+                              "neox-1.4b-nested-breaks", "falcon-1b-nested-breaks"])
 def test_compiled_train_steps_match_eager(name, compile):
     torch.manual_seed(0)
     ref32 = SHAPES[name](EQUIVALENCE_LAYERS).cuda().float().train()
@@ -103,11 +104,12 @@ def test_compiled_train_steps_match_eager(name, compile):
         assert torch.equal(ours(input_ids=ids).logits, ref16(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("training", ["lora", "full"])
-def test_compiled_layers_under_trimmed_full_checkpointing(monkeypatch, training):
+@pytest.mark.parametrize("training, compile", [("lora", True), ("full", True), ("lora", NESTED)],
+                         ids=["lora", "full", "lora-nested-breaks"])
+def test_compiled_layers_under_trimmed_full_checkpointing(monkeypatch, training, compile):
     """Compiled layers with the trimmed recompute (memory.trim: each layer's recompute skips the down_proj, frozen
     under LoRA, trained in full fine-tuning; its skipped output NaN here) against eager layers with the untrimmed
-    one."""
+    one; also with the layers traced under nested graph breaks (their compiled checkpoint bodies)."""
     from hf_accel.memory import trim
     from hf_accel.memory.checkpointing import FullCheckpointing
 
@@ -126,7 +128,7 @@ def test_compiled_layers_under_trimmed_full_checkpointing(monkeypatch, training)
                 torch.nn.init.normal_(b.weight, std=0.02)
     compiled = copy.deepcopy(eager)
     hf_accel.patch(eager, checkpointing=FullCheckpointing(trim_recompute=False), **PLAIN)
-    report = hf_accel.patch(compiled, checkpointing="full", **{**PLAIN, "compile": True})
+    report = hf_accel.patch(compiled, checkpointing="full", **{**PLAIN, "compile": compile})
     assert report.compiled_layers == 4
     batch = packed(config.vocab_size)
     with torch.autocast("cuda", dtype=torch.bfloat16):
