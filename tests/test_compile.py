@@ -95,10 +95,21 @@ def test_inductor_llama_matches_unpatched_and_reuses_graphs():
     assert graphs[0] == graphs[1] == graphs[2] == graphs[3], graphs
 
 
-@pytest.mark.parametrize("variant", [*(pytest.param(v, marks=pytest.mark.slow) for v in (
-    "neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-40b-newarch")), "llama-rope-llama3"])
-def test_compiled_graphs_match_eager(variant):
-    ours, ref = pair(variant, AOT_EAGER)
+NESTED_BREAKS = {**AOT_EAGER, "nested_graph_breaks": True}  # hf_accel's key: dynamo's nested graph breaks (issue 39c)
+
+
+@pytest.mark.parametrize("variant, options", [
+    *(pytest.param(v, AOT_EAGER, marks=pytest.mark.slow, id=v) for v in (
+        "neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-40b-newarch")),
+    pytest.param("llama-rope-llama3", AOT_EAGER, id="llama-rope-llama3"),
+    # traced with nested graph breaks, every family (Falcon's seam is its attention module's forward; Gemma's layers
+    # alternate windows and soft-caps)
+    *(pytest.param(v, NESTED_BREAKS, marks=pytest.mark.slow, id=f"{v}-nested-breaks") for v in (
+        "neox-parallel", "falcon-rw-alibi", "falcon-40b-newarch", "qwen3-qk-norm", "mistral-window",
+        "gemma2-softcap", "gemma3-text")),
+])
+def test_compiled_graphs_match_eager(variant, options):
+    ours, ref = pair(variant, options)
     for seed, lengths in enumerate(STEPS[:3]):
         assert_same_step(ours, ref, packed(lengths, seed))
 
@@ -208,7 +219,7 @@ def test_nested_graph_breaks_match_eager_and_take_q_k_v_gradients_without_copies
     breaks compute what the eager patched layers compute, and the gradients of q/k/v enter the graph before the
     attention without the copy the default tracing makes (a frame per enclosing call: their graph's outputs are the
     (B, H, S, D) RoPE outputs, whose gradients come back (B, S, H, D)-laid out)."""
-    ours, ref = pair("llama-gqa", {**AOT_EAGER, "nested_graph_breaks": True})
+    ours, ref = pair("llama-gqa", NESTED_BREAKS)
     for seed, lengths in enumerate(STEPS[:3]):
         assert_same_step(ours, ref, packed(lengths, seed))
     default, _ = pair("llama-gqa", AOT_EAGER)
@@ -216,17 +227,6 @@ def test_nested_graph_breaks_match_eager_and_take_q_k_v_gradients_without_copies
     layers = ours.config.num_hidden_layers
     assert _backward_copies_at_graph_entries(default, batch) >= 3 * layers  # the test can tell the two apart
     assert _backward_copies_at_graph_entries(ours, batch) == 0
-
-
-@pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores
-@pytest.mark.parametrize("variant", ["neox-parallel", "falcon-rw-alibi", "falcon-40b-newarch", "qwen3-qk-norm",
-                                     "mistral-window", "gemma2-softcap", "gemma3-text"])
-def test_nested_graph_breaks_match_eager_for_every_family(variant):
-    """Every family's compiled layers traced with nested graph breaks compute what its eager patched layers do
-    (Falcon's seam is its attention module's forward; Gemma's layers alternate windows and soft-caps)."""
-    ours, ref = pair(variant, {**AOT_EAGER, "nested_graph_breaks": True})
-    for seed, lengths in enumerate(STEPS[:3]):
-        assert_same_step(ours, ref, packed(lengths, seed))
 
 
 def test_nested_graph_breaks_refused_clearly_where_dynamo_lacks_them(monkeypatch):

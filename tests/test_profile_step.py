@@ -97,7 +97,6 @@ def test_memory_peak_needs_cuda():
         profile_step.main(["--device", "cpu", "--tiny", "--memory-peak"])
 
 
-
 def test_profiled_steps_continue_the_warmup_optimizer(monkeypatch):
     """The profiled steps are steady steps: they continue the timed steps' optimizer, so its state is not created
     again inside the profile (a fresh AdamW zero-fills two state tensors per parameter on its first step, which the

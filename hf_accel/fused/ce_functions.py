@@ -9,6 +9,7 @@ final logit soft-capping, applied by its ForCausalLM after the head), and the gr
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 
@@ -118,9 +119,19 @@ def ce_grad_(logits_cv: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_kernels_on(device: torch.device) -> bool:
+    """Whether `ce_kernel`'s Triton kernels serve tensors on this device (CUDA, Triton installed)."""
+    return device.type == "cuda" and _triton_installed()
+
+
 def _ce_grad_kernel(device: torch.device) -> Callable:
     """hf_accel's Triton kernel on CUDA (one read pass, one in-place write pass per row); `ce_grad_` elsewhere."""
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+    if _triton_kernels_on(device):
         from .ce_kernel import ce_grad_triton_
 
         return ce_grad_triton_
@@ -216,12 +227,11 @@ class _GradInForwardLinearCE(torch.autograd.Function):
 
 def _scale_kernel(device: torch.device) -> Callable:
     """hf_accel's one-pass Triton kernel on CUDA for contiguous low-precision gradients; `_scale_` elsewhere."""
-    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-        from .ce_kernel import scale_triton_
+    if _triton_kernels_on(device):
+        from .ce_kernel import scale_triton_, scales_in_one_pass
 
         def scale_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-            one_pass = grad.dtype in (torch.bfloat16, torch.float16) and grad.is_contiguous()
-            return scale_triton_(grad, scale) if one_pass else _scale_(grad, scale)
+            return scale_triton_(grad, scale) if scales_in_one_pass(grad) else _scale_(grad, scale)
 
         return scale_
     return _scale_

@@ -79,10 +79,15 @@ def _scale_inplace(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, (x * scale).to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
+def scales_in_one_pass(grad: torch.Tensor) -> bool:
+    """Whether `scale_triton_` takes this gradient: contiguous, bf16 or fp16."""
+    return grad.is_contiguous() and grad.dtype in (torch.bfloat16, torch.float16)
+
+
 def scale_triton_(grad: torch.Tensor, scale: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """grad *= scale in place (CUDA, contiguous, bf16 or fp16), the product in fp32 and rounded to nearest even
     once to grad's dtype, as `_scale_` rounds; `scale` a one-element tensor on grad's device."""
-    if not grad.is_contiguous() or grad.dtype not in (torch.bfloat16, torch.float16):
+    if not scales_in_one_pass(grad):
         raise ValueError(f"scale_triton_ needs a contiguous bf16 or fp16 gradient, got {grad.dtype}")
     n = grad.numel()
     if n:
