@@ -38,21 +38,27 @@ from benchlib.workloads import WORKLOADS, DataSpec, make_data  # noqa: E402
 
 def kernel_gaps(events, steps: int, top: int = 12) -> dict:
     """Idle time between consecutive GPU kernels, grouped by the kernels on either side: where the GPU waits for
-    the host (syncs, Python between launches, collation between steps)."""
+    the host (syncs, Python between launches, collation between steps). Gaps of 20 µs or less are launch-queue
+    spacing, not a wait for the host: they are summed apart (`short_gap_ms_per_step`, over `kernels_per_step`
+    kernels), so a step's time outside its kernels splits into host waits, launch spacing and the rest."""
     spans = sorted((e.time_range.start, e.time_range.end, e.key) for e in events
                    if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > 0)
     sites: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
-    busy_until, prev, idle_us = None, None, 0.0
+    busy_until, prev, idle_us, short_us = None, None, 0.0, 0.0
     for start, end, key in spans:
         if busy_until is not None and start - busy_until > 20:  # µs: ignore launch-queue jitter
             site = sites[(prev[:60], key[:60])]
             site[0] += 1
             site[1] += start - busy_until
             idle_us += start - busy_until
+        elif busy_until is not None and start > busy_until:
+            short_us += start - busy_until
         if busy_until is None or end > busy_until:
             busy_until, prev = end, key
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"idle_ms_per_step": idle_us / 1000 / steps,
+    return {"idle_ms_per_step": idle_us / 1000 / steps, "short_gap_ms_per_step": short_us / 1000 / steps,
+            "kernels_per_step": len(spans) / steps,
+            "span_ms_per_step": (busy_until - spans[0][0]) / 1000 / steps if spans else 0.0,
             "sites": [{"after": a, "before": b, "count_per_step": n / steps, "ms_per_step": us / 1000 / steps}
                       for (a, b), (n, us) in ranked]}
 
@@ -118,6 +124,7 @@ def profile(args) -> dict:
     sites: list[dict] = []
     top_kernels: list[tuple[str, float, float]] = []
     gaps: dict = {}
+    profiled_step_s = None
     cuda = args.device.startswith("cuda")
     if (cuda or args.op_sites) and args.profile_steps:
         from torch.profiler import ProfilerActivity
@@ -126,8 +133,11 @@ def profile(args) -> dict:
         prof_settings = RunSettings(workload=workload, device=args.device, tiny=args.tiny, steps=args.profile_steps,
                                     warmup=0, step_time_budget=1e9)
         activities = ([ProfilerActivity.CUDA] if cuda else []) + ([ProfilerActivity.CPU] if args.op_sites else [])
+        profiled_timing = Timing()
         with torch_profile(activities=activities, record_shapes=args.op_sites, with_stack=args.op_sites) as prof:
-            run_loop(model, iter(batches[args.warmup + args.steps:]), loss_fn, prof_settings, Timing(), optimizer)
+            run_loop(model, iter(batches[args.warmup + args.steps:]), loss_fn, prof_settings, profiled_timing,
+                     optimizer)
+        profiled_step_s = sum(profiled_timing.step_seconds) / max(len(profiled_timing.step_seconds), 1)
         gaps = kernel_gaps(prof.events(), args.profile_steps)
         sites = op_sites(prof, args.profile_steps, device=cuda) if args.op_sites else []
         for event in prof.key_averages():
@@ -155,6 +165,7 @@ def profile(args) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "param_tensors": sum(1 for _ in model.parameters()),
         "backend": report.backend, "steady_step_s": steady, "step_seconds": timing.step_seconds,
+        "profiled_step_s": profiled_step_s,
         "tokens_per_step": tokens, "collate_s_per_step": collate_s,
         "kernel_ms_per_step": {k: v / 1000 for k, v in sorted(kernel_us.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms_per_step": sorted(top_kernels, key=lambda kv: -kv[1])[:40],
@@ -194,6 +205,12 @@ def table(result: dict) -> str:
         lines += [f"| {r['op']} | {r['shapes'][:60]} | {r['calls_per_step']:.1f} | {r['ms_per_step']:.2f} | "
                   f"{' < '.join(f.rsplit('/', 1)[-1] for f in r['stack'][:3])} |" for r in result["op_sites"][:20]]
     gaps = result.get("kernel_gaps") or {}
+    if gaps.get("kernels_per_step"):
+        lines += ["", f"Profiled steps: {result['profiled_step_s'] * 1000:.1f} ms each (the profiler's own cost "
+                  f"included); kernels from first start to last end {gaps['span_ms_per_step']:.1f} ms a step, "
+                  f"{gaps['kernels_per_step']:,.0f} kernels a step; between them {gaps['idle_ms_per_step']:.1f} ms "
+                  f"in gaps over 20 µs (waits for the host) and {gaps['short_gap_ms_per_step']:.1f} ms in shorter "
+                  "ones (launch spacing)."]
     if gaps.get("sites"):
         lines += ["", f"GPU idle between kernels: {gaps['idle_ms_per_step']:.1f} ms/step; largest sites:", "",
                   "| after kernel | before kernel | gaps/step | ms/step |", "|---|---|---:|---:|"]

@@ -240,6 +240,25 @@ def test_long_context_cell_a_later_run_had_no_time_for_keeps_its_earlier_result(
     assert not any(run.get("current") for run in index["runs"])
 
 
+def test_long_context_cells_name_the_host_peak_of_offloaded_rows_and_a_host_kill(tmp_path):
+    """Run 36 (issue 40b): a row whose plan put layer inputs in host memory shows its host peak beside the device's;
+    a process the kernel killed with the host out of memory says so, not a status cut at 60 characters."""
+    from benchlib.tables import long_context_region
+
+    killed = ("error: killed (SIGKILL, no Python error: the kernel's OOM killer if the host ran out) at 122.4 GiB "
+              "resident, 0.4 GiB of the host left")
+    _write(tmp_path, "l1.json", _record("w-long", "2026-01-05T10:00:00+00:00", [
+        _result("hf_accel-best", 30.0, 42.0, doc_length=128),
+        _result("hf_accel-best", 9.0, 114.0, doc_length=512, host_peak_gib=97.9, offloaded_host_peak_gib=96.0),
+        _result("unsloth", 28.0, 50.0, doc_length=128),
+        _result("unsloth", None, status=killed, doc_length=512, host_rss_peak_gib=122.41,
+                host_available_min_gib=0.41)]))
+    region = long_context_region(build_index(tmp_path), "w-long")
+    assert "| 9 tokens/s, - MFU, 114.0 GiB (host 97.9) | 512 |" in region
+    assert "| 30 tokens/s, - MFU, 42.0 GiB | 9 tokens/s" in region  # nothing offloaded: no host figure
+    assert "| host out of memory (killed at 122.4 GiB resident) | 128 |" in region
+
+
 def test_a_timeout_the_time_budget_shortened_reads_as_skipped_not_failed(tmp_path):
     """Records written before bench.py told the two apart (2026-11-30 16:10: Unsloth's 128k started with 123 s of the
     budget left, was cut, and was recorded as "error: timeout after 123s" with --config-timeout 400): the index reads a

@@ -33,9 +33,11 @@ _ARGS = (("steps", "--steps", None), ("warmup", "--warmup", None), ("tokens_per_
 
 APART_VERSIONS = ("unsloth", "unsloth_zoo", "bitsandbytes", "trl", "datasets", "transformers")  # per-row versions
 ROW_FIELDS = ("tokens_per_s", "steady_tokens_per_s", "ratio_to_best_stock", "steady_ratio_to_best_stock", "peak_gib",
-              "mfu", "timed_steps", "same_computation", "nproc", "doc_length")
+              "mfu", "timed_steps", "same_computation", "nproc", "doc_length", "host_peak_gib",
+              "offloaded_host_peak_gib", "host_rss_peak_gib", "host_available_min_gib")
 _DIGITS = {"tokens_per_s": 1, "steady_tokens_per_s": 1, "ratio_to_best_stock": 4, "steady_ratio_to_best_stock": 4,
-           "peak_gib": 3, "mfu": 4}  # one more digit than the tables show: no double rounding
+           "peak_gib": 3, "mfu": 4, "host_peak_gib": 3, "offloaded_host_peak_gib": 3, "host_rss_peak_gib": 3,
+           "host_available_min_gib": 3}  # one more digit than the tables show: no double rounding
 
 
 def role(config: str) -> str:

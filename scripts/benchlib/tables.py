@@ -220,11 +220,20 @@ def _attempted(row: dict[str, Any]) -> bool:
     return not status.startswith("skipped") or "OOM" in status
 
 
+def _short_status(row: dict[str, Any]) -> str:
+    """A failed cell's status in a table cell's room: a process the kernel killed with the host's memory gone says
+    so with its resident peak (the record keeps the whole message)."""
+    status = row["status"]
+    if "killed (SIGKILL" in status and row.get("host_available_min_gib", 99) < 2:
+        return f"host out of memory (killed at {_gib(row.get('host_rss_peak_gib'))} GiB resident)"
+    return status[:60]
+
+
 def long_context_region(index: dict[str, Any], workload: str) -> str:
     """A long-context workload (bench.py --doc-lengths): per configuration and document length, the newest run that
-    attempted it (a length a later run had no time for keeps its earlier result): tokens/s, MFU and peak memory, and
-    the longest length that trained. The runs used are listed first; a cell from an older run than its configuration's
-    newest says which."""
+    attempted it (a length a later run had no time for keeps its earlier result): tokens/s, MFU, peak memory (and the
+    host's peak where saved tensors went to host memory), and the longest length that trained. The runs used are listed
+    first; a cell from an older run than its configuration's newest says which."""
     runs = [r for r in index["runs"] if r["workload"] == workload]
     if not runs:
         return f"No run of `{workload}` indexed yet: `python scripts/bench.py --preset long-context`."
@@ -252,10 +261,11 @@ def long_context_region(index: dict[str, Any], workload: str) -> str:
                 continue
             if _ok(row):
                 mfu = row.get("mfu")
+                host = row.get("host_peak_gib") if row.get("offloaded_host_peak_gib") else None
                 text = (f"{_int(row['tokens_per_s'])} tokens/s, {'-' if mfu is None else f'{100 * mfu:.1f}%'}"
-                        f" MFU, {_gib(row.get('peak_gib'))} GiB")
+                        f" MFU, {_gib(row.get('peak_gib'))} GiB{'' if host is None else f' (host {_gib(host)})'}")
             else:
-                text = row["status"][:60]
+                text = _short_status(row)
             texts.append(text if run is newest[config] else f"{text} ({_date(run)} run)")
         longest = max((n for n, (row, _) in by_length.items() if _ok(row)), default=None)
         lines.append(f"| `{config}` | " + " | ".join(texts) + f" | {'none' if longest is None else f'{longest:,}'} |")
