@@ -360,6 +360,11 @@ CONFIGS: dict[str, BenchConfig] = {
                     "hf_accel.patch(model, compile={'nested_graph_breaks': True}): the compiled layers traced with "
                     "dynamo's nested graph breaks (one graph before the attention and one after, instead of a frame "
                     "per enclosing call), q/k/v handed over (B, S, H, D)"),
+        BenchConfig("hf_accel-nested-cudagraphs", False, ("hf_accel", "cuda"),
+                    _patched(compile={"nested_graph_breaks": True, "mode": "reduce-overhead"}),
+                    "hf_accel.patch(model, compile={'nested_graph_breaks': True, 'mode': 'reduce-overhead'}): the "
+                    "two graphs a layer that nested breaks leave, replayed as CUDA graphs (CUDA graphs over the "
+                    "default tracing's ~6 graphs a layer were no faster)"),
         BenchConfig("hf_accel-torch-fa2", False, ("hf_accel", "cuda"), _patched(backend="torch-fa2"),
                     "hf_accel.patch(model, backend='torch-fa2'), otherwise no arguments: torch's built-in "
                     "FlashAttention-2 (varlen) instead of flash-attn-4, the attention kernel on short documents"),
