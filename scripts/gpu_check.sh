@@ -118,7 +118,7 @@ run_tests() {  # run_tests [FILE ...]: each file in its own pytest process, unde
 }
 
 run_bench() {  # run_bench [PRESET ...]: scripts/bench.py --preset P, its time budget cut to what the call has left
-    local presets=("$@") preset limit budget start rc extra skipped=()
+    local presets=("$@") preset limit budget start rc args extra skipped=()
     [ ${#presets[@]} -eq 0 ] && presets=(llama-1b)
     for preset in "${presets[@]}"; do
         limit=$(left)
@@ -130,14 +130,20 @@ run_bench() {  # run_bench [PRESET ...]: scripts/bench.py --preset P, its time b
         start=$SECONDS
         # bench.py stops starting configs at its --time-budget and still writes its JSON; the timeout is the backstop
         # (the preset's own budget, read in scripts/ where the harness package benchlib lives)
-        budget=$(cd scripts && python -c "from benchlib.presets import PRESETS as P; print(P['$preset'].settings.get(
-            'time_budget', 540))" 2>/dev/null || echo 540)
-        extra=()
+        # BENCH_ARGS: extra bench.py flags, e.g. "--device cpu --tiny --substitute-attn sdpa" for a CPU smoke run; a
+        # --time-budget among them replaces the preset's, and either is cut to what the call has left: given once,
+        # since the last of two would win and could outlast the timeout (run 36's records named both)
+        args=" ${BENCH_ARGS:-} " extra=()
+        if [[ $args =~ ^(.*)[[:space:]]--time-budget[[:space:]=]+([0-9]+)[.0-9]*[[:space:]](.*)$ ]]; then
+            budget=${BASH_REMATCH[2]} args="${BASH_REMATCH[1]} ${BASH_REMATCH[3]}" extra=(--time-budget "$budget")
+        else
+            budget=$(cd scripts && python -c "from benchlib.presets import PRESETS as P; print(P['$preset'].settings.get(
+                'time_budget', 540))" 2>/dev/null || echo 540)
+        fi
         ((limit - 40 < budget)) && extra=(--time-budget "$((limit - 40))")
-        # BENCH_ARGS: extra bench.py flags, e.g. "--device cpu --tiny --substitute-attn sdpa" for a CPU smoke run
         # shellcheck disable=SC2086
         timeout --signal=INT --kill-after=15 "$((limit - 5))" python scripts/bench.py --preset "$preset" \
-            --out "$results" "${extra[@]}" ${BENCH_ARGS:-} >"$logs/bench_$preset.log" 2>&1
+            --out "$results" "${extra[@]}" $args >"$logs/bench_$preset.log" 2>&1
         rc=$?
         echo "exit $rc after $((SECONDS - start)) s; $(grep -h '^\[bench\] wrote' "$logs/bench_$preset.log")" |
             tee -a "$summary"

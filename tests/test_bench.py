@@ -363,6 +363,31 @@ def test_gpu_check_lists_what_did_not_fit_with_the_command_to_run_it(tmp_path):
     assert files and line == f"Not started (time): `bash scripts/gpu_check.sh tests {' '.join(files)}`"
 
 
+@pytest.mark.parametrize("bench_args, budget, want", [
+    ("--configs a --time-budget 100", (100, 100), ["--configs", "a"]),  # BENCH_ARGS' own budget
+    ("--configs a --time-budget 1650 --steps 1", (520, 560), ["--configs", "a", "--steps", "1"]),  # cut to the call
+    ("--configs a", (520, 560), ["--configs", "a"]),  # the preset's 3000 s cut to the call's 600 less 40
+])
+def test_gpu_check_gives_bench_one_time_budget_within_the_call(tmp_path, bench_args, budget, want):
+    """Run 36's records named `--time-budget 1649 ... --time-budget 1650`: gpu_check.sh put its cut before BENCH_ARGS'
+    own budget, and argparse took the last. Now bench.py gets one --time-budget: BENCH_ARGS' (else the preset's),
+    cut to the call's time left less 40 s. A stand-in `python` records bench.py's arguments; the rest runs for real."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text(f'#!/bin/bash\nif [ "$1" = scripts/bench.py ]; then shift; printf "%s\\n" "$@" '
+                                 f'> "{tmp_path}/argv"; exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    (fake / "python").chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "JOB_SECONDS": "600", "BENCH_ARGS": bench_args,
+           "PATH": f"{fake}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "bench", "long-context"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[:4] == ["--preset", "long-context", "--out", str(tmp_path / "out" / "benchmarks" / "results")]
+    assert argv[4] == "--time-budget" and budget[0] <= int(argv[5]) <= budget[1] and argv[6:] == want
+    assert "--time-budget" not in argv[6:]
+
+
 def test_gpu_queue_runs_jobs_in_the_background_and_hands_back_what_finished(tmp_path):
     """scripts/gpu_queue.sh: jobs run one after another with their own OUT; `wait` prints each end and packs the
     queue's folder (summaries, logs, each job's files) into $OUT/queue.tgz even while a job is still running."""
