@@ -229,6 +229,36 @@ def test_nested_graph_breaks_match_eager_and_take_q_k_v_gradients_without_copies
     assert _backward_copies_at_graph_entries(ours, batch) == 0
 
 
+def test_nested_graph_breaks_trace_through_the_kernels_routing_wrapper():
+    """transformers 5.25 wraps Llama-like attention classes' forward in the `kernels` package's routing wrapper (a
+    try/finally setting a ContextVar), from inside which nested graph breaks cannot resume: a layer then compiled as 4
+    graphs instead of 2. With no function kernelize()'d the wrapper routes each call to the function itself, so the
+    compiled layers take the class's own forward there (and the same step as eager); the wrapper again once a
+    function is kernelized; unpatch removes the per-instance forward."""
+    from types import MethodType
+
+    ours, ref = pair("llama-gqa", NESTED_BREAKS)
+    assert_same_step(ours, ref, packed(STEPS[0], 0))
+    assert counters["stats"]["unique_graphs"] == 2  # one graph before the attention seam, one after, every layer
+    attention = ours.model.layers[0].self_attn
+    funcs = attention.__dict__.get("_kernel_funcs")
+    if not funcs:  # transformers before the wrapper, or without `kernels`: nothing was wrapped
+        assert "forward" not in attention.__dict__
+        return
+    called = []
+    name, func = next(iter(funcs.items()))
+    own = type(func).forward
+    func.forward = MethodType(lambda self, *a, **k: called.append(name) or own(self, *a, **k), func)  # kernelize()'s way
+    batch = packed(STEPS[1], 1)
+    with torch.no_grad():
+        hidden = torch.randn(1, batch["input_ids"].shape[1], ours.config.hidden_size)
+        rope = ours.model.rotary_emb(hidden, batch["position_ids"])
+        attention(hidden, position_embeddings=rope, attention_mask=None, position_ids=batch["position_ids"])
+    assert called == [name]  # routed to the kernelized function through the wrapper
+    hf_accel.unpatch(ours)
+    assert "forward" not in attention.__dict__
+
+
 def test_nested_graph_breaks_refused_clearly_where_dynamo_lacks_them(monkeypatch):
     import types
 

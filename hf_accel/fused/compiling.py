@@ -128,6 +128,44 @@ def dynamo_settings(options: dict[str, Any]) -> dict[str, Any]:
     return {NESTED_GRAPH_BREAKS: True}
 
 
+def _kernels_routing(module: nn.Module) -> tuple[Callable, Callable, dict] | None:
+    """(wrapper, forward, kernel funcs) where ``module``'s class forward is the ``kernels`` package's routing wrapper
+    (``use_kernelized_func``, which transformers >= 5.2x puts on its attention classes and which sets a ContextVar
+    in a try/finally around the class's own forward), else None."""
+    wrapper = type(module).forward
+    forward, funcs = getattr(wrapper, "__wrapped__", None), module.__dict__.get("_kernel_funcs")
+    module_name = getattr(wrapper, "__globals__", {}).get("__name__", "")
+    if forward is None or not isinstance(funcs, dict) or not module_name.startswith("kernels."):
+        return None
+    return wrapper, forward, funcs
+
+
+def _trace_through_idle_kernels_routing(layer: nn.Module) -> list[Callable[[], None]]:
+    """Under nested graph breaks, dynamo cannot resume inside the routing wrapper's try/finally, so a wrapped attention
+    module ran as frames of its own: 4 graphs a layer instead of 2 (transformers 5.25, `kernels` 0.19). Until
+    ``kernels.kernelize`` picks a kernel for one of the module's functions the wrapper routes each call to that
+    function itself, so the module's own forward computes the same; this binds, per instance, a forward that takes the
+    class's own forward then and the wrapper otherwise (checked on every call). Returns the undo actions."""
+    undo = []
+    for module in layer.modules():
+        routing = _kernels_routing(module)
+        if routing is None or "forward" in module.__dict__:
+            continue
+        module.forward = _routed_only_when_kernelized(module, *routing)
+        undo.append(lambda module=module: module.__dict__.pop("forward", None))
+    return undo
+
+
+def _routed_only_when_kernelized(module: nn.Module, wrapper: Callable, own_forward: Callable,
+                                 funcs: dict) -> Callable:
+    def forward(*args, **kwargs):
+        if any("forward" in func.__dict__ for func in funcs.values()):  # kernelize() replaced one
+            return wrapper(module, *args, **kwargs)
+        return own_forward(module, *args, **kwargs)
+
+    return forward
+
+
 class TrainingCompiled:
     """A decoder layer's call: compiled for training calls, the layer's own eager call for everything else."""
 
@@ -236,6 +274,8 @@ def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list
                 layer.__dict__.pop(SLOT, None)
 
         undo.append(restore)
+        if dynamo_config.get(NESTED_GRAPH_BREAKS):
+            undo += _trace_through_idle_kernels_routing(layer)
         bound.append(names.get(id(layer), type(layer).__name__))
     return bound, undo
 
