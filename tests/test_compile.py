@@ -234,7 +234,7 @@ def test_nested_graph_breaks_trace_through_the_kernels_routing_wrapper():
     try/finally setting a ContextVar), from inside which nested graph breaks cannot resume: a layer then compiled as 4
     graphs instead of 2. With no function kernelize()'d the wrapper routes each call to the function itself, so the
     compiled layers take the class's own forward there (and the same step as eager); the wrapper again once a
-    function is kernelized; unpatch removes the per-instance forward."""
+    function is kernelized; a deep copy's forward is the copy's; unpatch removes the per-instance forward."""
     from types import MethodType
 
     ours, ref = pair("llama-gqa", NESTED_BREAKS)
@@ -245,15 +245,23 @@ def test_nested_graph_breaks_trace_through_the_kernels_routing_wrapper():
     if not funcs:  # transformers before the wrapper, or without `kernels`: nothing was wrapped
         assert "forward" not in attention.__dict__
         return
-    called = []
-    name, func = next(iter(funcs.items()))
-    own = type(func).forward
-    func.forward = MethodType(lambda self, *a, **k: called.append(name) or own(self, *a, **k), func)  # kernelize()'s way
     batch = packed(STEPS[1], 1)
     with torch.no_grad():
         hidden = torch.randn(1, batch["input_ids"].shape[1], ours.config.hidden_size)
         rope = ours.model.rotary_emb(hidden, batch["position_ids"])
-        attention(hidden, position_embeddings=rope, attention_mask=None, position_ids=batch["position_ids"])
+
+    def attend(module):
+        with torch.no_grad():
+            return module(hidden, position_embeddings=rope, attention_mask=None, position_ids=batch["position_ids"])[0]
+
+    clone = copy.deepcopy(ours).model.layers[0].self_attn  # a copy's forward is its own, not the original's
+    torch.nn.init.zeros_(clone.o_proj.weight)
+    assert attend(clone).abs().max() == 0 and attend(attention).abs().max() > 0
+    called = []
+    name, func = next(iter(funcs.items()))
+    own = type(func).forward
+    func.forward = MethodType(lambda self, *a, **k: called.append(name) or own(self, *a, **k), func)  # kernelize()'s way
+    attend(attention)
     assert called == [name]  # routed to the kernelized function through the wrapper
     hf_accel.unpatch(ours)
     assert "forward" not in attention.__dict__

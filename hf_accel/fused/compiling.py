@@ -38,6 +38,7 @@ import contextlib
 import functools
 import gc
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 import torch
@@ -128,42 +129,37 @@ def dynamo_settings(options: dict[str, Any]) -> dict[str, Any]:
     return {NESTED_GRAPH_BREAKS: True}
 
 
-def _kernels_routing(module: nn.Module) -> tuple[Callable, Callable, dict] | None:
-    """(wrapper, forward, kernel funcs) where ``module``'s class forward is the ``kernels`` package's routing wrapper
-    (``use_kernelized_func``, which transformers >= 5.2x puts on its attention classes and which sets a ContextVar
-    in a try/finally around the class's own forward), else None."""
+def _kernels_routing(module: nn.Module) -> bool:
+    """Whether ``module``'s class forward is the ``kernels`` package's routing wrapper (``use_kernelized_func``, which
+    transformers >= 5.2x puts on its attention classes and which sets a ContextVar in a try/finally around the class's
+    own forward, kept as ``__wrapped__``)."""
     wrapper = type(module).forward
-    forward, funcs = getattr(wrapper, "__wrapped__", None), module.__dict__.get("_kernel_funcs")
     module_name = getattr(wrapper, "__globals__", {}).get("__name__", "")
-    if forward is None or not isinstance(funcs, dict) or not module_name.startswith("kernels."):
-        return None
-    return wrapper, forward, funcs
+    return (hasattr(wrapper, "__wrapped__") and isinstance(module.__dict__.get("_kernel_funcs"), dict)
+            and module_name.startswith("kernels."))
+
+
+def _own_forward_unless_kernelized(self: nn.Module, *args, **kwargs):
+    wrapper = type(self).forward
+    if any("forward" in func.__dict__ for func in self._kernel_funcs.values()):  # kernelize() replaced one
+        return wrapper(self, *args, **kwargs)
+    return wrapper.__wrapped__(self, *args, **kwargs)
 
 
 def _trace_through_idle_kernels_routing(layer: nn.Module) -> list[Callable[[], None]]:
     """Under nested graph breaks, dynamo cannot resume inside the routing wrapper's try/finally, so a wrapped attention
     module ran as frames of its own: 4 graphs a layer instead of 2 (transformers 5.25, `kernels` 0.19). Until
     ``kernels.kernelize`` picks a kernel for one of the module's functions the wrapper routes each call to that
-    function itself, so the module's own forward computes the same; this binds, per instance, a forward that takes the
-    class's own forward then and the wrapper otherwise (checked on every call). Returns the undo actions."""
+    function itself, so the class's own forward computes the same; this binds, per instance, a forward that takes it
+    then and the wrapper otherwise (checked on every call; a bound method, so a deep copy binds its copy). Returns the
+    undo actions."""
     undo = []
     for module in layer.modules():
-        routing = _kernels_routing(module)
-        if routing is None or "forward" in module.__dict__:
+        if not _kernels_routing(module) or "forward" in module.__dict__:
             continue
-        module.forward = _routed_only_when_kernelized(module, *routing)
+        module.forward = MethodType(_own_forward_unless_kernelized, module)
         undo.append(lambda module=module: module.__dict__.pop("forward", None))
     return undo
-
-
-def _routed_only_when_kernelized(module: nn.Module, wrapper: Callable, own_forward: Callable,
-                                 funcs: dict) -> Callable:
-    def forward(*args, **kwargs):
-        if any("forward" in func.__dict__ for func in funcs.values()):  # kernelize() replaced one
-            return wrapper(module, *args, **kwargs)
-        return own_forward(module, *args, **kwargs)
-
-    return forward
 
 
 class TrainingCompiled:
