@@ -230,11 +230,12 @@ def test_nested_graph_breaks_match_eager_and_take_q_k_v_gradients_without_copies
 
 
 def test_nested_graph_breaks_trace_through_the_kernels_routing_wrapper():
-    """transformers 5.25 wraps Llama-like attention classes' forward in the `kernels` package's routing wrapper (a
-    try/finally setting a ContextVar), from inside which nested graph breaks cannot resume: a layer then compiled as 4
-    graphs instead of 2. With no function kernelize()'d the wrapper routes each call to the function itself, so the
-    compiled layers take the class's own forward there (and the same step as eager); the wrapper again once a
-    function is kernelized; a deep copy's forward is the copy's; unpatch removes the per-instance forward."""
+    """transformers (5.25; 5.17 where `kernels` is installed) wraps Llama-like attention classes' forward in the
+    `kernels` package's routing wrapper (a try/finally setting a ContextVar), from inside which nested graph breaks
+    cannot resume: a layer then compiled as 4 graphs instead of 2. With no function kernelize()'d the wrapper routes
+    each call to the function itself, so the compiled layers take the class's own forward there (and the same step
+    as eager); the wrapper again once a function is kernelized; a deep copy's forward is the copy's; unpatch removes
+    the per-instance forward."""
     from types import MethodType
 
     ours, ref = pair("llama-gqa", NESTED_BREAKS)

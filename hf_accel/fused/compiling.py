@@ -148,11 +148,11 @@ def _own_forward_unless_kernelized(self: nn.Module, *args, **kwargs):
 
 def _trace_through_idle_kernels_routing(layer: nn.Module) -> list[Callable[[], None]]:
     """Under nested graph breaks, dynamo cannot resume inside the routing wrapper's try/finally, so a wrapped attention
-    module ran as frames of its own: 4 graphs a layer instead of 2 (transformers 5.25, `kernels` 0.19). Until
-    ``kernels.kernelize`` picks a kernel for one of the module's functions the wrapper routes each call to that
-    function itself, so the class's own forward computes the same; this binds, per instance, a forward that takes it
-    then and the wrapper otherwise (checked on every call; a bound method, so a deep copy binds its copy). Returns the
-    undo actions."""
+    module ran as frames of its own: 4 graphs a layer instead of 2 (transformers 5.25 with `kernels` 0.19; 5.17
+    wraps where `kernels` is installed). Until ``kernels.kernelize`` picks a kernel for one of the module's
+    functions the wrapper routes each call to that function itself, so the class's own forward computes the same;
+    this binds, per instance, a forward that takes it then and the wrapper otherwise (checked on every call; a bound
+    method, so a deep copy binds its copy). Returns the undo actions."""
     undo = []
     for module in layer.modules():
         if not _kernels_routing(module) or "forward" in module.__dict__:
