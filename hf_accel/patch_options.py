@@ -122,7 +122,8 @@ def _quantized(model: torch.nn.Module) -> str | None:
 
 def _explicit(name: str, value: Any, stand_down: str | None = None) -> Speedup:
     on = value is not False and value is not None
-    return Speedup(name, on, "requested" if on else f"auto: {stand_down}" if stand_down else f"{name}=False")
+    requested = f"requested: {value!r}" if isinstance(value, dict) else "requested"  # the options in the report
+    return Speedup(name, on, requested if on else f"auto: {stand_down}" if stand_down else f"{name}=False")
 
 
 def resolve_speedups(model: torch.nn.Module, device: DeviceInfo, *, fused_ce="auto", fused_ops="auto",

@@ -135,3 +135,12 @@ def test_kernel_gaps_split_host_waits_from_launch_spacing():
     assert gaps["short_gap_ms_per_step"] == pytest.approx(0.003 / 2)
     assert gaps["kernels_per_step"] == 2.5 and gaps["span_ms_per_step"] == pytest.approx(0.160 / 2)
     assert gaps["sites"] == [{"after": "a", "before": "b", "count_per_step": 0.5, "ms_per_step": pytest.approx(0.035)}]
+
+
+def test_nested_breaks_profile_the_nested_row_and_need_defaults():
+    result = _run("--workload", "llama-1b", "--defaults", "--nested-breaks")
+    assert result["nested_breaks"]
+    compile_line = next(line for line in result["speedups"] if line.startswith("compile: "))
+    assert "nested_graph_breaks" in compile_line, compile_line  # as bench's hf_accel-nested-breaks row patches
+    with pytest.raises(SystemExit, match="--nested-breaks"):
+        profile_step.main(["--workload", "llama-1b", "--device", "cpu", "--tiny", "--nested-breaks"])
