@@ -41,7 +41,8 @@ def saved_llama(tmp_path_factory):
 
 def qlora(folder, compute_dtype: torch.dtype, patch: str | None):
     """NF4 base (compute in `compute_dtype`), kbit preparation, LoRA r=16 on every linear (random B, seeded), and
-    hf_accel.patch(model) before or after LoRA (or not at all); returns (model, report)."""
+    hf_accel.patch(model) before or after LoRA (or not at all; "after-lora-nested-breaks": the layers traced under
+    nested graph breaks, issue 39c); returns (model, report)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -51,12 +52,13 @@ def qlora(folder, compute_dtype: torch.dtype, patch: str | None):
     model.config.use_cache = False
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
-    report = hf_accel.patch(model) if patch == "before-lora" else None
+    options = {"compile": {"nested_graph_breaks": True}} if (patch or "").endswith("-nested-breaks") else {}
+    report = hf_accel.patch(model, **options) if patch == "before-lora" else None
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
                                              init_lora_weights=False, task_type="CAUSAL_LM"))
-    if patch == "after-lora":
-        report = hf_accel.patch(model)
+    if (patch or "").startswith("after-lora"):
+        report = hf_accel.patch(model, **options)
     return model.train(), report
 
 
@@ -82,7 +84,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("order", ["after-lora", "before-lora"])
+@pytest.mark.parametrize("order", ["after-lora", "before-lora", "after-lora-nested-breaks"])
 def test_qlora_patched_with_defaults_trains_within_bf16_error_of_unpatched(saved_llama, order, monkeypatch):
     from torch._dynamo.utils import counters
 
