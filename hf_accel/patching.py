@@ -215,6 +215,9 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
         layers, compile_undo = compiling.apply(model_hf, decisions.compile_options)
         undo += compile_undo
         applied.compiled_layers = len(layers)
+        if compiling.traces_nested(decisions.compile_options):
+            applied.notes.append("compile: the layers traced with dynamo's nested graph breaks, one graph before the "
+                                 "attention and one after (compile={'nested_graph_breaks': False} traces without)")
     if decisions.chunking is not None:
         from .memory import mlp_chunks as mlp_chunking
 

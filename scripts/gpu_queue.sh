@@ -28,6 +28,12 @@ case "${1:-}" in
 start)
     file=${2:?usage: gpu_queue.sh start FILE}
     [ -f "$file" ] || { echo "gpu_queue.sh: no queue file $file" >&2; exit 2; }
+    # a queue still running keeps its folder: starting over it deleted a running job's files (run 37)
+    if [ -f "$Q/pid" ] && kill -0 "$(cat "$Q/pid")" 2>/dev/null; then
+        echo "gpu_queue.sh: a queue is still running at $Q ($(grep -c '] job .*: exit' "$summary") jobs done):" \
+            "\`wait\` for it, or \`stop\` it first" >&2
+        exit 4
+    fi
     rm -rf "$Q" && mkdir -p "$Q"
     cp "$file" "$Q/jobs.txt"
     # shellcheck disable=SC2016

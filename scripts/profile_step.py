@@ -100,7 +100,8 @@ def profile(args) -> dict:
     qlora = args.workload.endswith("-qlora")
     model = qlora_base(settings, "sdpa") if qlora else build_model(settings, "sdpa")
     if args.defaults:
-        report = hf_accel.patch(model, **({"compile": {"nested_graph_breaks": True}} if args.nested_breaks else {}))
+        report = hf_accel.patch(model, **({"compile": {"nested_graph_breaks": False}} if args.without_nested_breaks
+                                          else {}))
     else:
         report = hf_accel.patch(model, fused_ops=args.fused_ops, compile=args.compile)
     model = add_lora(model, workload)  # the workload's adapters (Llama-8B LoRA), as scripts/bench.py adds them
@@ -160,7 +161,7 @@ def profile(args) -> dict:
     return {
         "workload": args.workload, "device": args.device, "fused_ce": args.fused_ce, "fused_ops": args.fused_ops,
         "compile": args.compile, "checkpointing": args.checkpointing, "lora": workload.lora, "qlora": qlora,
-        "defaults": args.defaults, "nested_breaks": args.nested_breaks, "speedups": report.speedups,
+        "defaults": args.defaults, "without_nested_breaks": args.without_nested_breaks, "speedups": report.speedups,
         "notes": report.notes,
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "params": sum(p.numel() for p in model.parameters()),
@@ -235,9 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--defaults", action="store_true",
                    help="hf_accel.patch(model) with no arguments (the library's own choices), as bench's "
                         "hf_accel-defaults / hf_accel-qlora rows; --fused-ops / --compile / --fused-ce are then unused")
-    p.add_argument("--nested-breaks", action="store_true",
-                   help="with --defaults: patch(model, compile={'nested_graph_breaks': True}), as bench's "
-                        "hf_accel-nested-breaks row")
+    p.add_argument("--without-nested-breaks", action="store_true",
+                   help="with --defaults: patch(model, compile={'nested_graph_breaks': False}), as bench's "
+                        "hf_accel-without-nested-breaks row")
     p.add_argument("--memory-peak", action="store_true",
                    help="CUDA: one more step under the allocator's history; what is alive at its peak, grouped by "
                         "the Python frames that allocated it (benchlib.memory_peak)")
@@ -250,14 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    if args.nested_breaks and not args.defaults:
-        raise SystemExit("profile_step.py: --nested-breaks changes --defaults' patch; give both")
+    if args.without_nested_breaks and not args.defaults:
+        raise SystemExit("profile_step.py: --without-nested-breaks changes --defaults' patch; give both")
     if args.memory_peak and not args.device.startswith("cuda"):
         raise SystemExit("profile_step.py: --memory-peak reads CUDA's allocator history; run it with --device cuda")
     result = profile(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = (f"profile_{args.workload}_defaults{'_nested' if args.nested_breaks else ''}"
+        name = (f"profile_{args.workload}_defaults{'_without-nested' if args.without_nested_breaks else ''}"
                 f"{_checkpointing_tag(args)}.json" if args.defaults else
                 f"profile_{args.workload}_{args.fused_ce}_{'fusedops' if args.fused_ops else 'plain'}"
                 f"{'_compiled' if args.compile else ''}.json")

@@ -404,6 +404,10 @@ def test_gpu_queue_runs_jobs_in_the_background_and_hands_back_what_finished(tmp_
         with tarfile.open(tmp_path / "back" / "queue.tgz") as packed:  # one file: the device hands back at most 8
             assert packed.extractfile("./1/r.txt").read() == b"one\n"
         assert "job 2: exit 3" in (tmp_path / "back" / "summary.txt").read_text()
+        again = subprocess.run(["bash", script, "start", str(jobs)], env=env, capture_output=True, text=True,
+                               timeout=60)  # over the running queue: refused, its files kept
+        assert again.returncode == 4 and "still running" in again.stderr, again.stderr
+        assert (tmp_path / "q" / "1" / "r.txt").read_text() == "one\n"
     finally:
         subprocess.run(["bash", script, "stop"], env=env, timeout=60)
     bare = {**env, "GPU_QUEUE_DIR": str(tmp_path / "none")}  # a fresh machine: no queue to wait on

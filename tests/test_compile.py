@@ -95,18 +95,20 @@ def test_inductor_llama_matches_unpatched_and_reuses_graphs():
     assert graphs[0] == graphs[1] == graphs[2] == graphs[3], graphs
 
 
-NESTED_BREAKS = {**AOT_EAGER, "nested_graph_breaks": True}  # hf_accel's key: dynamo's nested graph breaks (issue 39c)
+# hf_accel's key: the layers trace under dynamo's nested graph breaks by default (issue 39c); False traces them as a
+# frame per enclosing call (the layer, its attention module, transformers' attention function)
+WITHOUT_NESTED = {**AOT_EAGER, "nested_graph_breaks": False}
 
 
 @pytest.mark.parametrize("variant, options", [
-    *(pytest.param(v, AOT_EAGER, marks=pytest.mark.slow, id=v) for v in (
-        "neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-40b-newarch")),
     pytest.param("llama-rope-llama3", AOT_EAGER, id="llama-rope-llama3"),
-    # traced with nested graph breaks, every family (Falcon's seam is its attention module's forward; Gemma's layers
-    # alternate windows and soft-caps)
-    *(pytest.param(v, NESTED_BREAKS, marks=pytest.mark.slow, id=f"{v}-nested-breaks") for v in (
-        "neox-parallel", "falcon-rw-alibi", "falcon-40b-newarch", "qwen3-qk-norm", "mistral-window",
-        "gemma2-softcap", "gemma3-text")),
+    # every family under the default tracing (Falcon's seam is its attention module's forward; Gemma's layers
+    # alternate windows and soft-caps), and a few without nested graph breaks
+    *(pytest.param(v, AOT_EAGER, marks=pytest.mark.slow, id=v) for v in (
+        "neox-parallel", "neox-sequential", "falcon-7b-mqa", "falcon-rw-alibi", "falcon-40b-newarch", "qwen3-qk-norm",
+        "mistral-window", "gemma2-softcap", "gemma3-text")),
+    *(pytest.param(v, WITHOUT_NESTED, marks=pytest.mark.slow, id=f"{v}-without-nested-breaks") for v in (
+        "llama-rope-llama3", "neox-parallel", "falcon-rw-alibi")),
 ])
 def test_compiled_graphs_match_eager(variant, options):
     ours, ref = pair(variant, options)
@@ -215,17 +217,20 @@ def _backward_copies_at_graph_entries(model, batch) -> int:
 
 
 def test_nested_graph_breaks_match_eager_and_take_q_k_v_gradients_without_copies():
-    """compile={'nested_graph_breaks': True} (hf_accel's key, issue 39c): the layers traced with dynamo's nested graph
+    """By default (hf_accel's compile key nested_graph_breaks, issue 39c) the layers traced with dynamo's nested graph
     breaks compute what the eager patched layers compute, and the gradients of q/k/v enter the graph before the
-    attention without the copy the default tracing makes (a frame per enclosing call: their graph's outputs are the
-    (B, H, S, D) RoPE outputs, whose gradients come back (B, S, H, D)-laid out)."""
-    ours, ref = pair("llama-gqa", NESTED_BREAKS)
+    attention without the copy the tracing without them makes (a frame per enclosing call: their graph's outputs are
+    the (B, H, S, D) RoPE outputs, whose gradients come back (B, S, H, D)-laid out)."""
+    ours, ref = pair("llama-gqa", AOT_EAGER)
+    report = hf_accel.patch_report(ours)
+    assert any("nested graph breaks" in note for note in report.notes), report.notes
     for seed, lengths in enumerate(STEPS[:3]):
         assert_same_step(ours, ref, packed(lengths, seed))
-    default, _ = pair("llama-gqa", AOT_EAGER)
+    without, _ = pair("llama-gqa", WITHOUT_NESTED)
+    assert not any("nested graph breaks" in note for note in hf_accel.patch_report(without).notes)
     batch = packed(STEPS[0], 9)
     layers = ours.config.num_hidden_layers
-    assert _backward_copies_at_graph_entries(default, batch) >= 3 * layers  # the test can tell the two apart
+    assert _backward_copies_at_graph_entries(without, batch) >= 3 * layers  # the test can tell the two apart
     assert _backward_copies_at_graph_entries(ours, batch) == 0
 
 
@@ -238,7 +243,7 @@ def test_nested_graph_breaks_trace_through_the_kernels_routing_wrapper():
     the per-instance forward."""
     from types import MethodType
 
-    ours, ref = pair("llama-gqa", NESTED_BREAKS)
+    ours, ref = pair("llama-gqa", AOT_EAGER)
     assert_same_step(ours, ref, packed(STEPS[0], 0))
     assert counters["stats"]["unique_graphs"] == 2  # one graph before the attention seam, one after, every layer
     attention = ours.model.layers[0].self_attn
@@ -268,14 +273,16 @@ def test_nested_graph_breaks_trace_through_the_kernels_routing_wrapper():
     assert "forward" not in attention.__dict__
 
 
-def test_nested_graph_breaks_refused_clearly_where_dynamo_lacks_them(monkeypatch):
-    import types
-
+def test_nested_graph_breaks_refused_where_dynamo_lacks_them_and_left_out_by_default(monkeypatch):
     model = make("llama-gqa")
-    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())
+    monkeypatch.delattr(torch._dynamo.config, "nested_graph_breaks")  # a torch before the option
     with pytest.raises(BackendUnavailable, match="nested_graph_breaks.*does not have. Leave the key out"):
         hf_accel.patch(model, backend="reference", compile={"nested_graph_breaks": True})
     assert hf_accel.patch_report(model) is None and not compiled_layers(model)
+    # by default such a torch compiles the layers without them, and the report does not claim them
+    report = hf_accel.patch(model, backend="reference", compile=AOT_EAGER)
+    assert report.compiled_layers == model.config.num_hidden_layers
+    assert not any("nested graph breaks" in note for note in report.notes), report.notes
 
 
 @pytest.mark.slow  # inductor / dynamo compiles or a multi-process launch: minutes on 2 cores

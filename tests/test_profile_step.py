@@ -137,10 +137,10 @@ def test_kernel_gaps_split_host_waits_from_launch_spacing():
     assert gaps["sites"] == [{"after": "a", "before": "b", "count_per_step": 0.5, "ms_per_step": pytest.approx(0.035)}]
 
 
-def test_nested_breaks_profile_the_nested_row_and_need_defaults():
-    result = _run("--workload", "llama-1b", "--defaults", "--nested-breaks")
-    assert result["nested_breaks"]
+def test_without_nested_breaks_profiles_that_row_and_needs_defaults():
+    result = _run("--workload", "llama-1b", "--defaults", "--without-nested-breaks")
+    assert result["without_nested_breaks"]
     compile_line = next(line for line in result["speedups"] if line.startswith("compile: "))
-    assert "nested_graph_breaks" in compile_line, compile_line  # as bench's hf_accel-nested-breaks row patches
-    with pytest.raises(SystemExit, match="--nested-breaks"):
-        profile_step.main(["--workload", "llama-1b", "--device", "cpu", "--tiny", "--nested-breaks"])
+    assert "'nested_graph_breaks': False" in compile_line, compile_line  # as bench's row of that name patches
+    with pytest.raises(SystemExit, match="--without-nested-breaks"):
+        profile_step.main(["--workload", "llama-1b", "--device", "cpu", "--tiny", "--without-nested-breaks"])

@@ -152,9 +152,9 @@ def kernel_layout(t_bshd: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) as the varlen kernels read it: contiguous, in the autocast dtype where autocast is on, as
     ``kernels.varlen_attention`` would cast it. For a seam called from a compiled layer, just before its graph
     break, so inductor writes the layout and the cast: into RoPE's (or the projection's) kernel where they share a
-    graph (Falcon's seam; nested graph breaks), else as one fused kernel of a graph of its own (dynamo's default
-    tracing compiles transformers' attention function as a frame of its own), where after the break they were eager
-    copies (~40 ms of a Llama-3-8B QLoRA step of 1.43 s, whose fp32 q/k/v came out of the graph head-major). The
+    graph (Falcon's seam; nested graph breaks, the default), else as one fused kernel of a graph of its own
+    (tracing without them compiles transformers' attention function as a frame of its own), where after the break
+    they were eager copies (~40 ms of a Llama-3-8B QLoRA step of 1.43 s, whose fp32 q/k/v came out of the graph head-major). The
     same values: a layout change and the cast the kernel call made."""
     device_type = t_bshd.device.type
     if torch.is_autocast_enabled(device_type) and t_bshd.is_floating_point():

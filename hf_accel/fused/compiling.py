@@ -108,23 +108,38 @@ def checkpointed_body(layer: nn.Module) -> Callable | None:
 
 
 # hf_accel's own key in a compile dict, not a torch.compile option: trace the layers with dynamo's nested graph breaks
-# (torch._dynamo.config.nested_graph_breaks, experimental in torch). The attention seam's break then ends the layer's
-# graph and tracing resumes after it, where by default dynamo compiles the layer, its attention module and
-# transformers' attention function as separate frames (~6 graphs a layer, and the gradients of q/k/v coming back into
-# them as eager copies). Faster on full fine-tunes of Llama-1B and GPT-NeoX-1.4B shapes and equal to eager on the
-# GPU's cases; opt-in until the checkpointed LoRA path most users take is measured under it (issue 39c; the
-# `hf_accel-nested-breaks` bench config, tests/gpu/test_compile_gpu.py's nested cases).
+# (torch._dynamo.config.nested_graph_breaks). The attention seam's break then ends the layer's graph and tracing
+# resumes after it, where without it dynamo compiles the layer, its attention module and transformers' attention
+# function as separate frames (~6 graphs a layer, and the gradients of q/k/v coming back into them as eager copies).
+# On by default where torch has the option (measured faster on every workload tried, the same memory and loss: Llama-1B
+# +0.6% / +1.6%, GPT-NeoX-1.4B +4.2%, Llama-3-8B LoRA +1.5%; GPU equivalence cases for Llama, GPT-NeoX, Falcon, the
+# checkpointed LoRA layers and QLoRA; BENCHMARKS.md, tests/gpu/RESULTS.md runs 35-37). ``False`` traces as before.
 NESTED_GRAPH_BREAKS = "nested_graph_breaks"
 
 
+def nested_graph_breaks_available() -> bool:
+    return hasattr(torch._dynamo.config, NESTED_GRAPH_BREAKS)
+
+
+def traces_nested(options: dict[str, Any] | None) -> bool:
+    """Whether layers compiled with ``options`` (a compile dict, or None) trace under nested graph breaks."""
+    requested = (options or {}).get(NESTED_GRAPH_BREAKS)
+    return nested_graph_breaks_available() if requested is None else bool(requested)
+
+
 def dynamo_settings(options: dict[str, Any]) -> dict[str, Any]:
-    """Take hf_accel's dynamo keys out of a compile dict (in place); the dynamo config to trace the layers under."""
-    if not options.pop(NESTED_GRAPH_BREAKS, False):
+    """Take hf_accel's dynamo keys out of a compile dict (in place); the dynamo config to trace the layers under.
+    Nested graph breaks: on unless the dict says False, off without a word where torch lacks them unless it says
+    True (then refused)."""
+    requested = options.pop(NESTED_GRAPH_BREAKS, None)
+    if requested is None:
+        requested = nested_graph_breaks_available()
+    if not requested:
         return {}
-    if not hasattr(torch._dynamo.config, NESTED_GRAPH_BREAKS):
+    if not nested_graph_breaks_available():
         raise BackendUnavailable(
             f"compile={{'{NESTED_GRAPH_BREAKS}': True}} needs dynamo's option of that name, which torch "
-            f"{torch.__version__} does not have. Leave the key out (the default traces without it)."
+            f"{torch.__version__} does not have. Leave the key out (the layers then compile without it)."
         )
     return {NESTED_GRAPH_BREAKS: True}
 

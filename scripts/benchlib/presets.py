@@ -90,10 +90,10 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(  # issue 39c: each lever beside the defaults and the TRL anchor, same run
             "llama-1b-levers", "Llama-3.2-1B shapes, full FT: hf_accel defaults vs the same with inductor's "
-            "max-autotune matmuls, with CUDA graphs, with torch's FlashAttention-2 for flash-attn-4, and traced with "
-            "dynamo's nested graph breaks (also with CUDA graphs), against TRL + flash-attn-4 + Liger",
+            "max-autotune matmuls, with CUDA graphs, with torch's FlashAttention-2 for flash-attn-4, and traced "
+            "without dynamo's nested graph breaks, against TRL + flash-attn-4 + Liger",
             "llama-1b", ("trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-autotune", "hf_accel-cudagraphs",
-                         "hf_accel-torch-fa2", "hf_accel-nested-breaks", "hf_accel-nested-cudagraphs"),
+                         "hf_accel-torch-fa2", "hf_accel-without-nested-breaks"),
             dict(steps=30, warmup=8, time_budget=560, config_timeout=200),
         ),
         # issue 39d: float8 training as an explicit opt-in beside bf16 (hf_accel defaults) and the TRL anchor; the
