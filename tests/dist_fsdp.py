@@ -31,6 +31,7 @@ from multi_gpu_runs import accelerator_stand_in, leave_process_group  # noqa: E4
 
 import hf_accel  # noqa: E402
 from hf_accel.data.collators import DataCollatorForPacking  # noqa: E402
+from hf_accel.fused.compiling import graphs_compiled  # noqa: E402
 from hf_accel.fused.cross_entropy import bind_fused_loss  # noqa: E402
 
 CASES = {  # name: (tiny model, extra config, sharding layout)
@@ -38,7 +39,11 @@ CASES = {  # name: (tiny model, extra config, sharding layout)
     "neox": ("neox-parallel", {}, "head-unit"),
     "falcon": ("falcon-40b-newarch", {}, "accelerate"),
     "llama-checkpointed": ("llama-gqa", {}, "accelerate"),
+    "llama-compiled": ("llama-gqa", {}, "accelerate"),
 }
+# Cases whose sharded run compiles the decoder layers (the default tracing: nested graph breaks, aot_eager on CPU)
+# with FSDP2's hooks inside the compiled call; the reference runs them eagerly.
+COMPILED_CASES = ("llama-compiled",)
 # Cases whose decoder layers are checkpointed (hf_accel's FullCheckpointing, every layer): the sharded run's recompute
 # trimmed (memory.trim: the trained down_proj's matmul skipped, its weight gradient from the recomputed input), the
 # reference's not, so the comparison holds the trim under FSDP2's gather / reshard and reduce-scatter.
@@ -51,7 +56,8 @@ CHUNK = 16  # tokens per fused-CE chunk: several chunks per micro-batch, as a re
 LR = 0.5  # plain SGD: a gradient that is off by any factor shows in the weights (Adam would normalise it away)
 
 
-def build(name: str, overrides: dict, checkpointing: bool = False, trim: bool = True) -> torch.nn.Module:
+def build(name: str, overrides: dict, checkpointing: bool = False, trim: bool = True,
+          compiled: bool = False) -> torch.nn.Module:
     from hf_accel.memory.checkpointing import FullCheckpointing
 
     torch.manual_seed(0)
@@ -64,7 +70,8 @@ def build(name: str, overrides: dict, checkpointing: bool = False, trim: bool = 
         model = type(model)(config)
     model.config.use_cache = False
     model.float().train()
-    hf_accel.patch(model, checkpointing=FullCheckpointing(trim_recompute=trim) if checkpointing else None)
+    hf_accel.patch(model, checkpointing=FullCheckpointing(trim_recompute=trim) if checkpointing else None,
+                   compile={"backend": "aot_eager"} if compiled else False)
     bind_fused_loss(model, chunk_size=CHUNK)
     return model
 
@@ -142,8 +149,13 @@ def run_case(case: str, out: Path, rank: int, world: int) -> dict:
     from hf_accel.memory import trim
 
     name, overrides, layout = CASES[case]
-    model = shard(build(name, overrides, checkpointing=case in CHECKPOINTED_CASES), layout)
+    compiled = case in COMPILED_CASES
+    model = shard(build(name, overrides, checkpointing=case in CHECKPOINTED_CASES, compiled=compiled), layout)
     report = {"layout": layout, "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+    patched = hf_accel.patch_report(model)
+    report["compiled_layers"] = patched.compiled_layers
+    report["nested_breaks"] = any("nested graph breaks" in note for note in patched.notes)
+    graphs = graphs_compiled()
     skipped = trim.STATS.skipped
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     calls = head_calls(model)
@@ -176,6 +188,7 @@ def run_case(case: str, out: Path, rank: int, world: int) -> dict:
         losses.append(total.item())
     report["losses"] = losses
     report["trim_skipped"] = trim.STATS.skipped - skipped
+    report["graphs_compiled"] = graphs_compiled() - graphs
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)  # accelerate's
     state = get_model_state_dict(model, options=options)
     if rank == 0:

@@ -289,7 +289,7 @@ def fsdp_run(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["llama-tied", "neox", "falcon", "llama-checkpointed"])
+@pytest.mark.parametrize("case", ["llama-tied", "neox", "falcon", "llama-checkpointed", "llama-compiled"])
 def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
     """FSDP2 over gloo, every parameter a sharded DTensor (accelerate's layout for Llama and Falcon, tied embeddings;
     for GPT-NeoX the LM head as its own unit, freed after forward). Fused loss in 16-token chunks, so ranks run
@@ -304,7 +304,8 @@ def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
     DTensor").
 
     llama-checkpointed checkpoints every decoder layer with a trimmed recompute (its trained down_proj's matmul
-    skipped, 2 layers x 3 steps), the reference untrimmed."""
+    skipped, 2 layers x 3 steps), the reference untrimmed. llama-compiled compiles the decoder layers (the default
+    tracing, nested graph breaks; FSDP2's hooks inside the compiled calls), the reference eager."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -312,6 +313,8 @@ def test_fsdp2_fused_ce_two_processes_match_one(fsdp_run, case):
     report = reports[case]
     assert report["sharded"], "FSDP2 left some parameter unsharded: the run would not test sharding"
     assert report["trim_skipped"] == (2 * dist_fsdp.STEPS if case in dist_fsdp.CHECKPOINTED_CASES else 0)
+    if case in dist_fsdp.COMPILED_CASES:  # the layers trained through their graphs, traced with nested breaks
+        assert report["compiled_layers"] == 2 and report["nested_breaks"] and report["graphs_compiled"] > 0, report
     assert report["head_calls_forward_backward"] == 1, "the fused loss must call the LM head module exactly once"
     # the collator's target rows (llama-tied, neox): the head computed those rows only, and trained like every row
     want_rows = report["targets"] if report["target_rows"] else report["positions"]
