@@ -4,7 +4,8 @@
 inductor, so the element-wise work around the matmuls (RoPE, residual adds, norms, the gated MLP's activation) runs
 as a few fused kernels in forward and backward. Attention stays hf_accel's kernel: the attention
 function is excluded from compilation (one graph break per layer), so packing metadata and the kernel choice work as
-before.
+before. Where torch has dynamo's nested graph breaks (``NESTED_GRAPH_BREAKS`` below) the layers trace under them by
+default: one graph before the attention and one after.
 
 Only training calls take the compiled path (module in train mode, grad enabled, no KV cache, and no op-level
 checkpointing on that layer, whose selective-checkpoint policy must see each op). Evaluation and generation run the
