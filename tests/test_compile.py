@@ -273,6 +273,16 @@ def test_nested_graph_breaks_trace_through_the_kernels_routing_wrapper():
     assert "forward" not in attention.__dict__
 
 
+def test_nested_graph_breaks_are_asked_for_on_torch_2_10(monkeypatch):
+    """torch 2.10 has the option, earlier in its development than the versions it was tested on: the layers compile
+    without it unless the compile dict asks."""
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cpu")
+    report = hf_accel.patch(make("llama-gqa"), backend="reference", compile=AOT_EAGER)
+    assert report.compiled_layers and not any("nested graph breaks" in note for note in report.notes), report.notes
+    report = hf_accel.patch(make("llama-gqa"), backend="reference", compile={**AOT_EAGER, "nested_graph_breaks": True})
+    assert any("nested graph breaks" in note for note in report.notes), report.notes
+
+
 def test_nested_graph_breaks_refused_where_dynamo_lacks_them_and_left_out_by_default(monkeypatch):
     model = make("llama-gqa")
     monkeypatch.delattr(torch._dynamo.config, "nested_graph_breaks")  # a torch before the option

@@ -154,8 +154,8 @@ def kernel_layout(t_bshd: torch.Tensor) -> torch.Tensor:
     break, so inductor writes the layout and the cast: into RoPE's (or the projection's) kernel where they share a
     graph (Falcon's seam; nested graph breaks, the default), else as one fused kernel of a graph of its own
     (tracing without them compiles transformers' attention function as a frame of its own), where after the break
-    they were eager copies (~40 ms of a Llama-3-8B QLoRA step of 1.43 s, whose fp32 q/k/v came out of the graph head-major). The
-    same values: a layout change and the cast the kernel call made."""
+    they were eager copies (~40 ms of a Llama-3-8B QLoRA step of 1.43 s, whose fp32 q/k/v came out of the graph
+    head-major). The same values: a layout change and the cast the kernel call made."""
     device_type = t_bshd.device.type
     if torch.is_autocast_enabled(device_type) and t_bshd.is_floating_point():
         t_bshd = t_bshd.to(torch.get_autocast_dtype(device_type))

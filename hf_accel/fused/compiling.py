@@ -115,26 +115,36 @@ def checkpointed_body(layer: nn.Module) -> Callable | None:
 # On by default where torch has the option (measured faster on every workload tried, the same memory and loss: Llama-1B
 # +0.6% / +1.6%, GPT-NeoX-1.4B +4.2%, Llama-3-8B LoRA +1.5%; GPU equivalence cases for Llama, GPT-NeoX, Falcon, the
 # checkpointed LoRA layers and QLoRA; BENCHMARKS.md, tests/gpu/RESULTS.md runs 35-37). ``False`` traces as before.
+# The default holds from the first torch they were tested on (2.11 on the GPU, 2.13 on CPU); torch 2.10 has the
+# option, earlier in its development, and takes it only when asked.
 NESTED_GRAPH_BREAKS = "nested_graph_breaks"
+NESTED_BY_DEFAULT_FROM = (2, 11)
 
 
 def nested_graph_breaks_available() -> bool:
     return hasattr(torch._dynamo.config, NESTED_GRAPH_BREAKS)
 
 
+def _nested_by_default() -> bool:
+    from packaging.version import Version
+
+    release = Version(torch.__version__.split("+")[0]).release[:2]
+    return nested_graph_breaks_available() and release >= NESTED_BY_DEFAULT_FROM
+
+
 def traces_nested(options: dict[str, Any] | None) -> bool:
     """Whether layers compiled with ``options`` (a compile dict, or None) trace under nested graph breaks."""
     requested = (options or {}).get(NESTED_GRAPH_BREAKS)
-    return nested_graph_breaks_available() if requested is None else bool(requested)
+    return _nested_by_default() if requested is None else bool(requested)
 
 
 def dynamo_settings(options: dict[str, Any]) -> dict[str, Any]:
     """Take hf_accel's dynamo keys out of a compile dict (in place); the dynamo config to trace the layers under.
-    Nested graph breaks: on unless the dict says False, off without a word where torch lacks them unless it says
-    True (then refused)."""
+    Nested graph breaks: the default on torch >= 2.11 unless the dict says False; where torch lacks them, True is
+    refused."""
     requested = options.pop(NESTED_GRAPH_BREAKS, None)
     if requested is None:
-        requested = nested_graph_breaks_available()
+        requested = _nested_by_default()
     if not requested:
         return {}
     if not nested_graph_breaks_available():
