@@ -506,6 +506,7 @@ def test_keyword_arguments_and_patch_options_are_the_same_call():
     (dict(fused_ce="yes"), "fused_ce must be True, False or 'auto'; got 'yes'"),
     (dict(fused_ops=1), "fused_ops must be True, False or 'auto'; got 1"),
     (dict(compile="yes"), "compile must be True, False or a dict of torch.compile options"),
+    (dict(compile={"nested_graph_breaks": "false"}), "'nested_graph_breaks': ...} must be True or False .*got 'false'"),
     (dict(mlp_chunks=-8), "mlp_chunks must be 'auto', a chunk size in tokens"),
     (dict(checkpointing="every_other"), "checkpointing spec"),
     (dict(compile=True, compile_stand_down="DeepSpeed"), "needs compile=False"),
