@@ -142,10 +142,9 @@ def dynamo_settings(options: dict[str, Any]) -> dict[str, Any]:
     """Take hf_accel's dynamo keys out of a compile dict (in place); the dynamo config to trace the layers under.
     Nested graph breaks: the default on torch >= 2.11 unless the dict says False; where torch lacks them, True is
     refused."""
-    requested = options.pop(NESTED_GRAPH_BREAKS, None)
-    if requested is None:
-        requested = _nested_by_default()
-    if not requested:
+    nested = traces_nested(options)  # one answer for the tracing and for the report's note
+    options.pop(NESTED_GRAPH_BREAKS, None)
+    if not nested:
         return {}
     if not nested_graph_breaks_available():
         raise BackendUnavailable(
