@@ -56,12 +56,15 @@ class PatchOptions:
                 f"compile must be True, False or a dict of torch.compile options (e.g. {{'mode': 'max-autotune'}}); "
                 f"got {self.compile!r}."
             )
-        nested = self.compile.get("nested_graph_breaks") if isinstance(self.compile, dict) else None
-        if nested is not None and not isinstance(nested, bool):  # hf_accel's own key (fused.compiling)
-            raise ConfigurationError(
-                f"compile={{'nested_graph_breaks': ...}} must be True or False (or left out: on by default from "
-                f"torch 2.11); got {nested!r}."
-            )
+        if isinstance(self.compile, dict):
+            from .fused.compiling import NESTED_GRAPH_BREAKS  # hf_accel's own key in a compile dict
+
+            nested = self.compile.get(NESTED_GRAPH_BREAKS)
+            if nested is not None and not isinstance(nested, bool):
+                raise ConfigurationError(
+                    f"compile={{'{NESTED_GRAPH_BREAKS}': ...}} must be True or False (or left out: on by default "
+                    f"from torch 2.11); got {nested!r}."
+                )
         if self.compile_stand_down is not None and self.compile is not False:
             raise ConfigurationError(f"compile_stand_down says why 'auto' compile is off: it needs compile=False; got "
                                      f"compile={self.compile!r}.")

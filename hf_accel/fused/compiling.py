@@ -128,7 +128,7 @@ def nested_graph_breaks_available() -> bool:
 def _nested_by_default() -> bool:
     from packaging.version import Version
 
-    release = Version(torch.__version__.split("+")[0]).release[:2]
+    release = Version(str(torch.__version__)).release[:2]  # a local tag ("+cu130") is not part of the release
     return nested_graph_breaks_available() and release >= NESTED_BY_DEFAULT_FROM
 
 
