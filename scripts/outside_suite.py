@@ -10,8 +10,8 @@ generation/test_utils.py, models/<family>/test_modeling_<family>.py, ...): the s
 the rest comes from the transformers repository at the installed version (pipeline and export mixins may be stubs). Each run is one pytest process per family
 and mode in TF_TESTS (``-p no:cacheprovider``, offline hub); the patched one loads scripts/outside_suite_plugin.py,
 which patches every model the tests build and logs what it patched to <out>/<family>-patch-log.jsonl. Arguments
-after ``--`` go to pytest. Not part of hf_accel's test suite (it needs transformers' test files and ~minutes per
-family on CPU).
+after ``--`` go to pytest. Not part of hf_accel's test suite (it needs transformers' test files, their test-only
+packages ``parameterized`` and ``httpx``, and ~2 minutes per family on a 2-core CPU machine).
 """
 from __future__ import annotations
 
