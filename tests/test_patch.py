@@ -12,7 +12,7 @@ import torch
 
 import hf_accel
 from hf_accel.errors import BackendUnavailable, UnsupportedModel
-from tiny_models import NEW_FAMILIES, VARIANTS, VOCAB, make
+from tiny_models import FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, make
 
 LOGITS_RTOL = 2e-4  # relative to the logits' scale (issue 2's bar)
 GRAD_RTOL = 1e-3  # relative to each gradient's scale
@@ -168,7 +168,7 @@ def test_stock_falcon_packing_leaks_and_ours_does_not():
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi",
-                                     "mistral-window", "gemma2-softcap", "gemma3-text"])
+                                     "mistral-window", "gemma2-softcap", "gemma3-text", *FAMILIES_2026])
 def test_generate_unchanged(variant):
     model = make(variant)
     model.config.use_cache = True
@@ -180,7 +180,7 @@ def test_generate_unchanged(variant):
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "neox-sequential", "falcon-7b-mqa", *NEW_FAMILIES])
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-sequential", "falcon-7b-mqa", *NEW_FAMILIES, *FAMILIES_2026])
 def test_unpatch_restores_bit_identical(variant):
     model = make(variant)
     ids, mask, _ = batch("right")
@@ -295,7 +295,8 @@ def test_checkpointed_layers_still_recompute(variant):
     assert len(calls) == 2 * model.config.num_hidden_layers  # each layer's attention ran again in backward
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-40b-newarch", "neox-parallel", *NEW_FAMILIES])
+@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-40b-newarch", "neox-parallel", *NEW_FAMILIES,
+                                     *FAMILIES_2026])
 def test_lora_grads_equal_patch_before_or_after_peft(variant):
     from peft import LoraConfig, get_peft_model
 

@@ -105,19 +105,30 @@ def _hf_accel_attention_varlen(module, q_bshd, k_bshd, v_bshd, attention_mask, s
         dropout_p=asks.dropout,
         sinks=asks.sinks,
     )
+    position_ids, cu_seq_lens, max_length = _layout_kwargs(kwargs)
     return seam_attention(
-        module, q_bshd, k_bshd, v_bshd,
-        attention_mask=attention_mask, position_ids=kwargs.get("position_ids"), opts=opts,
-        cu_seq_lens=kwargs.get("cu_seq_lens_q"), max_length=kwargs.get("max_length_q"), chunk=asks.chunk,
+        module, q_bshd, k_bshd, v_bshd, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
+        cu_seq_lens=cu_seq_lens, max_length=max_length, chunk=asks.chunk,
     )
+
+
+def _layout_kwargs(kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
+    """(position_ids, cu_seq_lens_q, max_length_q) of this call: as the call passed them, else as the patched
+    model's forward was given them (a body that keeps position_ids to itself, as Llama 4's does, still packs)."""
+    if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
+        return kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    record = _PATCHED_FORWARD.get()
+    if record is None:
+        return None, None, None
+    return record.position_ids, record.cu_seq_lens, record.max_length
 
 
 def _holes(q_bshd, attention_mask, kwargs) -> bool:
     """Whether the padding mask has holes inside a row (read from the forward's layout, memoised for every layer)."""
     batch, seq = q_bshd.shape[:2]
+    position_ids, cu_seq_lens, max_length = _layout_kwargs(kwargs)
     return varlen_batch(batch_size=batch, seq_len=seq, device=q_bshd.device, attention_mask=attention_mask,
-                        position_ids=kwargs.get("position_ids"), cu_seq_lens=kwargs.get("cu_seq_lens_q"),
-                        max_length=kwargs.get("max_length_q")).has_holes
+                        position_ids=position_ids, cu_seq_lens=cu_seq_lens, max_length=max_length).has_holes
 
 
 def stock_call(module, query, key, value, attention_mask, scaling, dropout, asks: CallAsks, kwargs):
@@ -137,9 +148,9 @@ def stock_call(module, query, key, value, attention_mask, scaling, dropout, asks
         mask_function = mu.sliding_window_causal_mask_function(asks.window)
     else:
         mask_function = mu.causal_mask_function if asks.causal else (lambda *index: True)
-    packed = None
-    if attention_mask is None and kwargs.get("position_ids") is not None:
-        packed = (_transformers_find_packed or mu.find_packed_sequence_indices)(kwargs["position_ids"])
+    packed, position_ids = None, _layout_kwargs(kwargs)[0]
+    if attention_mask is None and position_ids is not None:
+        packed = (_transformers_find_packed or mu.find_packed_sequence_indices)(position_ids)
     if packed is not None:
         mask_function = mu.and_masks(mask_function, mu.packed_sequence_mask_function(packed))
     mask = stock_mask()(batch_size=batch, q_length=seq, kv_length=seq, mask_function=mask_function,

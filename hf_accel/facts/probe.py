@@ -261,7 +261,8 @@ def _hooks(model: nn.Module, layers: list[nn.Module], tally: _Tally) -> list:
         for name, sub in layer.named_modules():
             if isinstance(sub, nn.Linear):
                 def record(module, args, output, index=index, name=name):
-                    tally.linear_out[index][_key(output)] = name
+                    if isinstance(output, torch.Tensor):  # a router subclassing nn.Linear may return a tuple
+                        tally.linear_out[index][_key(output)] = name
                 handles.append(sub.register_forward_hook(record))
     return handles
 
@@ -334,10 +335,15 @@ def _output_projections(tally: _Tally) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------------------------------- the probe
 def _is_linear(module: nn.Module) -> bool:
-    """An nn.Linear, or transformers' Conv1D (GPT-2's linears, stored transposed): what PEFT's LoRA adapts."""
+    """A plain linear map: an nn.Linear (or transformers' Conv1D, GPT-2's linears stored transposed) running its class's
+    own forward, what PEFT's LoRA adapts. A subclass with a forward of its own (Llama 4's router, returning scores and
+    logits) is left out: LoRA's wrapper would take its output for a tensor."""
     from transformers.pytorch_utils import Conv1D
 
-    return isinstance(module, (nn.Linear, Conv1D))
+    for base in (nn.Linear, Conv1D):
+        if isinstance(module, base):
+            return type(module).forward is base.forward
+    return False
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
