@@ -173,7 +173,7 @@ def _decide(model_hf: torch.nn.Module, options: PatchOptions) -> _Decisions:
     from .kernel_choice import training_request
     from .memory import mlp_chunks as mlp_chunking
 
-    family = family_of(model_hf.config)
+    family = family_of(model_hf)
     request = training_request(model_hf, family, None)
     speedups = resolve_speedups(model_hf, request.device, fused_ce=options.fused_ce, fused_ops=options.fused_ops,
                                 compile=options.compile, compile_stand_down=options.compile_stand_down)
@@ -248,7 +248,7 @@ def checkpoint_default(model: torch.nn.Module, device: DeviceInfo | None = None)
     from .memory.defaults import checkpoint_default as default_for
 
     model_hf = _transformers_model(model)
-    family = family_of(model_hf.config)
+    family = family_of(model_hf)
     device = device or training_request(model_hf, family, None).device
     return default_for(model, device, base_4bit=four_bit_base(model_hf),
                        output_projections=tuple(family.output_projections(model_hf.config)))

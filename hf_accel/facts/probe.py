@@ -286,7 +286,7 @@ def _forward(model: nn.Module, mode, layers: list[nn.Module], tokens: int, save_
 
 
 # ---------------------------------------------------------------------------------------------- data flow
-_PASS = {"add", "add_", "clone", "native_dropout", "dropout", "_to_copy", "alias"}
+_PASS = {"add", "clone", "native_dropout", "dropout", "_to_copy", "alias"}
 
 
 def _passes(op: _Op) -> bool:
@@ -294,7 +294,7 @@ def _passes(op: _Op) -> bool:
     name = getattr(op.packet, "__name__", str(op.packet))
     if name not in _PASS:
         return False
-    if name in ("add", "add_"):
+    if name == "add":
         return op.kwargs.get("alpha", 1) == 1
     if name in ("native_dropout", "dropout"):
         return len(op.args) > 1 and op.args[1] == 0
@@ -314,8 +314,12 @@ def _feeds_only_output(start: int, ops: list[_Op], output: int | None) -> bool:
         done.add(key)
         reached |= key == output
         for op in ops:
-            if key not in op.inputs or op.outputs == [key] or not op.outputs:
-                continue  # a view or in-place op on the same storage, or a query of metadata (prim.device)
+            if key not in op.inputs or not op.outputs:
+                continue  # a query of metadata (prim.device)
+            if op.outputs == [key]:
+                if getattr(op.packet, "__name__", "").endswith("_"):
+                    return False  # written in place (Llama 4's shared expert: out.add_(routed)): the recompute's
+                continue  # skipped matmul would hand the writer its fill; a view of the same storage passes on
             if not _passes(op):
                 return False
             follow = op.outputs[:1] if getattr(op.packet, "__name__", "") == "native_dropout" else op.outputs
