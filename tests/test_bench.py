@@ -313,7 +313,8 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(mon
     bench = script_module("bench")
     args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
     assert (args.workload, args.steps, args.warmup, args.best_checkpointing) == ("llama-8b-lora", 4, 2, "budget:0.8")
-    assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best", "hf_accel-offload", "hf_accel-offload-mlp4k", "unsloth"]
+    assert args.configs == ["trl-fa4-packed", "trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-best",
+                            "hf_accel-offload", "hf_accel-offload-mlp4k", "unsloth"]
     assert args.nproc is None  # no launcher unless asked for
     assert bench.parse_args(["--preset", "long-context", "--warmup", "0"]).warmup == 0  # one step alone, timed
     with pytest.raises(SystemExit):

@@ -91,27 +91,27 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset(
-            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 with and without Liger vs hf_accel defaults / best, and "
-            "Unsloth (full_finetuning=True) where its pack is installed",
+            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 with and without Liger vs hf_accel "
+            "defaults / best, and Unsloth (full_finetuning=True) where its pack is installed",
             "llama-1b", (*_TRL, *_DEFAULTS_AND_BEST, "unsloth"),
             dict(steps=30, warmup=6, best_compile="on", time_budget=420, config_timeout=120),
         ),
         Preset(  # issue 39c: each lever beside the defaults and the TRL anchor, same run
             "llama-1b-levers", "Llama-3.2-1B shapes, full FT: hf_accel defaults vs the same with inductor's "
             "max-autotune matmuls, with CUDA graphs, with torch's FlashAttention-2 for flash-attn-4, and traced "
-            "without dynamo's nested graph breaks, against TRL + flash-attn-4 + Liger",
-            "llama-1b", ("trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-autotune", "hf_accel-cudagraphs",
-                         "hf_accel-torch-fa2", "hf_accel-without-nested-breaks"),
-            dict(steps=30, warmup=8, time_budget=560, config_timeout=200),
+            "without dynamo's nested graph breaks, against TRL + flash-attn-4 with and without Liger",
+            "llama-1b", (*_TRL, "hf_accel-defaults", "hf_accel-autotune", "hf_accel-cudagraphs", "hf_accel-torch-fa2",
+                         "hf_accel-without-nested-breaks"),
+            dict(steps=30, warmup=8, time_budget=620, config_timeout=200),
         ),
         # issue 39d: float8 training as an explicit opt-in beside bf16 (hf_accel defaults) and the TRL anchor; the
         # 1B over 200 timed steps, so the records hold both loss curves on the same data
         Preset(
             "fp8-1b", "Llama-3.2-1B shapes, full FT, 200 steps: hf_accel precision='fp8' (torchao float8, rowwise) vs "
-            "bf16 (hf_accel defaults) and TRL + flash-attn-4 + Liger: tokens/s and the loss curves",
-            "llama-1b", ("trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-fp8"),
+            "bf16 (hf_accel defaults) and TRL + flash-attn-4 with and without Liger: tokens/s and the loss curves",
+            "llama-1b", (*_TRL, "hf_accel-defaults", "hf_accel-fp8"),
             # 200 steps of ~0.27 s: the default 15 s of timed steps stopped every row near step 60 (run 24)
-            dict(steps=200, warmup=6, step_time_budget=70, time_budget=540, config_timeout=170),
+            dict(steps=200, warmup=6, step_time_budget=70, time_budget=620, config_timeout=170),
         ),
         Preset(
             "fp8-8b", "Llama-3-8B shapes, full FT (checkpointing): hf_accel precision='fp8' vs bf16 (hf_accel "
@@ -120,8 +120,8 @@ PRESETS: dict[str, Preset] = {
             dict(steps=12, warmup=3, time_budget=740, config_timeout=180),
         ),
         Preset(
-            "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (Liger's row says it has no GPT-NeoX kernels) vs "
-            "hf_accel defaults / best",
+            "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (Liger's row says it has no GPT-NeoX "
+            "kernels) vs hf_accel defaults / best",
             "neox-1.4b", (*_TRL[::-1], *_DEFAULTS_AND_BEST),
             dict(steps=30, warmup=6, best_compile="on", time_budget=230, config_timeout=85),
         ),
@@ -132,10 +132,9 @@ PRESETS: dict[str, Preset] = {
             dict(steps=15, warmup=6, best_compile="on", time_budget=220, config_timeout=80),
         ),
         Preset(
-            "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 with and without Liger (full "
-            "checkpointing) "
-            "vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded "
-            "checkpointing) where its pack is installed",
+            "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 with and without Liger "
+            "(full checkpointing) vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and "
+            "offloaded checkpointing) where its pack is installed",
             "llama-8b-lora", (*_TRL[::-1], *_DEFAULTS_AND_BEST, "hf_accel-offload", "hf_accel-offload-mlp4k",
                               "unsloth"),
             dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=660,
@@ -144,9 +143,9 @@ PRESETS: dict[str, Preset] = {
         # issue 36: the other bases people LoRA-tune, at their published shapes: the strongest stock stacks (TRL +
         # flash-attn-4 + Liger, Unsloth where its pack is installed) vs hf_accel defaults / best in the same run
         *[Preset(
-            name, f"{shape} shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 with and without Liger (full checkpointing) vs "
-            "hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded checkpointing) "
-            "where its pack is installed",
+            name, f"{shape} shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 with and without Liger (full "
+            "checkpointing) vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and "
+            "offloaded checkpointing) where its pack is installed",
             name, (*_TRL, *_DEFAULTS_AND_BEST, *unsloth), _FAMILY_LORA_SETTINGS,
         ) for name, shape, unsloth in (
             ("qwen3-8b-lora", "Qwen3-8B", ("unsloth",)), ("mistral-7b-lora", "Mistral-7B-v0.1", ("unsloth",)),
@@ -166,8 +165,10 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(  # issue 38d: a 16k-token step is ~6 x 70B x 16k FLOPs (tens of seconds on one GPU): few steps
             "llama-70b-qlora", "Llama-3-70B shapes, QLoRA (NF4 base built layer by layer on the GPU, LoRA r=16, "
-            "checkpointing): hf_accel defaults vs TRL + flash-attn-4 + Liger; Unsloth loads from files, which do "
-            "not fit (its row says so)",
+            "checkpointing): hf_accel defaults vs TRL's QLoRA path + flash-attn-4 + Liger; Unsloth loads from files, "
+            "which do not fit (its row says so)",
+            # TRL's QLoRA path with Liger only: a 70B row takes ~5 minutes; its other stock variants (without Liger,
+            # on PEFT's kbit preparation) run beside it at 8B (llama-8b-qlora)
             "llama-70b-qlora", ("hf_accel-qlora", "trl-qlora", "unsloth-qlora"),
             dict(steps=2, warmup=2, time_budget=580, config_timeout=330),
         ),
@@ -182,17 +183,15 @@ PRESETS: dict[str, Preset] = {
         # issue 39b: prompt-masked SFT data, the same masks in every configuration
         Preset(
             "llama-1b-completion", "Llama-3.2-1B shapes, full FT, prompt-completion documents (40-60% of each "
-            "masked): TRL + flash-attn-4 with and without Liger (completion_only_loss) vs hf_accel defaults (LM head on "
-            "target rows "
-            "only), the same over every row, and best",
+            "masked): TRL + flash-attn-4 with and without Liger (completion_only_loss) vs hf_accel defaults (LM head "
+            "on target rows only), the same over every row, and best",
             "llama-1b-completion", (*_TRL, *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
             dict(steps=30, warmup=6, best_compile="on", time_budget=480, config_timeout=120),
         ),
         Preset(
             "llama-8b-lora-completion", "Llama-3-8B shapes, LoRA r=16 + checkpointing, prompt-completion documents "
-            "(40-60% of each masked): TRL + flash-attn-4 with and without Liger (completion_only_loss) vs hf_accel defaults "
-            "(LM head "
-            "on target rows only), the same over every row, and best (checkpointing budget:0.8)",
+            "(40-60% of each masked): TRL + flash-attn-4 with and without Liger (completion_only_loss) vs hf_accel "
+            "defaults (LM head on target rows only), the same over every row, and best (checkpointing budget:0.8)",
             "llama-8b-lora-completion",
             (*_TRL, *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
             # TRL's steps here are of two kinds (~1.7 s and ~2.35 s, 2026-12-03): twelve timed steps, not six, so
@@ -219,7 +218,7 @@ PRESETS: dict[str, Preset] = {
             f"r=16), every config capped at an 80 GB card's {EIGHTY_GB_CARD_GIB} GiB of device memory: hf_accel's "
             f"budget plan (budget:{EIGHTY_GB_CARD_GIB}GiB) on PEFT's recipe (fp32 residual stream) and on the base "
             "as Unsloth keeps it (bf16) vs Unsloth's QLoRA (published: 342,733 tokens on an 80 GB GPU) and TRL + "
-            "flash-attn-4 + Liger QLoRA, where the bitsandbytes / Unsloth packs are installed",
+            "flash-attn-4 + Liger on TRL's QLoRA path, where the bitsandbytes / Unsloth packs are installed",
             "llama-8b-qlora-long",
             ("hf_accel-qlora-budget", "hf_accel-qlora-bf16-budget", "unsloth-qlora", "trl-qlora"), _QLORA_LONG_SETTINGS,
         ),
