@@ -185,3 +185,29 @@ def test_bench_prints_the_table_of_its_stock_configurations_into_the_record():
     assert record["anchor_revision"] == ANCHOR_REVISION and set(record["anchors"]) == {"trl-qlora"}
     assert record["anchors"]["trl-qlora"] == ANCHORS["trl-qlora"].record()
     assert table.startswith(anchors_text(["trl-qlora"])) and "`trl-qlora` (TRL + Liger)" in table
+
+
+def test_the_issue_70_gpu_queue_names_presets_configs_and_flags_that_exist():
+    """scripts/gpu_queues/next70.txt: each bench job's preset and BENCH_ARGS parse as bench.py would take them, and
+    each profile job names a workload (a typo would cost a GPU job)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from script_modules import script_module
+
+    bench = script_module("bench")
+    jobs = [line for line in (Path(__file__).resolve().parents[1] / "scripts/gpu_queues/next70.txt").read_text()
+            .splitlines() if line.strip() and not line.startswith("#")]
+    benches = [job for job in jobs if "gpu_check.sh bench" in job]
+    assert len(benches) >= 5
+    for job in benches:
+        extra = re.search(r'BENCH_ARGS="([^"]*)"', job)
+        for preset in job.split("gpu_check.sh bench", 1)[1].split():
+            args = bench.parse_args(["--preset", preset, *shlex.split(extra[1] if extra else "")])
+            assert args.configs and args.workload in WORKLOADS, job
+    for job in jobs:
+        if "profile_step.py" in job:
+            assert shlex.split(job)[shlex.split(job).index("--workload") + 1] in WORKLOADS, job
+    covered = {job.split("gpu_check.sh bench", 1)[1].split()[0] for job in benches}
+    assert {"llama-8b-qlora", "llama-8b-lora-completion", "llama-1b-completion", "llama-1b", "fp8-8b"} <= covered
