@@ -1,10 +1,11 @@
 """hf_accel's QLoRA recipe on CUDA (issue 70, docs/qlora.md): the NF4 base as loaded (no
 prepare_model_for_kbit_training: norms, embeddings and LM head bf16, so a bf16 residual stream), its checkpointing
-on as TrainingArguments turns it on, PEFT LoRA on every linear, `hf_accel.patch(model)` with its defaults (compiled layers on the 4-bit base, offloaded and
-trimmed checkpointing). Over 20 AdamW steps under bf16 autocast, the patched recipe and the unpatched one (the model
-TRL's QLoRA path trains) stay as close to PEFT's QLoRA computed in fp32 as PEFT's own QLoRA in bf16 does, by
-flash-attn's rule (a multiple of the low-precision baseline's error), and the patched recipe within that of the
-unpatched one. The CPU counterpart is tests/test_qlora.py::test_the_recipe_trains_within_bf16_error_of_peft_s_own_qlora.
+on as TrainingArguments turns it on, PEFT LoRA on every linear, `hf_accel.patch(model)` with its defaults (compiled
+layers on the 4-bit base, offloaded and trimmed checkpointing). Over 20 AdamW steps under bf16 autocast, the patched
+recipe and the unpatched one (the model TRL's QLoRA path trains) stay as close to PEFT's QLoRA computed in fp32 as
+PEFT's own QLoRA in bf16 does, by flash-attn's rule (a multiple of the low-precision baseline's error), and the
+patched recipe within that of the unpatched one. The CPU counterpart is
+tests/test_qlora.py::test_the_recipe_trains_within_bf16_error_of_peft_s_own_qlora.
 
 Needs bitsandbytes (CUDA build): `source .gpu/bnb/install.sh` first (see the lead's pack-wheels.sh line)."""
 from __future__ import annotations
