@@ -49,7 +49,7 @@ def _stand_in_binders(calls: list):
         own = type(m).forward
         m.forward = lambda *a, _m=m, **k: calls.append(_m) or own(_m, *a, **k)
 
-    return dict.fromkeys(("rms_norm", "rms_norm_gemma", "swiglu", "geglu", "layer_norm"), binder)
+    return dict.fromkeys(("rms_norm", "rms_norm_gemma", "rms_norm_fp32", "swiglu", "geglu", "layer_norm"), binder)
 
 
 def test_inside_compiled_layers_liger_serves_only_eager_training_calls():

@@ -86,13 +86,21 @@ def found_family(model_or_config: Any) -> Family:
     get_base = getattr(model_or_config, "get_base_model", None)
     model = get_base() if callable(get_base) else model_or_config  # under PEFT, the transformers model
     config = getattr(model, "config", model)
-    model_cls = type(model) if isinstance(model, nn.Module) else causal_lm_class(config)
-    return _found(model_cls, config)
+    if isinstance(model, nn.Module):
+        return _found(type(model), config, model)
+    return _found(causal_lm_class(config), config)
 
 
-def _found(model_cls: type, config) -> Family:
-    facts = probed(model_cls, config)
+def _found(model_cls: type, config, model: nn.Module | None = None) -> Family:
     model_type = config.model_type
+    try:
+        facts = probed(model_cls, config)
+    except Exception as e:  # noqa: BLE001 - a forward fake tensors cannot run: the seam without found facts
+        if model is None or not any(uses_attention_interface(m) for m in model.modules()):
+            raise UnsupportedModel(
+                f"hf_accel could not read {model_cls.__name__}'s facts from a probe forward on fake tensors "
+                f"({type(e).__name__}: {e}); pass the model itself, or train it unpatched.") from e
+        return _unprobed(model, config, e)
     if not facts.attention_classes:
         raise UnsupportedModel(
             f"{model_cls.__name__} (model_type {model_type!r}) does not reach attention through transformers' "
@@ -140,3 +148,34 @@ def _fusable(model: nn.Module):
     from .fusable import fusable_modules
 
     return fusable_modules(model)
+
+
+def _unprobed(model: nn.Module, config, error: Exception) -> Family:
+    """The generic seam for a model whose probe forward failed: every call still reads its own asks and picks its
+    kernel; what only the probe finds is left off (the trimmed recompute, MLP chunks) or refused (the memory
+    estimate), and the report says so."""
+    from ..errors import ConfigurationError
+    from .probe import lora_targets
+
+    attention = [m for m in model.modules() if uses_attention_interface(m)]
+    classes = tuple(dict.fromkeys(type(m) for m in attention))
+    heads = config.num_attention_heads
+    head_dim = getattr(attention[0], "head_dim", None) or config.hidden_size // heads
+    first = (heads, heads // getattr(attention[0], "num_key_value_groups", 1), head_dim)
+    targets = lora_targets(model)
+    why = f"{type(error).__name__}: {error}"
+
+    def layer_bytes(config_: Any, b: int) -> LayerBytes:
+        raise ConfigurationError(f"the memory estimate of {config.model_type} needs its probe forward, which failed "
+                                 f"({why}); plan checkpointing by hand ('full', 'every_2', ...).")
+
+    return Family(
+        name=config.model_type, model_types=(config.model_type,), seam="attention_interface",
+        touches=f"{', '.join(c.__name__ for c in classes)} via transformers' AttentionInterface",
+        attentions=GENERIC_ATTENTIONS, lora_targets=targets,
+        apply=lambda model_, backend: patch_attention_modules(model_, classes, backend),
+        head_shape=lambda config_: first, mlp_width=lambda config_: None, layer_bytes=layer_bytes, fusable=_fusable,
+        attention_layers=lambda config_: {},
+        notes=(f"the facts probe forward failed ({why}): each attention call picks its kernel from what it asks; no "
+               "trimmed recompute, no MLP chunks, no memory estimate",),
+    )

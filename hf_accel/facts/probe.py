@@ -147,6 +147,11 @@ def fake_model(model_cls: type, config, dtype: torch.dtype):
     register()
     config = copy.deepcopy(config)
     config.use_cache = False
+    can_set = getattr(model_cls, "_can_set_experts_implementation", None)
+    if callable(can_set) and can_set() and getattr(config, "_experts_implementation", None) != "grouped_mm":
+        # stock's eager experts loop finds the experts each token routes to by nonzero(), a shape fake tensors cannot
+        # know: the copy routes through transformers' grouped path, which hf_accel's experts patch runs too
+        config._experts_implementation = "grouped_mm"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, _quiet():
         model = model_cls._from_config(config, dtype=dtype).train()
@@ -267,6 +272,27 @@ def _hooks(model: nn.Module, layers: list[nn.Module], tally: _Tally) -> list:
     return handles
 
 
+@contextlib.contextmanager
+def _grouped_experts_on_fake_tensors() -> Iterator[None]:
+    """transformers' grouped-GEMM experts through its own fallback op while the probe runs: torch's meta kernel of
+    ``_grouped_mm`` takes bf16 only, where the CPU and CUDA kernels take fp32 too (what the experts save is the same
+    two matmuls' inputs)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    can_use = getattr(moe, "_can_use_grouped_mm", None)
+    if can_use is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and can_use(input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = can_use
+
+
 def _forward(model: nn.Module, mode, layers: list[nn.Module], tokens: int, save_ops: frozenset
              ) -> tuple[_Tally, _Recorder]:
     params = {_key(t) for t in [*model.parameters(), *model.buffers()]}
@@ -275,7 +301,8 @@ def _forward(model: nn.Module, mode, layers: list[nn.Module], tokens: int, save_
     handles = _hooks(model, layers, tally)
     _RECORDER.append(recorder)
     try:
-        with mode, torch.enable_grad(), tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
+        with mode, torch.enable_grad(), _grouped_experts_on_fake_tensors(), tally, \
+                torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
             ids = torch.zeros(1, tokens, dtype=torch.long)
             model(input_ids=ids, use_cache=False)
     finally:
@@ -350,6 +377,14 @@ def _is_linear(module: nn.Module) -> bool:
     return False
 
 
+def lora_targets(model: nn.Module) -> tuple[str, ...]:
+    """The last names of the model's plain linear maps but its LM head, in order: what PEFT's
+    ``target_modules="all-linear"`` adapts, less any linear subclass with a forward of its own."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                               if _is_linear(m) and m is not head))
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -384,8 +419,7 @@ def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16) -
                   for module, heads, asks in recorder.calls)
     projections = _output_projections(long)
     classes = tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
-    linears = tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
-                                  if _is_linear(m)))
+    linears = lora_targets(model)
     return Probed(calls, saves, projections, classes, linears, _mlp_width(layers))
 
 

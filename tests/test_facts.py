@@ -1,0 +1,188 @@
+"""A family's facts found from the model (hf_accel.facts), each against a live reference: PEFT's own "all-linear"
+for the LoRA targets, a perturbation of each projection's output for the projections only the residual reads, the
+same probe on real tensors for the bytes the fake-tensor forward counts, the configs for what each attention call
+asks, and what each norm computes for the kinds liger may take over. Where the probe forward cannot run, the seam
+still serves the model, and says what it left off."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hf_accel
+from hf_accel.facts import probe as facts_probe
+from hf_accel.facts.fusable import fusable_modules, module_kind
+from hf_accel.patches import family_of
+from tiny_models import FAMILIES_2026, VARIANTS, make
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GENERIC = sorted(name for name in VARIANTS if not name.startswith("falcon"))  # Falcon's family is typed by hand
+
+
+@pytest.mark.parametrize("name", GENERIC)
+def test_lora_targets_are_what_peft_all_linear_adapts(name):
+    """PEFT's target_modules="all-linear" (every linear but the output layer) adapts every module the found targets
+    name; the targets are exactly the model's plain linear maps but its LM head (a linear subclass with a forward of
+    its own, Llama 4's router, is left out: LoRA's wrapper would take its tuple for a tensor)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = make(name)
+    targets = set(family_of(model).lora_targets)
+    head = model.get_output_embeddings()
+    plain = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if facts_probe._is_linear(m) and m is not head}
+    peft_model = get_peft_model(make(name), LoraConfig(r=2, target_modules="all-linear"))
+    adapted = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert targets and targets == plain and targets <= adapted
+
+
+@pytest.mark.parametrize("name", GENERIC)
+def test_output_projections_are_those_whose_output_reaches_only_the_layer_output(name):
+    """A projection qualifies when a change of its output moves the layer's output by exactly that change (it feeds
+    the residual sum and nothing else) and nothing writes into its output in place (a trimmed recompute's skipped
+    matmul would hand the writer its fill: Llama 4's shared expert, out.add_(routed)): checked by adding a random
+    tensor to each linear's output in the last decoder layer of a real forward (a constant would pass unseen through
+    a LayerNorm), and by the output's version counter."""
+    model = make(name).float()
+    found = set(family_of(model).output_projections(model.config))
+    layer = facts_probe.decoder_layers(model)[-1]
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    def layer_output(path: str | None, delta: torch.Tensor | None) -> torch.Tensor:
+        got = []
+        hooks = [layer.register_forward_hook(lambda m, a, out: got.append(out[0] if isinstance(out, tuple) else out))]
+        if path is not None:
+            hooks.append(layer.get_submodule(path).register_forward_hook(lambda m, a, out: out + delta))
+        try:
+            with torch.no_grad():
+                model(input_ids=ids)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return got[0]
+
+    base = layer_output(None, None)
+    outputs = {}
+    def keep(path):
+        def hook(module, args, out):
+            outputs.setdefault(path, (out, out._version))
+        return hook
+
+    hooks = [m.register_forward_hook(keep(p)) for p, m in layer.named_modules() if isinstance(m, nn.Linear)
+             and facts_probe._is_linear(m)]
+    layer_output(None, None)
+    for hook in hooks:
+        hook.remove()
+    written = {p for p, (out, version) in outputs.items() if out._version != version}
+    qualifies = set()
+    for path, module in layer.named_modules():
+        if isinstance(module, nn.Linear) and facts_probe._is_linear(module) and module.out_features == base.shape[-1]:
+            delta = torch.randn(module.out_features, generator=torch.Generator().manual_seed(1))
+            if torch.allclose(layer_output(path, delta) - base, delta.expand_as(base), atol=1e-5):
+                qualifies.add(path)
+    assert found == qualifies - written
+
+
+def _real_per_token(model: nn.Module, dtype: torch.dtype) -> list[tuple[float, float, float]]:
+    """(none, op, full) bytes per token of each decoder layer, saved-tensor probe on real tensors (two lengths), with
+    the probe's flash-like attention (it saves q, k, v, out and the log-sum-exp)."""
+    from hf_accel.memory.plan import probe_training_memory
+    from hf_accel.memory.targets import default_save_ops
+
+    facts_probe.register()
+    save_ops = default_save_ops() | {torch.ops.hf_accel.probe_attention}  # kept by op-level checkpointing, as a
+    # flash kernel's output is (kernels.SAVEABLE_OPS)
+    model = model.to(dtype).train()
+    model.config._attn_implementation_internal = facts_probe.PROBE_NAME
+    figures = []
+    for tokens in facts_probe.TOKENS:
+        ids = torch.randint(1, 96, (1, tokens), generator=torch.Generator().manual_seed(0))
+        figures.append(probe_training_memory(model, {"input_ids": ids}, save_ops=save_ops, backward=False,
+                                             every_layer=True).layers)
+    span = facts_probe.TOKENS[1] - facts_probe.TOKENS[0]
+    return [tuple((getattr(b, f) - getattr(a, f)) / span for f in ("none_bytes", "op_bytes", "full_bytes"))
+            for a, b in zip(*figures)]
+
+
+@pytest.mark.parametrize("name", GENERIC)
+def test_fake_tensor_probe_counts_what_real_tensors_save(name):
+    """The bytes the fake-tensor forward finds per layer and token are what the budget planner's probe measures on
+    real tensors of the same model (fp32 here; the same ops)."""
+    model = make(name)
+    probed = facts_probe.probe_config(type(model), model.config, torch.float32)
+    real = _real_per_token(model, torch.float32)
+    fake = [(s.none, s.op, s.full) for s in probed.layers]
+    assert len(fake) == len(real)
+    for layer, (got, want) in enumerate(zip(fake, real)):
+        assert got == pytest.approx(want, rel=0.02), (layer, got, want)
+
+
+def test_each_call_is_read_as_the_config_asks():
+    """Windows, soft-caps, sinks, chunks and per-layer head dims found from the calls, against the configs."""
+    expect = {
+        "gemma2-softcap": {0: dict(window=4, softcap=1.0), 1: dict(window=None, softcap=1.0)},
+        "gpt-oss": {0: dict(window=4, sinks=True), 1: dict(window=None, sinks=True)},
+        "llama4-text": {0: dict(chunk=4), 1: dict(chunk=None)},
+        "gemma4-text": {i: dict(window=None if i % 2 else 4, heads=(4, 1, 32) if i % 2 else None) for i in range(4)},
+        "mistral-window": {0: dict(window=4), 1: dict(window=4)},
+        "qwen3.5-text": {1: dict(window=None)},  # layer 0 is linear attention: no call
+    }
+    for name, layers in expect.items():
+        model = make(name)
+        found = family_of(model).layer_attentions(model.config)
+        assert set(found) == set(layers), name
+        for index, fields in layers.items():
+            for field, value in fields.items():
+                assert getattr(found[index], field) == value, (name, index, field)
+
+
+def test_the_norms_and_mlps_liger_may_replace_are_found_by_what_they_compute():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kinds = {name: {type(m).__name__: k for _, m, k in fusable_modules(make(name))}
+             for name in ("llama-gqa", "gemma2-softcap", "olmo2", "phi3", "qwen3.5-text", "neox-parallel")}
+    assert kinds["llama-gqa"] == {"LlamaRMSNorm": "rms_norm", "LlamaMLP": "swiglu"}
+    assert kinds["gemma2-softcap"] == {"Gemma2RMSNorm": "rms_norm_gemma", "Gemma2MLP": "geglu"}
+    assert kinds["olmo2"]["Olmo2RMSNorm"] == "rms_norm_fp32"  # the weight applied in fp32
+    assert "Phi3MLP" not in kinds["phi3"]  # fused gate_up_proj: not liger's SwiGLU module
+    assert "Qwen3_5RMSNormGated" not in kinds["qwen3.5-text"]  # a gated norm of two inputs
+    assert kinds["neox-parallel"] == {"LayerNorm": "layer_norm"}
+
+    class ScaledRMSNorm(LlamaRMSNorm):  # an unknown variant: never bound
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    assert module_kind(LlamaRMSNorm(16)) == "rms_norm" and module_kind(ScaledRMSNorm(16)) is None
+
+
+def test_a_model_whose_probe_forward_fails_is_still_served_by_the_seam(monkeypatch):
+    """Where a forward on fake tensors cannot run, every call still reads its asks: the patched model computes what
+    the unpatched one does (padded and packed), the report says what was left off, and the memory estimate refuses
+    with the reason."""
+    import copy
+
+    from hf_accel.errors import ConfigurationError
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("data-dependent shape")
+
+    monkeypatch.setattr("hf_accel.facts.probe_config", fail)
+    monkeypatch.setattr("hf_accel.facts._PROBES", {})
+    ref = make("gemma4-text")
+    ours = copy.deepcopy(ref)
+    report = hf_accel.patch(ours)
+    assert any("probe forward failed" in note for note in report.notes)
+    ids = torch.randint(1, 96, (1, 14), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    torch.testing.assert_close(ours(input_ids=ids, position_ids=pos).logits, ref(input_ids=ids, position_ids=pos).logits)
+    alone = torch.cat([ref(input_ids=ids[:, :6]).logits, ref(input_ids=ids[:, 6:]).logits], dim=1)
+    torch.testing.assert_close(ours(input_ids=ids, position_ids=pos).logits, alone, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ConfigurationError, match="needs its probe forward"):
+        family_of(ours).layer_bytes(ours.config, 4)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES_2026))
+def test_every_2026_family_has_an_attention_layer_and_a_probe(name):
+    model = make(name)
+    family = family_of(model)
+    assert family.layer_attentions(model.config) and family.layer_bytes(model.config, 2).none > 0
