@@ -260,8 +260,98 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    unsorted = torch.empty_like(weighted).index_copy(0, perm, weighted)  # back to (token, k) order; a gather backward
+    inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    unsorted = weighted[inverse]  # back to (token, k) order (a gather: saves the index only, index_copy the rows)
     return unsorted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
 _DECORATED = _decorated_forward_code()
+
+
+# ------------------------------------------------------------------------------------------ what the memory estimate reads
+@dataclass(frozen=True)
+class ExpertsShape:
+    """One experts module's sizes, read from the module (``experts_shapes``), and what the grouped path keeps."""
+
+    path: str  # the module's name in the model
+    num_experts: int
+    top_k: int  # experts per token (the router's top_k)
+    hidden: int  # H: the rows' width in and out
+    intermediate: int  # I: down_proj's input width
+    up_width: int  # the up projection's output width (2I with a gate)
+    has_bias: bool
+    gate_bytes: dict[int, int]  # activation bytes -> bytes per row the gate / activation keeps (measured on a probe)
+
+    @property
+    def params(self) -> int:
+        """Parameters of all experts (weights and biases)."""
+        per_expert = (self.hidden + self.has_bias) * self.up_width + (self.intermediate + self.has_bias) * self.hidden
+        return self.num_experts * per_expert
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (its top_k experts): what a FLOP count per token uses."""
+        return self.params * self.top_k // self.num_experts
+
+    def saved_bytes_per_token(self, act_bytes: int, *, lora_rank: int = 0, trainable: bool = False,
+                              routing_bytes: int = 4) -> int:
+        """Bytes per token the grouped forward keeps for backward: per (token, expert) row the up projection's input
+        (where its weight trains or carries LoRA), the gate's tensors, the down projection's input (same rule), the
+        LoRA products (``lora_rank`` per projection), the expert output and routing weight (the router's gradient),
+        and the int64 indices of the sort (three, four with trainable biases). ``routing_bytes``: the router's output dtype
+        (fp32 for Mixtral; Qwen3-MoE and gpt-oss return the activation dtype: 2 bytes less per row there)."""
+        weight_inputs = (self.hidden + self.intermediate) if (trainable or lora_rank) else 0
+        elements = weight_inputs + 2 * lora_rank + self.hidden
+        gate = self.gate_bytes.get(act_bytes, self.gate_bytes[4] * act_bytes // 4)
+        row = elements * act_bytes + gate + routing_bytes + 8 * (3 + (self.has_bias and trainable))
+        return self.top_k * row
+
+
+def _gate_bytes(module: nn.Module, width: int) -> dict[int, int]:
+    """Bytes per row ``_apply_gate`` (or ``act_fn``) keeps for backward, its input's storage included, measured on a
+    4-row CPU probe in bf16 and fp32 (the module holds no parameter the gate reads)."""
+    gate = module._apply_gate if module.has_gate else module.act_fn
+    found = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            gate(torch.ones(4, width, dtype=dtype, requires_grad=True) * 1.0)
+        found[torch.finfo(dtype).bits // 8] = sum(kept.values()) // 4
+    return found
+
+
+def _top_k(experts: nn.Module, holder: nn.Module, config: Any) -> int:
+    for module in (holder, *holder.children()):
+        if module is not experts and isinstance(getattr(module, "top_k", None), int):
+            return module.top_k
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return int(text.num_experts_per_tok)
+
+
+def experts_shapes(model_or_config: Any) -> list[ExpertsShape]:
+    """Each experts module's ``ExpertsShape``, in model order. A config is built on the meta device (no memory)."""
+    if isinstance(model_or_config, nn.Module):
+        model = model_or_config
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_or_config)
+    holders = {id(child): parent for parent in model.modules() for child in parent.children()}
+    shapes = []
+    for name, module in find_experts(model):
+        up = getattr(module, "gate_up_proj" if module.has_gate else "up_proj")
+        down = getattr(module, "down_proj")
+        hidden, intermediate = (down.shape[-1], down.shape[-2]) if module.is_transposed else down.shape[-2:]
+        up_width = up.shape[-1] if module.is_transposed else up.shape[-2]
+        holder = holders[id(module)]
+        while _param_wrapper() is not None and isinstance(holder, _param_wrapper()):
+            holder = holders[id(holder)]
+        shapes.append(ExpertsShape(name, module.num_experts, _top_k(module, holder, model.config), hidden,
+                                   intermediate, up_width, bool(module.has_bias), _gate_bytes(module, up_width)))
+    return shapes
