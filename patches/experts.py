@@ -57,6 +57,25 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
 
+def lora_target_parameters(model: nn.Module) -> tuple[str, ...]:
+    """The experts' 3-D projection parameters as PEFT's ``target_parameters`` names them (the last two module names
+    and the parameter, e.g. ``mlp.experts.gate_up_proj``), read from the model."""
+    names = set()
+    for path, module in find_experts(model):
+        place = ".".join(p for p in path.split(".") if p != "base_layer").split(".")[-2:]
+        names.update(".".join([*place, n]) for n in ("gate_up_proj", "up_proj", "down_proj") if n in dict(
+            _raw_parameters(module)))
+    return tuple(sorted(names))
+
+
+def _raw_parameters(module: nn.Module):
+    """(name, parameter) of ``module`` itself, a parametrized one's original included."""
+    yield from module.named_parameters(recurse=False)
+    if parametrize.is_parametrized(module):
+        for name, chain in module.parametrizations.items():
+            yield name, chain.original
+
+
 def _why_not(module: nn.Module) -> str | None:
     if getattr(module, "_is_expert_parallel", False):
         return "expert-parallel (its rows carry sentinel experts): left to transformers"
@@ -237,8 +256,8 @@ def experts_linear(module: nn.Module, name: str, x: torch.Tensor, groups: _Group
         lhs, rhs, scaling = lora
         down, up = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))  # (E,in,r), (E,r,out)
         y = y + grouped_mm(grouped_mm(x, down.contiguous(), groups), up.contiguous(), groups) * scaling
-    if module.has_bias:
-        y = y + getattr(module, f"{name}_bias")[groups.ids]
+    if module.has_bias:  # gathered in fp32 so its backward sums each expert's rows in fp32, as eager's broadcast
+        y = y + getattr(module, f"{name}_bias").float()[groups.ids].to(y.dtype)
     return y
 
 

@@ -319,3 +319,16 @@ def test_shapes_from_config_and_parameter_counts(model_type):
         module = dict(model.named_modules())[shape.path]
         assert shape.params == sum(p.numel() for p in module.parameters())
         assert shape.active_params * shape.num_experts == shape.params * shape.top_k
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+def test_lora_target_parameters_found(model_type):
+    """The names PEFT's target_parameters takes, read from the model, reach every experts parameter (LoRA on them
+    then adds exactly two wrapped parameters per experts module)."""
+    model = make(model_type)
+    targets = experts.lora_target_parameters(model)
+    assert targets == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_parameters=list(targets)))
+    assert experts.lora_target_parameters(wrapped) == targets
+    lora_a = [n for n, _ in wrapped.named_parameters() if "lora_A" in n]
+    assert len(lora_a) == 2 * len(experts.find_experts(wrapped))
