@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 Undo = Callable[[], None]
+Factors = tuple[torch.Tensor, torch.Tensor, float]  # a LoRA delta's (lhs, rhs, scaling): scaling * lhs @ rhs
 
 
 # ---------------------------------------------------------------------------------------------------- finding experts
@@ -127,6 +128,8 @@ def _watch_adapters(experts: nn.Module, parents: dict) -> Undo:
     """PEFT puts its ``ParamWrapper`` chain in the experts module's place (before or after this patch): a pre-hook on
     the module holding that place binds the low-rank forward on the chain's outermost wrapper when one is there."""
     wrapper_cls = _param_wrapper()
+    if id(experts) not in parents:  # the model is the experts module itself: nothing can take its place
+        return lambda: None
     holder, attr = parents[id(experts)]
     while wrapper_cls is not None and isinstance(holder, wrapper_cls):  # patched after get_peft_model
         holder, attr = parents[id(holder)]
@@ -149,7 +152,7 @@ def _watch_adapters(experts: nn.Module, parents: dict) -> Undo:
     return undo
 
 
-def _lora_factors(chain: list[nn.Module], experts: nn.Module) -> dict[str, tuple] | None:
+def _lora_factors(chain: list[nn.Module]) -> dict[str, Factors] | None:
     """{parameter name: (lhs, rhs, scaling)} for the chain's active adapters, or None where PEFT's own forward must
     run (adapters disabled or merged, several active on one parameter, fp8 weights, a parameter that is not one of
     the 3-D projections)."""
@@ -173,7 +176,7 @@ def peft_experts_forward(self: nn.Module, hidden_states: torch.Tensor, *args: An
     while isinstance(base, type(self)):
         chain.append(base)
         base = base.base_layer
-    factors = None if kwargs else _lora_factors(chain, base)
+    factors = None if kwargs else _lora_factors(chain)
     if factors is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     return grouped_experts_forward(base, hidden_states, *args, lora=factors)
@@ -229,7 +232,7 @@ def _lora_factors_proxy() -> type | None:
     return _LoraFactorsProxy
 
 
-def weight_and_lora(module: nn.Module, name: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, float] | None]:
+def weight_and_lora(module: nn.Module, name: str) -> tuple[torch.Tensor, Factors | None]:
     """The parameter ``name`` of ``module`` and, where PEFT's single-adapter LoRA parametrization is active on it,
     its factors ``(lhs, rhs, scaling)`` (delta = scaling * lhs @ rhs, in the parameter's layout), unevaluated.
     Anything else is read as stock reads it (the parametrization evaluated)."""
@@ -242,7 +245,7 @@ def weight_and_lora(module: nn.Module, name: str) -> tuple[torch.Tensor, tuple[t
 
 
 def experts_linear(module: nn.Module, name: str, x: torch.Tensor, groups: _Groups,
-                   lora: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                   lora: Factors | None = None) -> torch.Tensor:
     """Projection ``name`` (a 3-D expert parameter, plus ``name + '_bias'`` where the module has biases) of the
     sorted rows ``x`` (S, in) -> (S, out); LoRA on it (``lora`` given, or found on the parameter) as low-rank
     products per expert group."""
@@ -262,7 +265,7 @@ def experts_linear(module: nn.Module, name: str, x: torch.Tensor, groups: _Group
 
 
 def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor, lora: dict[str, tuple] | None = None) -> torch.Tensor:
+                            top_k_weights: torch.Tensor, lora: dict[str, Factors] | None = None) -> torch.Tensor:
     """The experts of ``self`` on ``hidden_states`` (T, H), each token through its ``top_k_index`` (T, k) experts,
     summed with ``top_k_weights`` (T, k): what stock's eager loop computes, on rows grouped by expert. ``lora``:
     {parameter name: (lhs, rhs, scaling)} of PEFT's adapters on the 3-D parameters (``peft_experts_forward``)."""
@@ -287,7 +290,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
 _DECORATED = _decorated_forward_code()
 
 
-# ------------------------------------------------------------------------------------------ what the memory estimate reads
+# ------------------------------------------------------------------------------------- what the memory estimate reads
 @dataclass(frozen=True)
 class ExpertsShape:
     """One experts module's sizes, read from the module (``experts_shapes``), and what the grouped path keeps."""
@@ -317,8 +320,8 @@ class ExpertsShape:
         """Bytes per token the grouped forward keeps for backward: per (token, expert) row the up projection's input
         (where its weight trains or carries LoRA), the gate's tensors, the down projection's input (same rule), the
         LoRA products (``lora_rank`` per projection), the expert output and routing weight (the router's gradient),
-        and the int64 indices of the sort (three, four with trainable biases). ``routing_bytes``: the router's output dtype
-        (fp32 for Mixtral; Qwen3-MoE and gpt-oss return the activation dtype: 2 bytes less per row there)."""
+        and the int64 indices of the sort (three, four with trainable biases). ``routing_bytes``: the router's output
+        dtype (fp32 for Mixtral; Qwen3-MoE and gpt-oss return the activation dtype: 2 bytes less per row there)."""
         weight_inputs = (self.hidden + self.intermediate) if (trainable or lora_rank) else 0
         elements = weight_inputs + 2 * lora_rank + self.hidden
         gate = self.gate_bytes.get(act_bytes, self.gate_bytes[4] * act_bytes // 4)
