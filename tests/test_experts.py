@@ -65,7 +65,9 @@ def padded_batch() -> dict:
 
 
 def packed_batch() -> dict:
-    """Three documents in one row, apart by position_ids (stock sdpa / eager keep them apart with no mask)."""
+    """Three documents in one row, apart by position_ids. Stock sdpa keeps them apart (Qwen3-MoE, Mixtral); stock
+    gpt-oss (eager, sinks) lets them attend across (transformers 5.25), on both sides of the comparison alike: the
+    experts act per token, so the reference is stock's own forward of the same packed row."""
     torch.manual_seed(2)
     lengths = [5, 8, 4]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)))
