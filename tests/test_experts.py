@@ -1,0 +1,336 @@
+"""hf_accel.patches.experts against the unpatched model with stock's eager experts (fp32, CPU, tiny configs built in
+code): logits and every gradient (router included) on padded and packed batches, the load-balancing loss, LoRA on
+the experts (PEFT's target_parameters) with attention and router LoRA, applied before or after get_peft_model, exact
+undo, and the bytes the grouped path keeps for backward measured against saved_tensors_hooks.
+
+Routing is made tie-free: router weights are scaled so that, on the test batches, the k-th and (k+1)-th router logits
+of every token in every layer differ by at least ROUTING_MARGIN (checked on the reference), far above the ~1e-6
+fp32 differences a different summation order leaves; so both models pick the same experts on every run.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_accel.patches import experts
+
+peft = pytest.importorskip("peft")
+
+VOCAB = 64
+ROUTING_MARGIN = 1e-3
+LOGITS_ATOL = 2e-5  # fp32: the experts' sums in another order
+GRAD_RTOL = 1e-4
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, use_cache=False, router_aux_loss_coef=0.05)
+# moe intermediate widths differ from hidden so a transposed layout would show; gpt-oss's sinks need eager attention
+CONFIGS = {
+    "qwen3_moe": (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, intermediate_size=40,
+                       norm_topk_prob=True), "sdpa"),
+    "gpt_oss": (dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"]), "eager"),
+    "mixtral": (dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=40), "sdpa"),
+}
+ROUTERS = {"qwen3_moe": "mlp.gate.weight", "gpt_oss": "mlp.router.weight", "mixtral": "mlp.gate.weight"}
+
+
+def make(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """The unpatched reference: stock's eager experts loop, experts and biases large enough to matter, router
+    logits spread wide (the routing margin above)."""
+    extra, attention = CONFIGS[model_type]
+    config = AutoConfig.for_model(model_type, **{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager", attn_implementation=attention)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 3 or name.endswith("_bias"):
+                p.normal_(0.0, 0.2)
+            elif ".gate.weight" in name or ".router.weight" in name:
+                p.normal_(0.0, 1.0)
+    return model.train()
+
+
+def padded_batch() -> dict:
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, 6:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def packed_batch() -> dict:
+    """Three documents in one row, apart by position_ids. Stock sdpa keeps them apart (Qwen3-MoE, Mixtral); stock
+    gpt-oss (eager, sinks) lets them attend across (transformers 5.25), on both sides of the comparison alike: the
+    experts act per token, so the reference is stock's own forward of the same packed row."""
+    torch.manual_seed(2)
+    lengths = [5, 8, 4]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, torch.tensor(lengths).cumsum(0)[:-1]] = -100  # each document's first token predicts nothing
+    return dict(input_ids=ids, position_ids=positions, labels=labels)
+
+
+def routing_margin(model, batch) -> float:
+    """The smallest gap between the k-th and (k+1)-th router logits over every token and layer."""
+    with torch.no_grad():
+        out = model(**batch, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return min((lg.sort(-1, descending=True).values[:, k - 1] - lg.sort(-1, descending=True).values[:, k]).min().item()
+               for lg in out.router_logits)
+
+
+def step(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same_step(ours, ref, batch, **kw):
+    assert routing_margin(ref, batch) > ROUTING_MARGIN
+    out_ref, grads_ref = step(ref, batch, **kw)
+    out, grads = step(ours, batch, **kw)
+    torch.testing.assert_close(out.logits, out_ref.logits, atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(out.loss, out_ref.loss, atol=LOGITS_ATOL, rtol=0)
+    assert grads.keys() == grads_ref.keys() and len(grads) > 0
+    for name, g in grads_ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=GRAD_RTOL, atol=GRAD_RTOL * g.abs().max().item(), msg=name)
+    return out, out_ref, grads
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+@pytest.mark.parametrize("batch", [padded_batch, packed_batch], ids=["padded", "packed"])
+def test_logits_and_every_gradient(model_type, batch, one_torch_thread):
+    ref = make(model_type)
+    ours = copy.deepcopy(ref)
+    names, _ = experts.apply(ours)
+    assert names == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    _, _, grads = assert_same_step(ours, ref, batch())
+    assert any(ROUTERS[model_type].split(".")[-2] in n for n in grads)  # the router's weight got a gradient
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+def test_auxiliary_loss(model_type, one_torch_thread):
+    ref = make(model_type)
+    ours = copy.deepcopy(ref)
+    experts.apply(ours)
+    out, out_ref, _ = assert_same_step(ours, ref, padded_batch(), output_router_logits=True)
+    assert out_ref.aux_loss is not None and out_ref.aux_loss.item() > 0
+    torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, atol=1e-6, rtol=0)
+
+
+def _lora_config(model_type: str) -> "peft.LoraConfig":
+    # init_lora_weights=False: B is not zero, so every factor's gradient (and the delta) matters
+    return peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                              ROUTERS[model_type]])
+
+
+def _count_factor_folds():
+    """Counts evaluations of PEFT's W + scaling * lhs @ rhs (``_LoraFactorsProxy``: a tensor the size of the whole
+    expert stack each time)."""
+    from peft.tuners.lora.layer import _LoraFactorsProxy
+
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: calls.append(1) if isinstance(m, _LoraFactorsProxy) else None)
+    return calls, handle
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+@pytest.mark.parametrize("order", ["patch_then_peft", "peft_then_patch"])
+def test_lora_on_experts_low_rank(model_type, order, one_torch_thread):
+    base = make(model_type)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(copy.deepcopy(base), _lora_config(model_type))
+    torch.manual_seed(3)
+    if order == "patch_then_peft":
+        ours = copy.deepcopy(base)
+        experts.apply(ours)
+        ours = peft.get_peft_model(ours, _lora_config(model_type))
+    else:
+        ours = peft.get_peft_model(copy.deepcopy(base), _lora_config(model_type))
+        experts.apply(ours)
+    _, _, grads = assert_same_step(ours, ref, padded_batch())
+    calls, handle = _count_factor_folds()
+    try:
+        step(ref, padded_batch())
+        folds_ref = len(calls)
+        calls.clear()
+        step(ours, padded_batch())
+    finally:
+        handle.remove()
+    assert folds_ref > 0 and len(calls) == 0  # PEFT folds each expert stack; the patched model never does
+    assert any("lora_A" in n and "experts" in n for n in grads) and any("lora_B" in n and "experts" in n for n in grads)
+
+
+def test_lora_disabled_adapter_and_two_adapters(one_torch_thread):
+    """Where the low-rank path does not apply (adapters disabled, two active adapters) PEFT's own forward runs."""
+    base = make("qwen3_moe")
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(copy.deepcopy(base), _lora_config("qwen3_moe"))
+    torch.manual_seed(3)
+    ours = peft.get_peft_model(copy.deepcopy(base), _lora_config("qwen3_moe"))
+    experts.apply(ours)
+    with ref.disable_adapter(), ours.disable_adapter(), torch.no_grad():  # nothing trains: compare the logits
+        torch.testing.assert_close(ours(**padded_batch()).logits, ref(**padded_batch()).logits, atol=LOGITS_ATOL,
+                                   rtol=0)
+    for model in (ref, ours):
+        torch.manual_seed(4)
+        model.add_adapter("second", _lora_config("qwen3_moe"))
+        model.base_model.set_adapter(["default", "second"])
+    assert_same_step(ours, ref, padded_batch())
+
+
+def _state(model):
+    return [(n, dict(m.__dict__), dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("with_peft", [False, True])
+def test_undo_restores_exactly(with_peft, one_torch_thread):
+    model = make("gpt_oss")
+    if with_peft:
+        model = peft.get_peft_model(model, _lora_config("gpt_oss"))
+    before = _state(model)
+    batch = packed_batch()
+    with torch.no_grad():
+        logits_before = model(**batch).logits
+    names, undo = experts.apply(model)
+    assert names and experts.apply(model)[0] == []  # a second apply binds nothing new
+    with torch.no_grad():
+        model(**batch)
+    for u in reversed(undo):
+        u()
+    assert _state(model) == before
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, logits_before)
+
+
+def test_finds_experts_from_the_model():
+    """Only the decorated experts modules: a Qwen3-MoE with a dense first layer keeps its plain MLP."""
+    model = make("qwen3_moe", mlp_only_layers=[0])
+    names, _ = experts.apply(model)
+    assert names == ["model.layers.1.mlp.experts"]
+    assert [n for n, _ in experts.find_experts(model)] == names
+
+
+@pytest.mark.skipif(not hasattr(transformers.models, "qwen3_5_moe"), reason="no qwen3_5_moe in this transformers")
+def test_qwen3_5_moe_experts(one_torch_thread):
+    """Qwen3.5-MoE's experts (beside its shared expert and gated DeltaNet layers, left stock) are found and fused."""
+    config = AutoConfig.for_model(
+        "qwen3_5_moe_text", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        use_cache=False)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, experts_implementation="eager", attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() == 3:
+                p.normal_(0.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    ours = copy.deepcopy(ref)
+    assert len(experts.apply(ours)[0]) == 2
+    assert_same_step(ours, ref, padded_batch())
+
+
+def test_cpu_never_takes_the_cuda_kernel(monkeypatch):
+    """torch 2.13's CPU wheel has _grouped_mm (fp32/bf16/fp16, with a backward), but the CUDA path is chosen only
+    on CUDA: on CPU the per-expert fallback runs even in bf16 with aligned widths."""
+    x, w = torch.randn(6, 16, dtype=torch.bfloat16), torch.randn(3, 16, 8, dtype=torch.bfloat16)
+    assert not experts._cuda_grouped_mm_serves(x, w)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("grouped_mm called on CPU")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", refuse, raising=False)
+    groups = experts._Groups(torch.tensor([0, 0, 2, 2, 2, 2]), 3)
+    out = experts.grouped_mm(x, w, groups)
+    torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[2]]))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+def test_fallback_matches_torch_grouped_mm_on_cpu():
+    """The exact fallback against torch's own grouped GEMM (CPU kernel), forward and backward, empty groups too."""
+    torch.manual_seed(0)
+    x = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(4, 16, 8, requires_grad=True)
+    groups = experts._Groups(torch.tensor([0, 0, 0, 2, 2, 2, 2, 3, 3, 3]), 4)
+    grad = torch.randn(10, 8)
+    ours = torch.autograd.grad(experts.grouped_mm(x, w, groups), (x, w), grad)
+    theirs = torch.autograd.grad(torch._grouped_mm(x, w, offs=groups.offs), (x, w), grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+
+
+def _saved_bytes(model, module, tokens: int, shape: experts.ExpertsShape) -> int:
+    """Bytes of every tensor the experts module's forward keeps for backward (unique storages, parameters aside)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    torch.manual_seed(tokens)
+    hidden = torch.randn(tokens, shape.hidden, requires_grad=True)
+    index = torch.stack([torch.randperm(shape.num_experts)[:shape.top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, shape.top_k, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(hidden, index, weights)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+@pytest.mark.parametrize("setting", ["trainable", "frozen", "lora"])
+def test_saved_bytes_per_token_measured(model_type, setting, one_torch_thread):
+    model = make(model_type)
+    if setting != "trainable":
+        model.requires_grad_(False)
+    lora_rank = 0
+    if setting == "lora":
+        config = peft.LoraConfig(r=8, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        model, lora_rank = peft.get_peft_model(model, config), 8
+    experts.apply(model)
+    shape = experts.experts_shapes(model)[0]
+    assert shape.top_k == model.config.num_experts_per_tok
+    called = dict(model.named_modules())[shape.path.replace(".base_layer", "")]  # PEFT's outermost wrapper, if any
+    per_token = (_saved_bytes(model, called, 24, shape) - _saved_bytes(model, called, 12, shape)) / 12
+    assert per_token == shape.saved_bytes_per_token(4, lora_rank=lora_rank, trainable=setting == "trainable")
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+def test_shapes_from_config_and_parameter_counts(model_type):
+    """The meta-device shapes equal the built model's; total and active parameters count the experts' tensors."""
+    model = make(model_type)
+    from_config = experts.experts_shapes(model.config)
+    assert from_config == experts.experts_shapes(model)
+    for shape in from_config:
+        module = dict(model.named_modules())[shape.path]
+        assert shape.params == sum(p.numel() for p in module.parameters())
+        assert shape.active_params * shape.num_experts == shape.params * shape.top_k
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+def test_lora_target_parameters_found(model_type):
+    """The names PEFT's target_parameters takes, read from the model, reach every experts parameter (LoRA on them
+    then adds exactly two wrapped parameters per experts module)."""
+    model = make(model_type)
+    targets = experts.lora_target_parameters(model)
+    assert targets == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_parameters=list(targets)))
+    assert experts.lora_target_parameters(wrapped) == targets
+    lora_a = [n for n, _ in wrapped.named_parameters() if "lora_A" in n]
+    assert len(lora_a) == 2 * len(experts.find_experts(wrapped))
