@@ -194,6 +194,14 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     names, seam_undo = family.apply(model_hf, backend)
     undo += seam_undo
     applied.attention_modules = names
+    from .patches import experts
+
+    experts_names, experts_undo = experts.apply(model)  # mixture-of-experts layers: a grouped GEMM, LoRA kept low-rank
+    undo += experts_undo
+    if experts_names:
+        applied.notes.append(f"experts: {len(experts_names)} mixture-of-experts modules run their tokens sorted by "
+                             "expert through a grouped GEMM (LoRA on the experts as low-rank products; the router "
+                             "and its load-balancing logits stay transformers' own)")
     _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
     if decisions.options.precision == "fp8":  # first: fused ops and compiled layers then call the float8 linears
         from .fused import fp8

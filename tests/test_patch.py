@@ -549,3 +549,25 @@ def test_a_stand_down_reason_is_the_reports_compile_line():
     report = hf_accel.patch(make("llama-gqa"), options=PatchOptions(backend="reference", compile=False,
                                                                     compile_stand_down=reason))
     assert report.speedups[-1] == f"compile: off (auto: {reason})" and report.compiled_layers == 0
+
+
+@pytest.mark.parametrize("variant", ["qwen3-moe", "gpt-oss", "mixtral"])
+def test_patch_runs_mixture_of_experts_layers_grouped_and_unpatch_restores_them(variant):
+    """patch() binds the grouped experts forward (hf_accel.patches.experts) to every experts module, says so, and
+    unpatch() restores the stock forward; the step equals the unpatched model's (the eager experts)."""
+    from hf_accel.patches import experts
+
+    ref = make(variant)
+    ours = copy.deepcopy(ref)
+    report = hf_accel.patch(ours)
+    found = experts.find_experts(ours)
+    assert found and all("forward" in m.__dict__ for _, m in found)
+    assert any(f"experts: {len(found)} mixture-of-experts modules" in note for note in report.notes)
+    ids, mask, labels = batch("right")
+    _, grads = loss_and_grads(ours, ids, mask, labels)
+    _, ref_grads = loss_and_grads(ref, ids, mask, labels)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) < GRAD_RTOL, name
+    hf_accel.unpatch(ours)
+    assert not any("forward" in m.__dict__ for _, m in experts.find_experts(ours))
