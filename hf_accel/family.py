@@ -100,6 +100,9 @@ class Family:
     final_logit_softcap: Callable[[Any], float | None] = _no_softcap  # config -> cap on the LM head's logits
     # stock transformers keeps packed documents apart by restarting position_ids (its eager / sdpa / flash paths)
     stock_packing: bool = True
+    # model -> whether the unpatched model does (checked on the model itself, where the family is found, not typed);
+    # None: stock_packing says
+    packs_apart: Callable[[nn.Module], bool] | None = None
     # the attn_implementation to build the unpatched reference with (transformers refuses SDPA for Gemma 2)
     reference_attention: str = "sdpa"
     # config -> paths (inside a decoder layer) of the projections whose output nothing but the layer's output reads
@@ -110,6 +113,10 @@ class Family:
     # config -> {decoder layer index: its LayerAttention} for the layers that have attention (a hybrid model's
     # linear-attention layers have none); None: every layer, from layer_attention
     attention_layers: Callable[[Any], dict[int, LayerAttention]] | None = None
+
+    def stock_keeps_documents_apart(self, model: nn.Module) -> bool:
+        """Whether the unpatched ``model`` keeps documents packed in one row apart given restarting position_ids."""
+        return self.packs_apart(model) if self.packs_apart is not None else self.stock_packing
 
     def layer_attentions(self, config: Any) -> dict[int, LayerAttention]:
         """{decoder layer index: LayerAttention} of each layer with attention, in order."""

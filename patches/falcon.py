@@ -44,6 +44,7 @@ from hf_accel.attention.hf_attention import (
 from hf_accel.attention.kernels import AttnOptions
 from hf_accel.attention.routing import PROBABILITIES, leaves_forward_to_stock
 
+from hf_accel.facts import stock_keeps_documents_apart
 from hf_accel.family import Family, LayerAttention, LayerBytes, affine_layer_norm, fusable_by_class
 
 _ORIGINAL = "_hf_accel_original_forward"
@@ -301,6 +302,9 @@ FAMILY = Family(
     fusable=fusable_by_class(affine_layer_norm),
     training_dropout=training_dropout,
     layer_attention=lambda config, layer_idx: LayerAttention(alibi=bool(config.alibi)),
-    stock_packing=False,  # stock Falcon builds its mask without position_ids: packed documents attend to each other
+    # stock Falcon up to transformers 5.23 builds its mask without position_ids: packed documents attend to each
+    # other (5.24 on keeps them apart); the Trainer checks the model itself
+    stock_packing=False,
+    packs_apart=stock_keeps_documents_apart,
     output_projections=output_projections,
 )

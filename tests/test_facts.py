@@ -186,3 +186,25 @@ def test_every_2026_family_has_an_attention_layer_and_a_probe(name):
     model = make(name)
     family = family_of(model)
     assert family.layer_attentions(model.config) and family.layer_bytes(model.config, 2).none > 0
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3-moe", "gpt-oss", "falcon-mha"])
+def test_a_stock_model_that_lets_packed_documents_mix_trains_padded_unpatched(name):
+    """Where the unpatched model lets one packed document attend to the one before (stock gpt-oss's eager attention
+    on transformers 5.25, Falcon's mask up to 5.23), hf_accel's Trainer told not to patch pads instead of packing;
+    the check runs the model itself, so it follows the installed transformers."""
+    from types import SimpleNamespace
+
+    from hf_accel.training.data_loading import default_collator
+
+    model = make(name)
+    ids = torch.randint(1, 96, (1, 11), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(5), torch.arange(6)])[None]
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=ids[:, :5]).logits, model(input_ids=ids[:, 5:]).logits], dim=1)
+        mixed = bool((model(input_ids=ids, position_ids=pos).logits - alone).abs().max() > 1e-3)
+    if name == "llama-gqa":
+        assert not mixed
+    assert family_of(model).stock_keeps_documents_apart(model) == (not mixed)  # the live reference: stock's row
+    collator = default_collator(model, None, SimpleNamespace(packing=True, patch=False))
+    assert collator.fallback_to_padding == mixed

@@ -141,7 +141,30 @@ def _found(model_cls: type, config, model: nn.Module | None = None) -> Family:
         reference_attention="eager" if _needs_eager(model_cls, calls) else "sdpa",
         output_projections=lambda config_: facts.output_projections,
         notes=notes,
+        packs_apart=stock_keeps_documents_apart,
     )
+
+
+def stock_keeps_documents_apart(model: nn.Module) -> bool:
+    """Whether the unpatched ``model``, given two documents packed in one row with position_ids restarting at the
+    second, computes each as it computes it alone (transformers' own packing; stock gpt-oss's eager attention lets
+    the second attend to the first). One small forward of the model itself, without gradients."""
+    get_base = getattr(model, "get_base_model", None)
+    model = get_base() if callable(get_base) else model
+    param = next(model.parameters())
+    ids = (torch.arange(7, device=param.device)[None] * 5 + 3) % model.config.vocab_size
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=param.device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+            alone = torch.cat([model(input_ids=ids[:, :3], use_cache=False).logits,
+                               model(input_ids=ids[:, 3:], use_cache=False).logits], dim=1).float()
+    finally:
+        model.train(training)
+    tolerance = 1e-4 if param.dtype == torch.float32 else 2e-2  # half precision: kernels of other shapes round apart
+    return bool((packed - alone).abs().max() <= tolerance * alone.abs().max())
 
 
 def _fusable(model: nn.Module):

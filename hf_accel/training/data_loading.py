@@ -69,8 +69,9 @@ def default_collator(model: Any, processing_class: Any, accel: Any) -> Any:
         return DataCollatorForPadding(pad_token_id=pad_id)
     collator = DataCollatorForPacking(pad_token_id=pad_id)
     family = model_family(model)
-    if not accel.patch and family is not None and not family.stock_packing:
-        # e.g. stock Falcon builds its mask without position_ids: packed documents would attend to each other
+    if not accel.patch and family is not None and not family.stock_keeps_documents_apart(model):
+        # e.g. stock Falcon builds its mask without position_ids, stock gpt-oss's eager attention ignores them:
+        # packed documents would attend to each other
         collator.use_padding(f"stock (unpatched) {family.name} cannot keep packed documents apart")
     return collator
 
