@@ -1,4 +1,4 @@
-"""hf_accel: fast, numerically equivalent fine-tuning for Hugging Face Llama, Falcon and GPT-NeoX models.
+"""hf_accel: fast, numerically equivalent fine-tuning for Hugging Face causal LMs.
 
 Public API: ``patch`` / ``unpatch`` (the attention seam), ``list_backends``, the collators and samplers, checkpoint
 policies, the Trainer classes and ``FlashMHA``. Names are imported on first use (PEP 562), so ``import hf_accel``
