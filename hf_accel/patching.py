@@ -194,14 +194,7 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     names, seam_undo = family.apply(model_hf, backend)
     undo += seam_undo
     applied.attention_modules = names
-    from .patches import experts
-
-    experts_names, experts_undo = experts.apply(model)  # mixture-of-experts layers: a grouped GEMM, LoRA kept low-rank
-    undo += experts_undo
-    if experts_names:
-        applied.notes.append(f"experts: {len(experts_names)} mixture-of-experts modules run their tokens sorted by "
-                             "expert through a grouped GEMM (LoRA on the experts as low-rank products; the router "
-                             "and its load-balancing logits stay transformers' own)")
+    undo += _bind_experts(model, applied.notes)
     _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
     if decisions.options.precision == "fp8":  # first: fused ops and compiled layers then call the float8 linears
         from .fused import fp8
@@ -260,6 +253,19 @@ def checkpoint_default(model: torch.nn.Module, device: DeviceInfo | None = None)
     device = device or training_request(model_hf, family, None).device
     return default_for(model, device, base_4bit=four_bit_base(model_hf),
                        output_projections=tuple(family.output_projections(model_hf.config)))
+
+
+def _bind_experts(model, notes: list[str]) -> list[Callable[[], None]]:
+    """Mixture-of-experts layers through a grouped GEMM, LoRA on the experts kept low-rank (hf_accel.patches.experts);
+    a model without experts is left as it is."""
+    from .patches import experts
+
+    names, undo = experts.apply(model)
+    if names:
+        notes.append(f"experts: {len(names)} mixture-of-experts modules run their tokens sorted by expert through a "
+                     "grouped GEMM (LoRA on the experts as low-rank products; the router and its load-balancing "
+                     "logits stay transformers' own)")
+    return undo
 
 
 def _keep_cpu_4bit_trainable(model_hf, notes: list[str]) -> list[Callable[[], None]]:
