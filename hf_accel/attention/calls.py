@@ -72,9 +72,10 @@ def read_call(module: torch.nn.Module, head_dim: int, scaling: float | None, dro
         chunk = getattr(module.config, "attention_chunk_size", None)
     known = model_kwargs() | HANDLED | _PASSED_DOWN
     unknown = tuple(sorted(k for k, v in kwargs.items() if v is not None and k not in known))
+    is_causal = kwargs.get("is_causal")
     return CallAsks(
         scale=scaling if scaling is not None else head_dim ** -0.5,
-        causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
+        causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
         window=int(window) if window else None,
         softcap=float(kwargs["softcap"]) if kwargs.get("softcap") else None,
         dropout=float(dropout or 0.0),
