@@ -46,7 +46,6 @@ from hf_accel.errors import BackendUnavailable, ConfigurationError
 
 logger = logging.getLogger(__name__)
 
-LAYER_TYPE = "linear_attention"  # the text config's layer_types entry of these layers
 DOCUMENTS_KWARG = "hf_accel_documents"  # what the decoder layer's pre-hook adds to the module's keyword arguments
 BACKENDS = ("fla", "per_document")  # preference order of backend="auto"
 FLA_DEVICES = ("cuda",)  # where fla-core's Triton kernels run
@@ -101,22 +100,35 @@ class Segments:
 # ---- finding the modules ----
 
 def linear_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
-    """(name, module, its decoder layer) of every linear-attention token mixer of ``model``: a child, with
-    ``layer_idx`` i, of a layer taking ``**kwargs`` where the text config says ``layer_types[i] ==
-    "linear_attention"``, that holds a depthwise ``nn.Conv1d`` and whose forward takes ``(hidden_states, cache,
-    attention_mask, **kwargs)``."""
+    """(name, module, its decoder layer) of every recurrent token mixer of ``model``: a child, with ``layer_idx`` i,
+    of a layer taking ``**kwargs``, where the text config's ``layer_types[i]`` is one of ``recurrent_layer_types()``,
+    that holds a depthwise ``nn.Conv1d`` and whose forward takes ``(hidden_states, cache, attention_mask,
+    **kwargs)`` (Gated DeltaNet, Mamba-2 mixers, short convs)."""
     config = model.config
     get_text = getattr(config, "get_text_config", None)
     text = get_text(decoder=True) if callable(get_text) else config
     layer_types = list(getattr(text, "layer_types", None) or ())
+    recurrent = recurrent_layer_types()
     found = []
     for layer_name, layer in model.named_modules():
         for child_name, child in layer.named_children():
             index = getattr(child, "layer_idx", None)
-            if (isinstance(index, int) and 0 <= index < len(layer_types) and layer_types[index] == LAYER_TYPE
+            if (isinstance(index, int) and 0 <= index < len(layer_types) and layer_types[index] in recurrent
                     and _is_conv_mixer(child) and _takes_var_kwargs(layer.forward)):
                 found.append((f"{layer_name}.{child_name}" if layer_name else child_name, child, layer))
     return found
+
+
+def recurrent_layer_types() -> frozenset[str]:
+    """The layer types whose layers transformers gives a recurrent padding mask (``create_recurrent_attention_mask``,
+    alone or among a hybrid layer's masks): linear attention, Mamba and short-conv layers."""
+    from transformers import masking_utils
+
+    recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)
+    mapping = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    found = {name for name, fn in mapping.items()
+             if recurrent is not None and (fn is recurrent or (isinstance(fn, dict) and recurrent in fn.values()))}
+    return frozenset(found or ("linear_attention", "conv"))
 
 
 def _takes_var_kwargs(fn: Callable) -> bool:
