@@ -31,6 +31,7 @@ import functools
 import inspect
 import logging
 import types
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -146,19 +147,33 @@ def _is_conv_mixer(module: nn.Module) -> bool:
 
 # ---- the documents of a forward ----
 
+# The documents each decoder layer last handed on, with (a weak reference to) the hidden states it was given: up to
+# transformers 5.24 a checkpointed layer's recompute runs its hooks again, after the model's forward (and its record)
+# ended, with the very hidden states of the forward (non-reentrant checkpointing).
+_handed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @torch.compiler.disable  # reads the forward's record (a context variable)
 def _hand_documents(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Decoder-layer pre-hook: add the forward's documents to the keyword arguments the layer passes on."""
-    kwargs[DOCUMENTS_KWARG] = _documents(kwargs, kwargs.get("position_ids", _MISSING))
+    record = current_forward_batch()
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    handed = _handed.get(layer)
+    if record is None and handed is not None and hidden is not None and handed[0]() is hidden:
+        documents = handed[1]  # a checkpoint's recompute: what the forward handed on
+    else:
+        documents = _documents(kwargs, kwargs.get("position_ids", _MISSING), record)
+        if isinstance(hidden, torch.Tensor):
+            _handed[layer] = (weakref.ref(hidden), documents)
+    kwargs[DOCUMENTS_KWARG] = documents
     return args, kwargs
 
 
 _MISSING = object()
 
 
-def _documents(kwargs: dict, position_ids: Any) -> Documents:
-    """The documents from the call's own arguments, else from the record of the model's forward."""
-    record = current_forward_batch()
+def _documents(kwargs: dict, position_ids: Any, record) -> Documents:
+    """The documents from the call's own arguments, else from ``record`` (the model forward's)."""
     if position_ids is _MISSING:
         position_ids = None if record is None else record.position_ids
     cu, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
@@ -374,7 +389,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
 def _packed_forward(module, stock, hidden_bsd, documents: Documents | None, kwargs: dict) -> torch.Tensor:
     mask_bs = kwargs.pop("attention_mask", None)
     if documents is None:  # called without its decoder layer's hook
-        documents = _documents(kwargs, _MISSING)
+        documents = _documents(kwargs, _MISSING, current_forward_batch())
     for name in _COLLATOR_KWARGS + _CACHE_NAMES:  # served by the layout / None
         kwargs.pop(name, None)
     segments = layout(documents, mask_bs, hidden_bsd.shape[0], hidden_bsd.shape[1], hidden_bsd.device)
@@ -399,7 +414,8 @@ def _bind(module: nn.Module, layer: nn.Module, backend: str) -> list[Callable[[]
         if previous is not None:
             module.__dict__["forward"] = previous
 
-    return [undo, layer.register_forward_pre_hook(_hand_documents, with_kwargs=True).remove]
+    return [undo, layer.register_forward_pre_hook(_hand_documents, with_kwargs=True).remove,
+            lambda: _handed.pop(layer, None)]
 
 
 def apply(model: nn.Module, *, backend: str = "auto") -> tuple[list[str], list[Callable[[], None]]]:

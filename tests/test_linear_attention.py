@@ -142,10 +142,12 @@ def test_packed_row_equals_each_document_alone(model_type, one_torch_thread):
 @pytest.mark.parametrize("model_type", sorted(OTHER_HYBRIDS))
 def test_other_hybrids_packed_row_equals_each_document_alone(model_type, one_torch_thread):
     """Nemotron-H, Falcon-H1, LFM2, Granite-MoE-hybrid, Bamba, OLMo-hybrid: stock packing leaks through their
-    recurrent layers; patched, logits and gradients of each document are its own."""
+    recurrent layers; patched (checkpointing on), logits and gradients of each document are its own."""
     model = tiny_other(model_type)
     if not la.linear_attention_modules(model):  # transformers 5.17's LFM2 short conv takes no **kwargs
         pytest.skip(f"this transformers' {model_type} recurrent layers do not take the documents (no **kwargs)")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointed: the recompute in backward must get the documents again
     reference = copy.deepcopy(model)
     patch_linear(model)
     docs = documents((37, 1, 13, 6))
