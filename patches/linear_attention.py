@@ -323,6 +323,7 @@ def _fla_forward(module, stock, hidden_bsd, mask_bs, segments: Segments, kwargs)
     g = (-module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)).reshape(1, tokens, -1)
     out, _ = ops.rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=segments.cu_slots,
                       cu_seqlens_cpu=segments.cu_host)
+    out = out.to(v.dtype)  # as the stock forward casts the rule's output back (the norm keeps its input's dtype)
     out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(out.reshape(batch, seq, -1))
 

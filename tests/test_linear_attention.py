@@ -188,7 +188,7 @@ def test_collator_rows_equal_each_document_alone(source, one_torch_thread):
     patch_linear(model)
     features = [{"input_ids": d.tolist()} for d in documents()]
     if source == "hf_accel":
-        batch = DataCollatorForPacking(pad_token_id=0, max_tokens=72)(features)
+        batch = DataCollatorForPacking(pad_token_id=0, max_tokens=72, all_masked="keep")(features)
     else:
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -336,7 +336,7 @@ def reference_conv(x, weight, bias=None, activation=None, cu_seqlens=None, cu_se
 
 def reference_rule(q, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
     """fla-core's gated delta rule, token by token from its definition (GVA: v heads share q/k heads in order)."""
-    repeat = v.shape[2] // q.shape[2]
+    dtype, repeat = v.dtype, v.shape[2] // q.shape[2]
     q, k = (t.float().repeat_interleave(repeat, dim=2) for t in (q, k))
     if use_qk_l2norm_in_kernel:
         q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
@@ -350,7 +350,7 @@ def reference_rule(q, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=False, 
             delta = (v[0, t] - (state * k[0, t][:, :, None]).sum(-2)) * beta[0, t][:, None]
             state = state + k[0, t][:, :, None] * delta[:, None, :]
             outs.append((state * q[0, t][:, :, None]).sum(-2))
-    return torch.stack(outs)[None].to(v.dtype), None
+    return torch.stack(outs)[None].to(dtype), None
 
 
 @pytest.fixture
