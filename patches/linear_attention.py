@@ -313,8 +313,10 @@ def _fla_forward(module, stock, hidden_bsd, mask_bs, segments: Segments, kwargs)
     batch, seq, _ = hidden_bsd.shape
     tokens = batch * seq
     mixed_qkv, z, b, a = _projections(module)(module, hidden_bsd)
-    conv = module.conv1d
-    x_1tc, _ = ops.conv(mixed_qkv.reshape(1, tokens, -1), weight=conv.weight.squeeze(1), bias=conv.bias,
+    # Under autocast the projections come out in the autocast dtype while the conv's weight is fp32: the conv runs
+    # in the former, as autocast runs stock's F.conv1d
+    weight, bias = (None if t is None else t.to(mixed_qkv.dtype) for t in (module.conv1d.weight, module.conv1d.bias))
+    x_1tc, _ = ops.conv(mixed_qkv.reshape(1, tokens, -1), weight=weight.squeeze(1), bias=bias,
                         activation=module.activation, cu_seqlens=segments.cu_slots, cu_seqlens_cpu=segments.cu_host)
     q, k, v = torch.split(x_1tc, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q, k = q.reshape(1, tokens, -1, module.head_k_dim), k.reshape(1, tokens, -1, module.head_k_dim)

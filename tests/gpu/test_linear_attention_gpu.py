@@ -83,29 +83,33 @@ def packed(model, batch, cu, docs, weights, device):
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
 @pytest.mark.parametrize("layout", ["collator", "position_ids"])
-def test_fla_backend_within_bf16_error_of_each_document_alone(model_type, layout):
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])  # bf16 weights; fp32 weights under bf16 autocast
+def test_fla_backend_within_bf16_error_of_each_document_alone(model_type, layout, precision):
     docs, cuda = documents(), torch.device("cuda")
     weights = probe_weights(docs)
     ref = build(model_type).float()
-    base = copy.deepcopy(ref).to(cuda, torch.bfloat16)
+    base = copy.deepcopy(ref).to(cuda, torch.bfloat16 if precision == "bf16" else torch.float32)
     ours = copy.deepcopy(base)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast")
     want, want_grad = each_alone(ref, docs, weights, "cpu")
-    base_logits, base_grad = each_alone(base, docs, weights, cuda)
+    with autocast:
+        base_logits, base_grad = each_alone(base, docs, weights, cuda)
     patch_linear(ours, backend="fla")  # raises where fla-core cannot serve a call
     batch = DataCollatorForPacking(pad_token_id=0, max_tokens=2048, all_masked="keep")([{"input_ids": d.tolist()} for d in docs])
     batch.pop("labels")
     cu = batch["cu_seq_lens_q"]
     if layout == "position_ids":  # TRL's padding-free rows: documents from position_ids alone
         batch = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    got, got_grad = packed(ours, batch, cu, docs, weights, cuda)
+    with autocast:
+        got, got_grad = packed(ours, batch, cu, docs, weights, cuda)
     for i, (g, b, w) in enumerate(zip(got, base_logits, want)):
         base_err, err = (b - w).abs().max().item(), (g - w).abs().max().item()
-        sys.stderr.write(f"[{model_type} {layout}] document {i} ({len(docs[i])} tokens): logits error {err:.3e} "
+        sys.stderr.write(f"[{model_type} {layout} {precision}] document {i} ({len(docs[i])} tokens): logits error {err:.3e} "
                          f"(stock bf16 alone {base_err:.3e})\n")
         assert err <= 2 * base_err + SLACK, f"document {i}"
     base_err = ((base_grad - want_grad).norm() / want_grad.norm()).item()
     err = ((got_grad - want_grad).norm() / want_grad.norm()).item()
-    sys.stderr.write(f"[{model_type} {layout}] gradient relative error {err:.3e} (stock bf16 alone {base_err:.3e})\n")
+    sys.stderr.write(f"[{model_type} {layout} {precision}] gradient relative error {err:.3e} (stock bf16 alone {base_err:.3e})\n")
     assert err <= 2 * base_err + SLACK
 
 
