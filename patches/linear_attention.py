@@ -147,25 +147,11 @@ def _is_conv_mixer(module: nn.Module) -> bool:
 
 # ---- the documents of a forward ----
 
-# The documents each decoder layer last handed on, with (a weak reference to) the hidden states it was given: up to
-# transformers 5.24 a checkpointed layer's recompute runs its hooks again, after the model's forward (and its record)
-# ended, with the very hidden states of the forward (non-reentrant checkpointing).
-_handed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 @torch.compiler.disable  # reads the forward's record (a context variable)
 def _hand_documents(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Decoder-layer pre-hook: add the forward's documents to the keyword arguments the layer passes on."""
-    record = current_forward_batch()
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    handed = _handed.get(layer)
-    if record is None and handed is not None and hidden is not None and handed[0]() is hidden:
-        documents = handed[1]  # a checkpoint's recompute: what the forward handed on
-    else:
-        documents = _documents(kwargs, kwargs.get("position_ids", _MISSING), record)
-        if isinstance(hidden, torch.Tensor):
-            _handed[layer] = (weakref.ref(hidden), documents)
-    kwargs[DOCUMENTS_KWARG] = documents
+    """Decoder-layer pre-hook: add the forward's documents to the keyword arguments the layer passes on (from 5.25 on
+    a checkpointed layer's recompute gets these very keyword arguments again)."""
+    kwargs[DOCUMENTS_KWARG] = _documents(kwargs, kwargs.get("position_ids", _MISSING), current_forward_batch())
     return args, kwargs
 
 
@@ -331,15 +317,20 @@ def _fla_forward(module, stock, hidden_bsd, mask_bs, segments: Segments, kwargs)
 
 
 def _per_document(module, stock, hidden_bsd, mask_bs, segments: Segments, kwargs) -> torch.Tensor:
-    """The stock forward over the segments laid out as rows: each computes what it computes alone."""
-    batch, seq, width_d = hidden_bsd.shape
+    """The stock forward over the segments laid out as rows: each computes what it computes alone. Every per-token
+    argument ((B, S, ...): the hidden states, the mask, any such keyword argument) is laid out the same way."""
+    batch, seq = hidden_bsd.shape[:2]
     grid, back, count, width = segments.as_rows(hidden_bsd.device)
-    flat = torch.cat([hidden_bsd.reshape(batch * seq, width_d), hidden_bsd.new_zeros(1, width_d)])
-    x_nld = flat.index_select(0, grid).reshape(count, width, width_d)
-    mask_nl = None
-    if mask_bs is not None:
-        mask_nl = torch.cat([mask_bs.reshape(-1), mask_bs.new_zeros(1)]).index_select(0, grid).reshape(count, width)
-    y_nld = stock(x_nld, attention_mask=mask_nl, **kwargs)
+
+    def as_rows(value):
+        if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (batch, seq)):
+            return value
+        flat = value.reshape(batch * seq, *value.shape[2:])
+        flat = torch.cat([flat, flat.new_zeros(1, *value.shape[2:])])  # slot B*S: the rows' right padding
+        return flat.index_select(0, grid).reshape(count, width, *value.shape[2:])
+
+    kwargs = {name: as_rows(value) for name, value in kwargs.items()}
+    y_nld = stock(as_rows(hidden_bsd), attention_mask=as_rows(mask_bs), **kwargs)
     return y_nld.reshape(count * width, -1).index_select(0, back).reshape(batch, seq, -1)
 
 
@@ -391,8 +382,7 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
 @torch.compiler.disable  # compiled layers break here, as at the attention seam: the layout and backends run eagerly
 def _packed_forward(module, stock, hidden_bsd, documents: Documents | None, kwargs: dict) -> torch.Tensor:
     mask_bs = kwargs.pop("attention_mask", None)
-    if documents is None:  # called without its decoder layer's hook
-        documents = _documents(kwargs, _MISSING, current_forward_batch())
+    documents = _reaching(module, documents, kwargs)
     for name in _COLLATOR_KWARGS + _CACHE_NAMES:  # served by the layout / None
         kwargs.pop(name, None)
     segments = layout(documents, mask_bs, hidden_bsd.shape[0], hidden_bsd.shape[1], hidden_bsd.device)
@@ -400,6 +390,31 @@ def _packed_forward(module, stock, hidden_bsd, documents: Documents | None, kwar
         return stock(hidden_bsd, attention_mask=mask_bs, **kwargs)
     backend = choose_backend(module, hidden_bsd, module.__dict__[_BACKEND])
     return _BACKENDS[backend].run(module, stock, hidden_bsd, mask_bs, segments, kwargs)
+
+
+# Each module's documents of its last forward (outside backward), for a checkpoint's recompute they do not reach: a
+# layer that does not pass its keyword arguments on (Jamba's), or one whose hooks run again in the recompute, after
+# the model's forward and its record ended (transformers < 5.25), without the documents in its own arguments. The
+# recompute in backward belongs to the module's last forward in every schedule that runs each micro-batch's backward
+# before the next micro-batch's forward (Trainer's, TRL's).
+_last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reaching(module: nn.Module, documents: Documents | None, kwargs: dict) -> Documents:
+    """The documents of this call: handed on by the decoder layer, else the model forward's record; in a recompute
+    in backward that neither reached, the module's last forward's."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    if documents is None or documents.mask_given is None:  # not handed on, or handed on outside the model's forward
+        record = current_forward_batch()
+        if record is not None:
+            documents = _documents(kwargs, _MISSING if documents is None else documents.position_ids, record)
+        elif in_backward and module in _last and (documents is None or documents[:3] == (None, None, None)):
+            documents = _last[module]
+        elif documents is None:
+            documents = Documents(None, kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"), None)
+    if not in_backward:
+        _last[module] = documents
+    return documents
 
 
 def _bind(module: nn.Module, layer: nn.Module, backend: str) -> list[Callable[[], None]]:
@@ -418,7 +433,7 @@ def _bind(module: nn.Module, layer: nn.Module, backend: str) -> list[Callable[[]
             module.__dict__["forward"] = previous
 
     return [undo, layer.register_forward_pre_hook(_hand_documents, with_kwargs=True).remove,
-            lambda: _handed.pop(layer, None)]
+            lambda: _last.pop(module, None)]
 
 
 def apply(model: nn.Module, *, backend: str = "auto") -> tuple[list[str], list[Callable[[], None]]]:

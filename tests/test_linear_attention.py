@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hf_accel import DataCollatorForPacking, DataCollatorForPadding
 from hf_accel.attention.hf_attention import forward_batch_hooks, register
@@ -47,8 +48,8 @@ def tiny(model_type: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), attn_implementation="sdpa")
 
 
-# Other hybrids whose recurrent layers ``apply`` finds (Mamba-2 mixers, a short conv, another Gated DeltaNet): the
-# per-document backend serves them. Granite-MoE-hybrid's attention layers are not given position_ids (its packed
+# Other hybrids whose recurrent layers ``apply`` finds (Mamba and Mamba-2 mixers, a short conv, other Gated DeltaNets
+# and Kimi's delta attention): the per-document backend serves them. Granite-MoE-hybrid's attention layers are not given position_ids (its packed
 # documents there are the attention seam's to separate), so its tiny model here is recurrent layers only.
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
               mamba_expand=1)
@@ -60,6 +61,12 @@ OTHER_HYBRIDS = {
     "granitemoehybrid": dict(_MAMBA, num_hidden_layers=2, layer_types=["mamba", "mamba"], num_local_experts=0),
     "bamba": dict(_MAMBA, attn_layer_indices=[1]),
     "olmo_hybrid": dict(layer_types=LAYERS, pad_token_id=0),
+    "kimi_linear": dict(layer_types=LAYERS, linear_num_heads=2, linear_head_dim=16, num_key_value_heads=2, pad_token_id=0),
+    "jamba": dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100,
+                  num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=4, pad_token_id=0),
+    "zamba2": dict(num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], num_mem_blocks=1, mamba_d_state=8,
+                   mamba_d_conv=4, mamba_expand=1, mamba_headdim=8, mamba_ngroups=1, n_mamba_heads=4,
+                   attention_head_dim=16, pad_token_id=0),
 }
 
 
@@ -68,6 +75,8 @@ def tiny_other(model_type: str, seed: int = 0):
               num_key_value_heads=1, head_dim=16, use_cache=False, tie_word_embeddings=False,
               initializer_range=0.2)  # at 0.02 the short conv's leak is ~1e-4, near the tolerance
     torch.manual_seed(seed)
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
     config = AutoConfig.for_model(model_type, **{**kw, **OTHER_HYBRIDS[model_type]})
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
@@ -141,8 +150,8 @@ def test_packed_row_equals_each_document_alone(model_type, one_torch_thread):
 
 @pytest.mark.parametrize("model_type", sorted(OTHER_HYBRIDS))
 def test_other_hybrids_packed_row_equals_each_document_alone(model_type, one_torch_thread):
-    """Nemotron-H, Falcon-H1, LFM2, Granite-MoE-hybrid, Bamba, OLMo-hybrid: stock packing leaks through their
-    recurrent layers; patched (checkpointing on), logits and gradients of each document are its own."""
+    """Stock packing leaks through these hybrids' recurrent layers; patched (checkpointing on), logits and gradients
+    of each document are its own."""
     model = tiny_other(model_type)
     if not la.linear_attention_modules(model):  # transformers 5.17's LFM2 short conv takes no **kwargs
         pytest.skip(f"this transformers' {model_type} recurrent layers do not take the documents (no **kwargs)")
@@ -259,6 +268,22 @@ def test_lora_with_checkpointing_gradients_equal_each_document_alone(model_type,
     probe(torch.cat([reference(d[None]).logits[0] for d in docs])).backward()
     lora = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("in_proj" in n for n in lora) and any("out_proj" in n for n in lora)
+    assert_grads_close(model, reference)
+
+
+def test_recompute_gets_its_own_forwards_documents(one_torch_thread):
+    """Two checkpointed forwards of differently packed rows, then the first one's backward: its recompute gets the
+    first forward's documents (the decoder layer's keyword arguments carry them), not the latest ones."""
+    model = tiny("qwen3_5_text")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    reference = copy.deepcopy(model)
+    patch_linear(model)
+    first, second = documents((30, 11, 7)), documents((12, 36), seed=8)
+    logits = model(*packed_row(first)[:1], position_ids=packed_row(first)[1]).logits[0]
+    model(*packed_row(second)[:1], position_ids=packed_row(second)[1])
+    probe(logits).backward()
+    probe(torch.cat([reference(d[None]).logits[0] for d in first])).backward()
     assert_grads_close(model, reference)
 
 
