@@ -1,29 +1,27 @@
-"""Hybrid models' linear-attention layers on packed batches: every document computes what it computes alone.
+"""Hybrid models' recurrent layers on packed batches: every document computes what it computes alone.
 
-Qwen3.5 (dense and MoE) and Qwen3-Next interleave full-attention layers (served by the generic seam) with Gated
-DeltaNet layers: a causal depthwise conv along the sequence, then the gated delta rule, a recurrent state carried
-along it. Stock transformers runs a packed row through them as one sequence: the conv reaches into the previous
-document and the state flows from one document into the next when documents are marked by ``position_ids`` alone
-(TRL's padding-free and BFD packing); given a collator's ``cu_seq_lens_q``, 5.25's torch fallback refuses the call
-and the conv ignores them even where fla-core is installed (docs/hybrid.md).
+Qwen3.5 (dense and MoE) and Qwen3-Next interleave full-attention layers (the generic seam's) with Gated DeltaNet
+layers: a causal depthwise conv along the sequence, then the gated delta rule, a state carried along it. Other hybrids
+carry a conv window and a state the same way in their Mamba, Mamba-2 or short-conv layers. Stock transformers runs a
+packed row through them as one sequence: each document starts from the previous one's conv window and state when
+documents are marked by ``position_ids`` alone (TRL's padding-free and BFD packing), and 5.25's torch fallbacks refuse
+a collator's ``cu_seq_lens_q`` / ``seq_idx`` (docs/hybrid.md).
 
-Touches, on the instance only:
-- each linear-attention module (``linear_attention_modules``): its ``forward``;
-- its decoder layer: a forward pre-hook handing it the forward's documents (the layer's ``position_ids`` and the
-  model's collator metadata, which the module is not given) as a keyword argument, which a checkpointed layer's
-  recompute receives again.
-LoRA targets: ``in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj`` (Qwen3.5), ``in_proj_qkvz in_proj_ba out_proj``
-(Qwen3-Next); the patched forward calls them as modules.
+Touches, on the instance only: each recurrent module's ``forward`` (``linear_attention_modules``), and a forward
+pre-hook on its decoder layer handing it the forward's documents (the layer's ``position_ids`` and the model's
+collator metadata; the module is given neither) as a keyword argument, which a checkpointed layer's recompute gets
+again. LoRA targets: ``in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj`` (Qwen3.5), ``in_proj_qkvz in_proj_ba
+out_proj`` (Qwen3-Next), ``in_proj out_proj`` (Mamba-2, LFM2); the forwards call them as modules.
 
-Calls with a cache (``generate``'s prefill and decoding) and batches whose rows hold one document each (stock already
-zeroes padding and starts every row from a zero state) run the stock forward unchanged. Packed rows are cut in the
-flattened (B*S) slots at every row start and every document start of hf_accel's varlen layout (a collator's
-``cu_seq_lens_q``, ``position_ids`` restarting, a padding mask's first real token); masked slots stay in their
-segment and are zeroed as stock zeroes them. The first backend that can serve the call runs the segments:
-- ``fla``: fla-core's varlen causal conv and chunked gated delta rule (``cu_seqlens``) over the flattened batch, for
-  CUDA tensors and the Gated DeltaNet projection layouts of ``PROJECTION_LAYOUTS``;
-- ``per_document``: the stock forward itself, over the segments laid out as rows (right-padded to the longest):
-  exact by construction, on every device and for every module found here.
+Calls with a cache (``generate``'s prefill and decoding) and batches whose rows hold one document each (stock zeroes
+padding and starts every row from a zero state) run the stock forward unchanged. Packed rows are cut in the flattened
+(B*S) slots at every row start and every document start of hf_accel's varlen layout (a collator's ``cu_seq_lens_q``,
+``position_ids`` restarting, a padding mask's first real token), once per forward; masked slots stay in their segment,
+zeroed as stock zeroes them. The first backend that can serve the call runs the segments:
+- ``fla``: fla-core's varlen causal conv and chunked gated delta rule over the flattened batch, for CUDA tensors and
+  the Gated DeltaNet projection layouts of ``PROJECTION_LAYOUTS``;
+- ``per_document``: the stock forward itself over the segments laid out as rows (right-padded to the longest): exact
+  by construction, on every device and for every module found here.
 """
 from __future__ import annotations
 
@@ -208,7 +206,7 @@ def layout(documents: Documents, mask_bs: torch.Tensor | None, batch: int, seq: 
         meta = from_cu_seqlens(documents.cu_seq_lens, documents.max_length, batch, seq, device)
     else:
         if mask_bs is None and mask_given:  # an all-ones mask (the layer then gets None): positions read as with one
-            mask_bs = torch.ones(batch, seq, dtype=torch.bool, device=device)
+            mask_bs = torch.ones(batch, seq, dtype=torch.bool, device=device if positions is None else positions.device)
         meta = from_mask_and_positions(mask_bs, positions, batch, seq, device)
     value = _segments(meta, batch, seq, device)
     _layouts.put(key, shape, mask_given, (value,))
@@ -240,10 +238,7 @@ def fla_ops() -> _FlaOps | str:
     """fla-core's varlen kernels, or why they cannot be imported."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        try:
-            from fla.modules.causal_conv1d import causal_conv1d
-        except ImportError:  # fla-core before 0.5
-            from fla.modules.convolution import causal_conv1d
+        from fla.modules.causal_conv1d import causal_conv1d
     except Exception as error:  # ImportError, or Triton missing / failing at import
         return f"fla-core is not importable ({type(error).__name__}: {error}); pip install 'hf_accel[hybrid]'"
     return _FlaOps(causal_conv1d, chunk_gated_delta_rule)

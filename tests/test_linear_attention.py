@@ -49,8 +49,9 @@ def tiny(model_type: str, seed: int = 0):
 
 
 # Other hybrids whose recurrent layers ``apply`` finds (Mamba and Mamba-2 mixers, a short conv, other Gated DeltaNets
-# and Kimi's delta attention): the per-document backend serves them. Granite-MoE-hybrid's attention layers are not given position_ids (its packed
-# documents there are the attention seam's to separate), so its tiny model here is recurrent layers only.
+# and Kimi's delta attention): the per-document backend serves them. Granite-MoE-hybrid's attention layers are not
+# given position_ids (its packed documents there are the attention seam's to separate), so its tiny model here is
+# recurrent layers only.
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
               mamba_expand=1)
 OTHER_HYBRIDS = {
@@ -61,7 +62,8 @@ OTHER_HYBRIDS = {
     "granitemoehybrid": dict(_MAMBA, num_hidden_layers=2, layer_types=["mamba", "mamba"], num_local_experts=0),
     "bamba": dict(_MAMBA, attn_layer_indices=[1]),
     "olmo_hybrid": dict(layer_types=LAYERS, pad_token_id=0),
-    "kimi_linear": dict(layer_types=LAYERS, linear_num_heads=2, linear_head_dim=16, num_key_value_heads=2, pad_token_id=0),
+    "kimi_linear": dict(layer_types=LAYERS, linear_num_heads=2, linear_head_dim=16, num_key_value_heads=2,
+                        pad_token_id=0),
     "jamba": dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100,
                   num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=4, pad_token_id=0),
     "zamba2": dict(num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], num_mem_blocks=1, mamba_d_state=8,

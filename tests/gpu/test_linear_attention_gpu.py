@@ -95,7 +95,8 @@ def test_fla_backend_within_bf16_error_of_each_document_alone(model_type, layout
     with autocast:
         base_logits, base_grad = each_alone(base, docs, weights, cuda)
     patch_linear(ours, backend="fla")  # raises where fla-core cannot serve a call
-    batch = DataCollatorForPacking(pad_token_id=0, max_tokens=2048, all_masked="keep")([{"input_ids": d.tolist()} for d in docs])
+    collate = DataCollatorForPacking(pad_token_id=0, max_tokens=2048, all_masked="keep")
+    batch = collate([{"input_ids": d.tolist()} for d in docs])
     batch.pop("labels")
     cu = batch["cu_seq_lens_q"]
     if layout == "position_ids":  # TRL's padding-free rows: documents from position_ids alone
@@ -104,12 +105,13 @@ def test_fla_backend_within_bf16_error_of_each_document_alone(model_type, layout
         got, got_grad = packed(ours, batch, cu, docs, weights, cuda)
     for i, (g, b, w) in enumerate(zip(got, base_logits, want)):
         base_err, err = (b - w).abs().max().item(), (g - w).abs().max().item()
-        sys.stderr.write(f"[{model_type} {layout} {precision}] document {i} ({len(docs[i])} tokens): logits error {err:.3e} "
-                         f"(stock bf16 alone {base_err:.3e})\n")
+        sys.stderr.write(f"[{model_type} {layout} {precision}] document {i} ({len(docs[i])} tokens): logits error "
+                         f"{err:.3e} (stock bf16 alone {base_err:.3e})\n")
         assert err <= 2 * base_err + SLACK, f"document {i}"
     base_err = ((base_grad - want_grad).norm() / want_grad.norm()).item()
     err = ((got_grad - want_grad).norm() / want_grad.norm()).item()
-    sys.stderr.write(f"[{model_type} {layout} {precision}] gradient relative error {err:.3e} (stock bf16 alone {base_err:.3e})\n")
+    sys.stderr.write(f"[{model_type} {layout} {precision}] gradient relative error {err:.3e} "
+                     f"(stock bf16 alone {base_err:.3e})\n")
     assert err <= 2 * base_err + SLACK
 
 
