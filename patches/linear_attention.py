@@ -387,7 +387,7 @@ def _packed_forward(module, stock, hidden_bsd, documents: Documents | None, kwar
     return _BACKENDS[backend].run(module, stock, hidden_bsd, mask_bs, segments, kwargs)
 
 
-# Each module's documents of its last forward (outside backward), for a checkpoint's recompute they do not reach: a
+# Each module's documents of its last forward with grad, for a checkpoint's recompute they do not reach: a
 # layer that does not pass its keyword arguments on (Jamba's), or one whose hooks run again in the recompute, after
 # the model's forward and its record ended (transformers < 5.25), without the documents in its own arguments. The
 # recompute in backward belongs to the module's last forward in every schedule that runs each micro-batch's backward
@@ -403,11 +403,11 @@ def _reaching(module: nn.Module, documents: Documents | None, kwargs: dict) -> D
         record = current_forward_batch()
         if record is not None:
             documents = _documents(kwargs, _MISSING if documents is None else documents.position_ids, record)
-        elif in_backward and module in _last and (documents is None or documents[:3] == (None, None, None)):
+        elif in_backward and module in _last and (documents is None or all(d is None for d in documents[:3])):
             documents = _last[module]
         elif documents is None:
             documents = Documents(None, kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q"), None)
-    if not in_backward:
+    if not in_backward and torch.is_grad_enabled():  # a forward a backward may recompute (not an evaluation's)
         _last[module] = documents
     return documents
 
