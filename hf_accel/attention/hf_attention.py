@@ -307,3 +307,10 @@ def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], b
     undo += route_attention_modules(model, modules)
     undo += routing_hooks(model.base_model, model.config._attn_implementation)
     return names, undo
+
+
+def current_forward_batch() -> _ForwardBatch | None:
+    """What the patched model's forward now running was given (position_ids, the collator's cu_seq_lens_q and
+    max_length_q, whether it got an attention_mask), or None outside one and while torch.compile traces. For layers
+    that are not given position_ids themselves (hybrid models' linear-attention layers)."""
+    return None if torch.compiler.is_compiling() else _PATCHED_FORWARD.get()
