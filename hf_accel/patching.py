@@ -195,6 +195,7 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     undo += seam_undo
     applied.attention_modules = names
     undo += _bind_experts(model, applied.notes)
+    undo += _bind_linear_attention(model_hf, applied.notes)
     _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
     if decisions.options.precision == "fp8":  # first: fused ops and compiled layers then call the float8 linears
         from .fused import fp8
@@ -265,6 +266,18 @@ def _bind_experts(model, notes: list[str]) -> list[Callable[[], None]]:
         notes.append(f"experts: {len(names)} mixture-of-experts modules run their tokens sorted by expert through a "
                      "grouped GEMM (LoRA on the experts as low-rank products; the router and its load-balancing "
                      "logits stay transformers' own)")
+    return undo
+
+
+def _bind_linear_attention(model_hf, notes: list[str]) -> list[Callable[[], None]]:
+    """A hybrid model's recurrent layers (Gated DeltaNet, Mamba-2, short convs: hf_accel.patches.linear_attention)
+    restart their conv and state at every packed document; a model without them is left as it is."""
+    from .patches import linear_attention
+
+    names, undo = linear_attention.apply(model_hf)
+    if names:
+        notes.append(f"linear attention: {len(names)} recurrent layers restart their conv and state at every packed "
+                     "document (fla-core's varlen kernels where installed on CUDA, else each document on its own)")
     return undo
 
 
