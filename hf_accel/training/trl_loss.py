@@ -214,7 +214,9 @@ def _defer_metrics(trainer: Any, inputs: dict, num_valid: torch.Tensor, entropy_
         tokens = gather(inputs["attention_mask"].sum()).sum()
     elif "position_ids" in inputs:
         position_ids = inputs["position_ids"]
-        tokens = gather(torch.tensor(position_ids.size(1), device=position_ids.device)).sum()
+        tokens = position_ids.size(1)  # host metadata: a device tensor of it would be a blocking copy
+        if trainer.accelerator.num_processes > 1:
+            tokens = gather(torch.tensor(tokens, device=position_ids.device)).sum()
     else:
         raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
     pending = trainer.__dict__.setdefault(DEFERRED, [])
@@ -229,14 +231,17 @@ def resolve_metrics(trainer: Any) -> None:
     and add the deferred token counts to TRL's running total."""
     pending = trainer.__dict__.get(DEFERRED) or []
     metrics = trainer._metrics["train"]
-    tensors = [v for values in metrics.values() for v in values if isinstance(v, torch.Tensor)] + pending
-    if not tensors:
+    tensors = [v for values in metrics.values() for v in values if isinstance(v, torch.Tensor)]
+    tensors += [t for t in pending if isinstance(t, torch.Tensor)]
+    if not tensors and not pending:
         return
-    device = tensors[0].device
-    numbers = iter(torch.stack([t.detach().double().reshape(()).to(device) for t in tensors]).tolist())
+    numbers = iter([])
+    if tensors:
+        device = tensors[0].device
+        numbers = iter(torch.stack([t.detach().double().reshape(()).to(device) for t in tensors]).tolist())
     for key, values in metrics.items():
         metrics[key] = [next(numbers) if isinstance(v, torch.Tensor) else v for v in values]
     if pending:
-        trainer._total_train_tokens += int(sum(next(numbers) for _ in pending))
+        trainer._total_train_tokens += int(sum(next(numbers) if isinstance(t, torch.Tensor) else t for t in pending))
         metrics["num_tokens"] = [trainer._total_train_tokens]
         pending.clear()
