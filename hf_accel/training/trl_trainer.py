@@ -56,8 +56,10 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
             self.data_collator = trl_loss.add_target_rows(self.data_collator)
             self._loss_note(f"loss: TRL's SFT loss ({_loss_name(self)}) and its metrics from hf_accel's fused loss "
                             "(target rows only, gradients in the forward, no full logits)")
+            self._speedup_line("fused_ce: on (TRL's loss form, bound above TRL's LM-head forward; see the loss note)")
         else:
             self._loss_note(f"loss: TRL's own ({self._hf_accel_loss})")
+            self._speedup_line(f"fused_ce: off (TRL's own loss: {self._hf_accel_loss})")
 
     def _accel_fused_ce(self) -> Any:
         return False  # TRL's forward replaces model.forward during training: our loss is bound above it instead
@@ -71,6 +73,12 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
             super()._accel_check_explicit()
         finally:
             accel.fused_ce = True
+
+    def _speedup_line(self, line: str) -> None:
+        """The report's fused_ce line says what serves the loss here (patch() itself binds none under TRL)."""
+        if self.patch_report is not None:
+            self.patch_report.speedups = [line if old.startswith("fused_ce:") else old
+                                          for old in self.patch_report.speedups]
 
     def _loss_note(self, line: str) -> None:
         logger.info("hf_accel: %s", line)
