@@ -42,6 +42,8 @@ def test_max_length_truncation(tmp_path):
     (ours, ours_logs, ours_grads), (_, ref_logs, ref_grads) = both(tmp_path, prompt_completion(), max_length=8)
     assert max(len(x) for x in ours.train_dataset["input_ids"]) == 8
     assert_same_training(ours_logs, ref_logs, ours_grads, ref_grads)
+    model = ours.model.eval()  # generation after training: the forward keeps the signature generate() checks
+    assert model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=3, do_sample=False).shape[1] >= 4
 
 
 def test_evaluation_during_training(tmp_path):

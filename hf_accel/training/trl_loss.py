@@ -19,6 +19,7 @@ off CUDA. Evaluation (no gradient) always takes TRL's path: the same forward, no
 """
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from collections.abc import Callable
@@ -90,6 +91,7 @@ def bind_head(model: torch.nn.Module, warn_once: Callable[[str], None]) -> None:
     ``HEAD_KWARG`` runs `_fused_forward`, any other call the forward that was bound."""
     trl_forward = model.forward
 
+    @functools.wraps(type(model).forward)  # as TRL's: generate() checks its model kwargs against this signature
     def forward(self, *args, **kwargs):
         form = kwargs.pop(HEAD_KWARG, None)
         rows = kwargs.pop(TARGET_ROWS_KEY, None)
