@@ -4,7 +4,7 @@ liger-kernel (TRL's / transformers' ``use_liger_kernel=True``, ``apply_liger_ker
 ``_apply_liger_kernel_to_instance``) and transformers' hub kernels (``use_kernels=True``, ``kernels.kernelize``) give
 modules forwards that launch their own Triton / CUDA kernels, mostly through a custom ``torch.autograd.Function``.
 Dynamo may not trace those: liger's ``LigerRMSNormFunction`` failed inside a compiled layer with an AssertionError in
-``overwrite_tensor_vt_proxy`` (torch 2.11, H100). transformers applies liger when ``train()`` starts, i.e. after
+``overwrite_tensor_vt_proxy`` (issue 69). transformers applies liger when ``train()`` starts, i.e. after
 ``patch()``, so the layers look at their modules at each compiled call (a cheap check of each module's ``forward``
 slot) and decide per module, before dynamo traces it:
 
@@ -22,7 +22,7 @@ slot) and decide per module, before dynamo traces it:
 Whatever the static decisions miss, a dynamo failure while tracing a layer is not the user's error: the modules of
 the layers whose forwards call a custom ``autograd.Function`` (or a foreign function) become opaque and the call is
 traced once more; if that fails too, the model's compiled layers run eagerly from then on. Each decision is logged
-once and added to the model's PatchReport notes. (A failure while compiling the *backward*, which happens inside
+once and kept for the model's PatchReport (`compile_notes`: the Trainers add them to its notes). (A failure while compiling the *backward*, which happens inside
 ``loss.backward()``, is outside this net.)
 """
 from __future__ import annotations
@@ -48,6 +48,7 @@ FOREIGN_PACKAGES: dict[str, str] = {"liger_kernel": "liger-kernel", "kernels": "
 # Attributes hf_accel keeps on a module whose forward it wrapped.
 _PREVIOUS = "_hf_accel_foreign_forward"  # the forward slot's content before the wrapper (None: the class's)
 _KERNEL_REPO = "_kernel_repo"  # what ``kernels`` sets on a module it bound a hub layer's forward to
+NOTES_ATTR = "_hf_accel_compile_notes"  # on the patched model: the lines `compile_notes` returns
 
 TRACE_OWN = "own forward traced"
 TRACED = "traced as bound"
@@ -215,7 +216,7 @@ class ForeignForwards:
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its forward slot, checked
         self._undo: list[Callable[[], None]] = []
         self.lines: list[str] = []  # what was noted, in order
-        self._synced = 0  # how many of them the PatchReport holds
+        model.__dict__[NOTES_ATTR] = self.lines
         self.findings: list[tuple[str, Finding]] = []  # (module class name, finding)
         self.eager_reason: str | None = None
 
@@ -224,7 +225,6 @@ class ForeignForwards:
         """Decide for the modules whose forward slot changed since the last check (first check: all). A change in
         ``layer`` (None: any layer) is looked for in every compiled layer: a library binds all of them at once."""
         if layer is not None and not self._changed(layer):
-            self._sync_report()
             return
         new: list[tuple[str, Finding]] = []
         for each in filter(None, (ref() for ref in self._layers)):
@@ -239,7 +239,6 @@ class ForeignForwards:
                 self._seen[module] = module.__dict__.get("forward")
         self.findings += new
         self._note_findings(new)
-        self._sync_report()
 
     def _changed_module(self, module: nn.Module) -> bool:
         return module not in self._seen or self._seen[module] is not module.__dict__.get("forward")
@@ -297,27 +296,23 @@ class ForeignForwards:
 
     # ---- reporting and undo -------------------------------------------------------------------------------------
     def note(self, line: str, warn: bool = False) -> None:
-        """Log ``line`` once and add it to the model's PatchReport notes (at the next check where patch() has not
-        built the report yet)."""
+        """Log ``line`` once and keep it for the model's PatchReport (`compile_notes`)."""
         if line in self.lines:
             return
         self.lines.append(line)
         (logger.warning if warn else logger.info)("hf_accel: %s", line)
-        self._sync_report()
-
-    def _sync_report(self) -> None:
-        model = self._model()
-        if model is None or self._synced == len(self.lines):
-            return
-        from ..patching import patch_report
-
-        report = patch_report(model)
-        if report is not None:
-            report.notes += [line for line in self.lines if line not in report.notes]
-            self._synced = len(self.lines)
 
     def undo(self) -> None:
         for action in reversed(self._undo):
             action()
         self._undo.clear()
         self._seen = weakref.WeakKeyDictionary()
+        model = self._model()
+        if model is not None and model.__dict__.get(NOTES_ATTR) is self.lines:
+            del model.__dict__[NOTES_ATTR]
+
+
+def compile_notes(model: nn.Module) -> list[str]:
+    """What the compiled layers of ``model`` decided about foreign forwards so far (the lines also logged), for its
+    PatchReport notes."""
+    return list(model.__dict__.get(NOTES_ATTR, ()))

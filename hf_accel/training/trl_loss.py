@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigurationError
 from ..fused.ce_stats import LossForm, linear_cross_entropy_stats
 from ..fused.cross_entropy import TARGET_ROWS_KEY, _is_plain_linear
 from .loss import IGNORE_INDEX
@@ -140,14 +141,20 @@ def _fused_forward(self: torch.nn.Module, head: torch.nn.Module, form: LossForm,
 
 
 def _load_balancing_loss(model: torch.nn.Module, text_config: Any, outputs: Any, attention_mask: Any):
-    """The MoE load-balancing loss as TRL's fused forward computes it (Mixtral's, which every MoE family uses)."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    """The MoE load-balancing loss as TRL's fused forward computes it (Mixtral's ``load_balancing_loss_func``, of
+    which every MoE family's modeling module holds its own copy: the model's own is used)."""
+    import sys
 
+    loss_func = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    if loss_func is None:
+        raise ConfigurationError(
+            f"router_aux_loss_coef is set, but {type(model).__name__}'s module defines no load_balancing_loss_func to "
+            "compute the MoE auxiliary loss with; pass SFTConfig(router_aux_loss_coef=0.0) or "
+            "AccelArguments(fused_ce=False) (TRL's own loss).")
     num_experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
     if num_experts is None:
         num_experts = model.num_experts
-    return load_balancing_loss_func(outputs.router_logits, num_experts, text_config.num_experts_per_tok,
-                                    attention_mask)
+    return loss_func(outputs.router_logits, num_experts, text_config.num_experts_per_tok, attention_mask)
 
 
 def compute_loss(trainer: Any, model: torch.nn.Module, inputs: dict, num_items_in_batch: Any,
