@@ -55,7 +55,8 @@ for vocab, dtype, block in [(50, torch.float32, 64), (300, torch.float32, 128), 
     logits[2, vocab - 3] = logits[2, 5]
     labels = torch.randint(0, vocab, (7,))
     labels[1], labels[2] = -100, 5
-    for form in (LossForm(), LossForm(dft=True), LossForm(label_smoothing=0.1), LossForm(dft=True, label_smoothing=0.2)):
+    for form in (LossForm(), LossForm(dft=True), LossForm(label_smoothing=0.1),
+                 LossForm(dft=True, label_smoothing=0.2)):
         a, b = logits.clone(), logits.clone()
         for x, y in zip(ce_grad_stats_(a, labels, form), SK.ce_grad_stats_triton_(b, labels, form)):
             torch.testing.assert_close(x.float(), y.float(), rtol=1e-5, atol=1e-5)

@@ -2,7 +2,8 @@
 against plain trl.SFTTrainer on the same tiny fp32 models and data: every step's loss, every gradient of the first
 optimizer step, and each metric TRL logs (entropy, mean_token_accuracy, num_tokens, aux_loss), for TRL's loss options
 (loss_type "nll" / "dft", completion_only_loss, assistant_only_loss, label smoothing, the MoE auxiliary loss,
-gradient accumulation, padding-free batches). tests/test_ce_stats.py holds the statistics kernels to plain torch math."""
+gradient accumulation, padding-free batches). tests/test_ce_stats.py holds the statistics kernels to plain torch
+math."""
 from __future__ import annotations
 
 import pytest
@@ -83,7 +84,7 @@ ACCEL = dict(backend="reference", fused_ce=True, print_summary=False)
 @pytest.mark.parametrize("options", [
     dict(),  # nll, completion_only_loss (the default for prompt/completion data)
     dict(loss_type="dft"),
-    dict(completion_only_loss=False),
+    pytest.param(dict(completion_only_loss=False), marks=pytest.mark.slow),
     dict(label_smoothing_factor=0.1),
     dict(padding_free=True, gradient_accumulation_steps=2, per_device_train_batch_size=2),
 ], ids=["nll", "dft", "all-tokens", "label-smoothing", "padding-free-accumulated"])
@@ -96,6 +97,7 @@ def test_fused_loss_trains_like_trl(tmp_path, options):
     assert_same_training(ours_logs, ref_logs, ours_grads, ref_grads)
 
 
+@pytest.mark.slow  # two TRL runs (~10 s on 2 cores); tests/gpu/test_trl_sft_gpu.py trains LoRA and QLoRA too
 def test_fused_loss_on_a_lora_model(tmp_path):
     from peft import LoraConfig
 
@@ -145,7 +147,7 @@ def test_a_compute_loss_func_takes_trls_path_and_says_so(tmp_path):
                          processing_class=build_tokenizer(), compute_loss_func=loss_func,
                          accel=AccelArguments(**ACCEL))
     assert any("loss: TRL's own (a compute_loss_func" in n for n in trainer.patch_report.notes)
-    trainer.train()
+    assert trainer.compute_loss.__func__ is SFTTrainer.compute_loss  # which defers to TRL's for every call
 
 
 def test_auto_stands_down_off_cuda_and_false_opts_out(tmp_path):
@@ -156,6 +158,7 @@ def test_auto_stands_down_off_cuda_and_false_opts_out(tmp_path):
         assert any(n.startswith("loss: TRL's own") and said in n for n in trainer.patch_report.notes)
 
 
+@pytest.mark.slow  # two TRL runs
 def test_a_wrapped_lm_head_falls_back_per_call_and_says_so(tmp_path):
     """PEFT's modules_to_save=["lm_head"] wraps the head (TRL refuses adapters on it, not this)."""
     from peft import LoraConfig

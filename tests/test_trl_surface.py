@@ -25,7 +25,8 @@ def both(tmp_path, data, ours_kw=None, **options):
     return ours, ref
 
 
-@pytest.mark.parametrize("strategy, max_length", [("bfd", 64), ("wrapped", 16)])
+@pytest.mark.parametrize("strategy, max_length", [("bfd", 64),
+                                                  pytest.param("wrapped", 16, marks=pytest.mark.slow)])
 def test_packing_strategies(tmp_path, strategy, max_length):
     (ours, ours_logs, ours_grads), (ref, ref_logs, ref_grads) = both(
         tmp_path, prompt_completion(), packing=True, packing_strategy=strategy, max_length=max_length,
@@ -38,6 +39,7 @@ def test_packing_strategies(tmp_path, strategy, max_length):
     assert_same_training(ours_logs, ref_logs, ours_grads, ref_grads)
 
 
+@pytest.mark.slow  # two TRL runs (~10 s on 2 cores)
 def test_max_length_truncation(tmp_path):
     (ours, ours_logs, ours_grads), (_, ref_logs, ref_grads) = both(tmp_path, prompt_completion(), max_length=8)
     assert max(len(x) for x in ours.train_dataset["input_ids"]) == 8

@@ -22,8 +22,8 @@ slot) and decide per module, before dynamo traces it:
 Whatever the static decisions miss, a dynamo failure while tracing a layer is not the user's error: the modules of
 the layers whose forwards call a custom ``autograd.Function`` (or a foreign function) become opaque and the call is
 traced once more; if that fails too, the model's compiled layers run eagerly from then on. Each decision is logged
-once and kept for the model's PatchReport (`compile_notes`: the Trainers add them to its notes). (A failure while compiling the *backward*, which happens inside
-``loss.backward()``, is outside this net.)
+once and kept for the model's PatchReport (`compile_notes`; hf_accel.SFTTrainer adds them to its notes). A failure
+while compiling the *backward*, which happens inside ``loss.backward()``, is outside this net.
 """
 from __future__ import annotations
 
