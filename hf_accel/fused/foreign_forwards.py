@@ -213,7 +213,9 @@ class ForeignForwards:
     def __init__(self, model: nn.Module, layers: list[nn.Module]) -> None:
         self._model = weakref.ref(model)
         self._layers = [weakref.ref(layer) for layer in layers]
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its forward slot, checked
+        # id(module) -> (module, its forward slot when last checked); a plain dict: checked at every compiled call
+        self._seen: dict[int, tuple[nn.Module, Any]] = {}
+        self._walked: dict[int, list[nn.Module]] = {}  # id(layer) -> its modules at the last full walk
         self._undo: list[Callable[[], None]] = []
         self.lines: list[str] = []  # what was noted, in order
         model.__dict__[NOTES_ATTR] = self.lines
@@ -222,13 +224,19 @@ class ForeignForwards:
 
     # ---- before tracing -----------------------------------------------------------------------------------------
     def refresh(self, layer: nn.Module | None = None) -> None:
-        """Decide for the modules whose forward slot changed since the last check (first check: all). A change in
-        ``layer`` (None: any layer) is looked for in every compiled layer: a library binds all of them at once."""
-        if layer is not None and not self._changed(layer):
-            return
+        """Decide for the modules whose forward slot changed since the last check (first check: all). ``layer``
+        given (a compiled call): its modules as last walked are checked, a cheap read of each one's forward slot, and
+        any change sends every compiled layer through the full walk (a library binds all of them at once; a layer's
+        modules replaced after its first call, e.g. PEFT injecting adapters late, are walked at the next failure to
+        trace, see `failed`). None: the full walk."""
+        if layer is not None:
+            modules = self._walked.get(id(layer))
+            if modules is not None and not any(self._changed_module(m) for m in modules):
+                return
         new: list[tuple[str, Finding]] = []
         for each in filter(None, (ref() for ref in self._layers)):
-            for module in each.modules():
+            modules = self._walked[id(each)] = list(each.modules())
+            for module in modules:
                 if not self._changed_module(module):
                     continue
                 finding = classify(module)
@@ -236,15 +244,13 @@ class ForeignForwards:
                     self._undo.append(_wrap(module, finding.decision))
                 if finding is not None:
                     new.append((type(module).__name__, finding))
-                self._seen[module] = module.__dict__.get("forward")
+                self._seen[id(module)] = (module, module.__dict__.get("forward"))
         self.findings += new
         self._note_findings(new)
 
     def _changed_module(self, module: nn.Module) -> bool:
-        return module not in self._seen or self._seen[module] is not module.__dict__.get("forward")
-
-    def _changed(self, layer: nn.Module) -> bool:
-        return any(self._changed_module(module) for module in layer.modules())
+        seen = self._seen.get(id(module))
+        return seen is None or seen[0] is not module or seen[1] is not module.__dict__.get("forward")
 
     def _note_findings(self, new: list[tuple[str, Finding]]) -> None:
         groups = Counter((f.decision, f.source, f.why, name) for name, f in new)
@@ -269,7 +275,7 @@ class ForeignForwards:
                 forward = type(module).forward  # what dynamo traced there
             if calls_foreign_code(forward) or origin(forward):
                 self._undo.append(_wrap(module, OPAQUE))
-                self._seen[module] = module.__dict__.get("forward")
+                self._seen[id(module)] = (module, module.__dict__.get("forward"))
                 made.append(module)
         return made
 
@@ -279,6 +285,10 @@ class ForeignForwards:
         alike), False where the model's compiled layers now run eagerly."""
         text = str(exc).strip()
         first_line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        decided = len(self.findings)
+        self.refresh()  # forwards bound where the cheap check does not look (modules replaced since the last walk)
+        if len(self.findings) > decided and not retried:
+            return True
         made = []
         if not retried:
             for layer in filter(None, (ref() for ref in self._layers)):
@@ -306,7 +316,8 @@ class ForeignForwards:
         for action in reversed(self._undo):
             action()
         self._undo.clear()
-        self._seen = weakref.WeakKeyDictionary()
+        self._seen.clear()
+        self._walked.clear()
         model = self._model()
         if model is not None and model.__dict__.get(NOTES_ATTR) is self.lines:
             del model.__dict__[NOTES_ATTR]
