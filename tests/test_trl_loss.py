@@ -173,3 +173,21 @@ def test_a_wrapped_lm_head_falls_back_per_call_and_says_so(tmp_path):
                                  prompt_completion(), peft_config=lora)
     assert any("not a plain nn.Linear" in n for n in ours.patch_report.notes)
     assert_same_training(ours_logs, ref_logs, ours_grads, ref_grads)
+
+
+def test_target_rows_are_listed_on_the_host_and_the_collator_pickles():
+    """The rows the head computes: each flattened position whose shifted label is a target, listed by TRL's collator
+    (its class kept, TRL checks it), which still pickles for worker processes."""
+    import pickle
+
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from hf_accel.fused.cross_entropy import TARGET_ROWS_KEY
+    from hf_accel.training.trl_loss import add_target_rows
+
+    collator = add_target_rows(DataCollatorForLanguageModeling(pad_token_id=0))
+    assert isinstance(collator, DataCollatorForLanguageModeling)
+    batch = pickle.loads(pickle.dumps(collator))([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
+                                                  {"input_ids": [9, 10], "labels": [-100, 10]}])
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).reshape(-1)
+    assert batch[TARGET_ROWS_KEY].tolist() == shifted.ne(-100).nonzero().squeeze(1).tolist() == [1, 2, 4]

@@ -69,22 +69,43 @@ def loss_form(args: Any, label_smoother: Any) -> LossForm:
     return LossForm(label_smoothing=float(label_smoother.epsilon) if label_smoother is not None else 0.0)
 
 
+def _with_target_rows(batch: Any) -> Any:
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_cuda:
+        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+        batch[TARGET_ROWS_KEY] = shifted.ne(IGNORE_INDEX).nonzero().squeeze(1)
+    return batch
+
+
+class _TorchCallWithTargetRows:
+    """A DataCollatorMixin's ``torch_call`` (its class's), with the target rows added; an object, not a bound
+    method, so that the collator pickles with it (worker processes)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, examples: list) -> Any:
+        return _with_target_rows(type(self.collator).torch_call(self.collator, examples))
+
+
+class _TargetRows:
+    """A plain collate function, with the target rows added (picklable for worker processes)."""
+
+    def __init__(self, collate: Callable) -> None:
+        self.collate = collate
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return _with_target_rows(self.collate(*args, **kwargs))
+
+
 def add_target_rows(collator: Callable) -> Callable:
     """``collator`` that also lists, on the host, the flattened (B*S) positions whose shifted label is a target
     (``TARGET_ROWS_KEY``), so that the head computes only those rows without a device read. A collator with a
     ``torch_call`` (transformers' DataCollatorMixin, TRL's collators) keeps its class (TRL checks it)."""
-    def with_rows(batch: dict) -> dict:
-        labels = batch.get("labels") if isinstance(batch, dict) else None
-        if isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_cuda:
-            shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-            batch[TARGET_ROWS_KEY] = shifted.ne(IGNORE_INDEX).nonzero().squeeze(1)
-        return batch
-
-    own = getattr(collator, "torch_call", None)
-    if own is not None and hasattr(type(collator), "torch_call"):
-        collator.torch_call = lambda examples: with_rows(own(examples))
+    if callable(getattr(type(collator), "torch_call", None)):
+        collator.torch_call = _TorchCallWithTargetRows(collator)
         return collator
-    return lambda examples, *args, **kwargs: with_rows(collator(examples, *args, **kwargs))
+    return _TargetRows(collator)
 
 
 def bind_head(model: torch.nn.Module, warn_once: Callable[[str], None]) -> None:
