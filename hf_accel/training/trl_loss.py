@@ -14,8 +14,9 @@ back when the Trainer logs (`resolve_metrics`): the logged values are TRL's, fro
 TRL's own ``compute_loss`` runs instead (told once, in the log and the PatchReport notes) for what the fused loss
 does not compute: a ``compute_loss_func`` (it receives the model's logits), sequence / context parallelism (the loss
 is reduced across ranks by TRL's own path), a model that scales its logits (``logit_scale``, ``logits_scaling``, ...),
-an LM head that is not a plain ``nn.Linear`` (LoRA on ``lm_head``), ``AccelArguments(fused_ce=False)``, and "auto"
-off CUDA. Evaluation (no gradient) always takes TRL's path: the same forward, no gradient to gain from.
+an LM head that is not a plain ``nn.Linear`` (PEFT's ``modules_to_save=["lm_head"]``; checked per call),
+``AccelArguments(fused_ce=False)``, and "auto" off CUDA. Evaluation (no gradient) always takes TRL's path: the same
+forward, no gradient to gain from.
 """
 from __future__ import annotations
 
@@ -108,7 +109,15 @@ def add_target_rows(collator: Callable) -> Callable:
     return _TargetRows(collator)
 
 
-def bind_head(model: torch.nn.Module, warn_once: Callable[[str], None]) -> None:
+def head_reason(model: torch.nn.Module) -> str | None:
+    """Why this call's LM head cannot take hf_accel's loss (None: a plain ``nn.Linear``, FSDP2's wrapped one too)."""
+    head = model.get_output_embeddings()
+    if _is_plain_linear(head):
+        return None
+    return f"the LM head is a {type(head).__name__} (e.g. PEFT's modules_to_save), not a plain nn.Linear"
+
+
+def bind_head(model: torch.nn.Module) -> None:
     """Wrap ``model``'s forward (TRL's fused LM-head forward on the ``*ForCausalLM`` instance): a call with
     ``HEAD_KWARG`` runs `_fused_forward`, any other call the forward that was bound."""
     trl_forward = model.forward
@@ -119,12 +128,7 @@ def bind_head(model: torch.nn.Module, warn_once: Callable[[str], None]) -> None:
         rows = kwargs.pop(TARGET_ROWS_KEY, None)
         if form is None:
             return trl_forward(*args, **kwargs)
-        head = self.get_output_embeddings()
-        if not _is_plain_linear(head):
-            warn_once(f"the LM head is a {type(head).__name__} (e.g. LoRA on lm_head), not a plain nn.Linear")
-            kwargs.pop("fused_lm_head", None)
-            return trl_forward(*args, fused_lm_head=True, **kwargs)
-        return _fused_forward(self, head, form, rows, args, kwargs)
+        return _fused_forward(self, self.get_output_embeddings(), form, rows, args, kwargs)
 
     model.forward = types.MethodType(forward, model)
 
@@ -189,9 +193,7 @@ def compute_loss(trainer: Any, model: torch.nn.Module, inputs: dict, num_items_i
         inputs["output_router_logits"] = True
     out = model(**inputs, fused_lm_head=True, **{HEAD_KWARG: form}, **({TARGET_ROWS_KEY: rows} if rows is not None
                                                                           else {}))
-    if isinstance(out, dict) and "summed_loss" in out:
-        return _reduce(trainer, out, inputs, num_items_in_batch, form)
-    return _reduce_trl_outputs(trainer, out, inputs, num_items_in_batch)  # the head fell back (LoRA on lm_head)
+    return _reduce(trainer, out, inputs, num_items_in_batch, form)
 
 
 def _reduce(trainer: Any, out: dict, inputs: dict, num_items_in_batch: Any, form: LossForm) -> torch.Tensor:
@@ -209,23 +211,6 @@ def _reduce(trainer: Any, out: dict, inputs: dict, num_items_in_batch: Any, form
         steps = trainer.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
         loss = loss + trainer.router_aux_loss_coef * out["aux_loss"] / steps
     _defer_metrics(trainer, inputs, num_targets, out["entropy_sum"], out["top1"], out["aux_loss"])
-    return loss
-
-
-def _reduce_trl_outputs(trainer: Any, outputs: Any, inputs: dict, num_items_in_batch: Any) -> torch.Tensor:
-    """TRL's nll / dft reduction of its own fused outputs (where hf_accel's head stood down for the call)."""
-    per_token = -outputs.log_probs
-    if trainer.args.loss_type == "dft":
-        per_token = per_token * outputs.log_probs.exp().detach()
-    num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
-    loss = per_token.sum() / torch.as_tensor(num_tokens).clamp(min=1)
-    if trainer.args.average_tokens_across_devices and num_items_in_batch is not None:
-        loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
-    if trainer.aux_loss_enabled:
-        steps = trainer.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-        loss = loss + trainer.router_aux_loss_coef * outputs.aux_loss / steps
-    _defer_metrics(trainer, inputs, outputs.label_mask.sum(), outputs.entropy.detach().sum(),
-                   outputs.is_top1.sum(), outputs.aux_loss)
     return loss
 
 

@@ -52,7 +52,7 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
         self._hf_accel_loss = trl_loss.unserved_reason(self)
         if self._hf_accel_loss is None:
             base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-            trl_loss.bind_head(base, self._loss_falls_back)
+            trl_loss.bind_head(base)
             self.data_collator = trl_loss.add_target_rows(self.data_collator)
             self._loss_note(f"loss: TRL's SFT loss ({_loss_name(self)}) and its metrics from hf_accel's fused loss "
                             "(target rows only, gradients in the forward, no full logits)")
@@ -96,7 +96,11 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
         rows = inputs.pop(TARGET_ROWS_KEY, None)
         if (self._hf_accel_loss is None and not return_outputs and self.model.training
                 and torch.is_grad_enabled()):
-            return trl_loss.compute_loss(self, model, inputs, num_items_in_batch, rows)
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            why = trl_loss.head_reason(base)  # per call: a wrapper may swap the head after __init__
+            if why is None:
+                return trl_loss.compute_loss(self, model, inputs, num_items_in_batch, rows)
+            self._loss_falls_back(why)
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                      num_items_in_batch=num_items_in_batch)
 
