@@ -242,14 +242,6 @@ def test_sft_trainer_bfd_packing_falcon_keeps_documents_apart(tmp_path):
     assert ours.throughput_summary["tokens"] == 3 * total
 
 
-def test_sft_trainer_refuses_fused_ce():
-    from hf_accel.errors import ConfigurationError
-    from hf_accel.training.trainer import SFTTrainer
-
-    with pytest.raises(ConfigurationError, match="not available through TRL"):
-        SFTTrainer(make("llama-gqa"), accel=AccelArguments(fused_ce=True))
-
-
 @pytest.mark.slow  # dynamo compiles
 def test_compiled_layers_train_like_the_stock_trainer(tmp_path):
     """AccelArguments(compile=...) through the Trainer: the same steps as stock transformers on padded fp32 batches

@@ -171,6 +171,38 @@ def _chunk_grads_(h_ch: torch.Tensor, w_vh: torch.Tensor, b_v: torch.Tensor | No
     return loss
 
 
+def _grads_in_forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int, softcap: float | None,
+                      ce_grad: Callable) -> torch.Tensor:
+    """The forward of `_GradInForwardLinearCE` (and of `_GradInForwardLinearCEStats`, whose ``ce_grad`` also counts
+    the chunk's statistics): the summed loss; the gradients, saved on ``ctx`` for the backward to scale."""
+    device = hidden_nh.device
+    want_hidden, want_weight = hidden_nh.requires_grad, weight_vh.requires_grad
+    want_bias = bias_v is not None and bias_v.requires_grad
+    # Under autocast the head runs in the autocast dtype, as the unfused F.linear would; gradients come back in
+    # the dtypes of hidden, weight and bias (an fp32 weight accumulates its gradient in fp32).
+    compute = _compute_dtype(device, weight_vh.dtype)
+    with torch.autocast(device.type, enabled=False):
+        w_vh, b_v = weight_vh.to(compute), _cast(bias_v, compute)
+        grad_hidden = torch.empty_like(hidden_nh, dtype=compute) if want_hidden else None
+        grad_weight = torch.empty_like(weight_vh) if want_weight else None
+        grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for start in _chunk_starts(hidden_nh.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            # the hidden chunk is cast here, not the whole (N, H) at once; the chunk's logits die in the call
+            total += _chunk_grads_(hidden_nh[sl].to(compute), w_vh, b_v, labels_n[sl], softcap, ce_grad,
+                                   None if grad_hidden is None else grad_hidden[sl], grad_weight, grad_bias,
+                                   first=start == 0)
+        # the head's cast copy (1 GiB for a Llama-3 fp32 head under bf16 autocast) goes before grad_hidden widens
+        del w_vh, b_v
+    ctx.save_for_backward(
+        None if grad_hidden is None else grad_hidden.to(hidden_nh.dtype),
+        grad_weight,
+        None if grad_bias is None else grad_bias.to(bias_v.dtype),
+    )
+    return total
+
+
 class _GradInForwardLinearCE(torch.autograd.Function):
     """Sum of token CE of `hidden_nh @ weight_vh.T + bias_v`, gradients computed chunk by chunk in the forward.
 
@@ -183,33 +215,8 @@ class _GradInForwardLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size: int, softcap: float | None = None):
-        device = hidden_nh.device
-        ce_grad = _ce_grad_kernel(device)
-        want_hidden, want_weight = hidden_nh.requires_grad, weight_vh.requires_grad
-        want_bias = bias_v is not None and bias_v.requires_grad
-        # Under autocast the head runs in the autocast dtype, as the unfused F.linear would; gradients come back in
-        # the dtypes of hidden, weight and bias (an fp32 weight accumulates its gradient in fp32).
-        compute = _compute_dtype(device, weight_vh.dtype)
-        with torch.autocast(device.type, enabled=False):
-            w_vh, b_v = weight_vh.to(compute), _cast(bias_v, compute)
-            grad_hidden = torch.empty_like(hidden_nh, dtype=compute) if want_hidden else None
-            grad_weight = torch.empty_like(weight_vh) if want_weight else None
-            grad_bias = torch.zeros_like(bias_v, dtype=torch.float32) if want_bias else None
-            total = torch.zeros((), dtype=torch.float32, device=device)
-            for start in _chunk_starts(hidden_nh.shape[0], chunk_size):
-                sl = slice(start, start + chunk_size)
-                # the hidden chunk is cast here, not the whole (N, H) at once; the chunk's logits die in the call
-                total += _chunk_grads_(hidden_nh[sl].to(compute), w_vh, b_v, labels_n[sl], softcap, ce_grad,
-                                       None if grad_hidden is None else grad_hidden[sl], grad_weight, grad_bias,
-                                       first=start == 0)
-            # the head's cast copy (1 GiB for a Llama-3 fp32 head under bf16 autocast) goes before grad_hidden widens
-            del w_vh, b_v
-        ctx.save_for_backward(
-            None if grad_hidden is None else grad_hidden.to(hidden_nh.dtype),
-            grad_weight,
-            None if grad_bias is None else grad_bias.to(bias_v.dtype),
-        )
-        return total
+        return _grads_in_forward(ctx, hidden_nh, weight_vh, bias_v, labels_n, chunk_size, softcap,
+                                 _ce_grad_kernel(hidden_nh.device))
 
     @staticmethod
     def backward(ctx, grad_total):

@@ -48,6 +48,7 @@ from torch import nn
 from .._compat import cache_kwarg
 from ..memory.targets import CALL_SLOT as SLOT, OP_LEVEL_ATTR, decoder_layers
 from ..errors import BackendUnavailable
+from .foreign_forwards import ForeignForwards, is_compile_failure
 
 
 def _mark_dynamic(value: Any, seq_len: int) -> None:
@@ -190,9 +191,11 @@ def _trace_through_idle_kernels_routing(layer: nn.Module) -> list[Callable[[], N
 class TrainingCompiled:
     """A decoder layer's call: compiled for training calls, the layer's own eager call for everything else."""
 
-    def __init__(self, layer: nn.Module, options: dict[str, Any], dynamo_config: dict[str, Any] | None = None):
+    def __init__(self, layer: nn.Module, options: dict[str, Any], dynamo_config: dict[str, Any] | None = None,
+                 foreign: ForeignForwards | None = None):
         self.layer = layer
         self.dynamo_config = dynamo_config or {}
+        self.foreign = foreign if foreign is not None else ForeignForwards(layer, [layer])
         self.compiled = torch.compile(layer._call_impl, **options)
         body = checkpointed_body(layer)
         self.compiled_body = None
@@ -204,7 +207,7 @@ class TrainingCompiled:
 
     def takes_compiled_path(self, kwargs: dict[str, Any]) -> bool:
         layer = self.layer
-        if not (layer.training and torch.is_grad_enabled()):
+        if not (layer.training and torch.is_grad_enabled()) or self.foreign.eager_reason is not None:
             return False
         if cache_kwarg(kwargs) is not None or kwargs.get("layer_past") is not None:  # a KV cache (Falcon's layer_past)
             return False
@@ -224,16 +227,31 @@ class TrainingCompiled:
         from .ops import keep_liger_out_of_compiled_graphs
 
         keep_liger_out_of_compiled_graphs()  # before tracing: liger bound by transformers / TRL stays eager-only
+        self.foreign.refresh(self.layer)  # forwards bound since the last call (transformers binds liger in train())
         before = graphs_compiled()
-        tracing = torch._dynamo.config.patch(**self.dynamo_config) if self.dynamo_config else contextlib.nullcontext()
-        with tracing:
-            if self.compiled_body is not None and getattr(self.layer, "gradient_checkpointing", False):
-                out = self._checkpointed(args, kwargs)
-            else:
-                out = self.compiled(*args, **kwargs)
+        retried = False
+        while True:
+            try:
+                out = self._compiled_call(args, kwargs)
+                break
+            except Exception as exc:
+                # a failure to trace is hf_accel's to absorb (see foreign_forwards), never the model's own error
+                if not is_compile_failure(exc):
+                    raise
+                if not self.foreign.failed(exc, retried):
+                    out = self.layer._call_impl(*args, **kwargs)
+                    break
+                retried = True
         if graphs_compiled() != before:
             quiet_full_collections()
         return out
+
+    def _compiled_call(self, args: tuple, kwargs: dict[str, Any]):
+        tracing = torch._dynamo.config.patch(**self.dynamo_config) if self.dynamo_config else contextlib.nullcontext()
+        with tracing:
+            if self.compiled_body is not None and getattr(self.layer, "gradient_checkpointing", False):
+                return self._checkpointed(args, kwargs)
+            return self.compiled(*args, **kwargs)
 
     def _checkpointed(self, args: tuple, kwargs: dict[str, Any]):
         """The layer's own call (its hooks, transformers' checkpointing wrapper) with the checkpoint's body compiled
@@ -280,10 +298,15 @@ def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list
     dynamo_config = dynamo_settings(options)
     names = {id(m): n for n, m in model.named_modules()}
     bound, undo = [], []
-    for layer in decoder_layers(model):
+    from .ops import keep_liger_out_of_compiled_graphs
+
+    keep_liger_out_of_compiled_graphs()  # (where liger is imported) so that its stand-ins count as traceable below
+    layers = decoder_layers(model)
+    foreign = ForeignForwards(model, layers)  # liger / hub kernel forwards: decided before each trace
+    for layer in layers:
         had_own = SLOT in layer.__dict__
         previous = layer.__dict__.get(SLOT)
-        call = TrainingCompiled(layer, options, dynamo_config)
+        call = TrainingCompiled(layer, options, dynamo_config, foreign)
         layer.__dict__[SLOT] = call
         _bound.add(id(call))
 
@@ -298,6 +321,8 @@ def apply(model: nn.Module, options: dict[str, Any] | None = None) -> tuple[list
         if dynamo_config.get(NESTED_GRAPH_BREAKS):
             undo += _trace_through_idle_kernels_routing(layer)
         bound.append(names.get(id(layer), type(layer).__name__))
+    foreign.refresh()  # forwards bound before patch() (a user's apply_liger_kernel_to_*): decided now
+    undo.append(foreign.undo)
     return bound, undo
 
 
