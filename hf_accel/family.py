@@ -110,6 +110,9 @@ class Family:
     # Never list one whose output a norm, a product or the next projection reads (Gemma's post-MLP norm).
     output_projections: Callable[[Any], tuple[str, ...]] = _no_output_projections
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the PatchReport adds for every model of the family
+    # config -> why hf_accel's fused loss (which runs the LM head itself) would not compute the model's logits (a
+    # logit scale, a bias after the head), else None
+    head_differs: Callable[[Any], str | None] = lambda config: None
     # config -> {decoder layer index: its LayerAttention} for the layers that have attention (a hybrid model's
     # linear-attention layers have none); None: every layer, from layer_attention
     attention_layers: Callable[[Any], dict[int, LayerAttention]] | None = None

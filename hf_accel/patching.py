@@ -177,6 +177,11 @@ def _decide(model_hf: torch.nn.Module, options: PatchOptions) -> _Decisions:
     request = training_request(model_hf, family, None)
     speedups = resolve_speedups(model_hf, request.device, fused_ce=options.fused_ce, fused_ops=options.fused_ops,
                                 compile=options.compile, compile_stand_down=options.compile_stand_down)
+    head = family.head_differs(model_hf.config)
+    if head is not None and speedups["fused_ce"].on:
+        if options.fused_ce is True:
+            raise ConfigurationError(f"fused_ce=True: {head}. Pass fused_ce=False (or 'auto').")
+        speedups["fused_ce"] = Speedup("fused_ce", False, head)
     chunking = mlp_chunking.resolve(options.mlp_chunks, family.mlp_width(model_hf.config), request.dtype.itemsize)
     return _Decisions(options, family, speedups, options.compile_options(speedups["compile"].on), chunking,
                       request.device, tuple(family.output_projections(model_hf.config)))
@@ -386,6 +391,14 @@ def pin_attention_name(model: torch.nn.Module) -> str:
 
 
 def patch_report(model: torch.nn.Module) -> PatchReport | None:
-    state = base_model(model).__dict__.get(STATE_ATTR)
-    return None if state is None else state.report
+    """The PatchReport of a patched model (None if unpatched), with what its compiled layers decided since about
+    forwards liger or hub kernels bound to its modules (fused.foreign_forwards)."""
+    model_hf = base_model(model)
+    state = model_hf.__dict__.get(STATE_ATTR)
+    if state is None:
+        return None
+    from .fused.foreign_forwards import compile_notes
+
+    state.report.notes += [n for n in compile_notes(model_hf) if n not in state.report.notes]
+    return state.report
 

@@ -208,3 +208,44 @@ def test_a_stock_model_that_lets_packed_documents_mix_trains_padded_unpatched(na
     assert family_of(model).stock_keeps_documents_apart(model) == (not mixed)  # the live reference: stock's row
     collator = default_collator(model, None, SimpleNamespace(packing=True, patch=False))
     assert collator.fallback_to_padding == mixed
+
+
+def test_a_model_that_scales_its_logits_keeps_its_own_loss():
+    """Cohere multiplies the LM head's logits by logit_scale in its forward: the probe sees an op on the logits that
+    the fused loss (which runs the head itself) would leave out, so "auto" leaves the loss to the model and
+    fused_ce=True is refused; Llama's head is plain. The live reference: the loss the unpatched model computes."""
+    import copy
+
+    from transformers import CohereConfig, CohereForCausalLM
+
+    from hf_accel.errors import ConfigurationError
+
+    torch.manual_seed(0)
+    ref = CohereForCausalLM(CohereConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, logit_scale=0.5,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)).train()
+    assert family_of(ref).head_differs(ref.config) and family_of(make("llama-gqa")).head_differs(None) is None
+    with pytest.raises(ConfigurationError, match="fused_ce=True"):
+        hf_accel.patch(copy.deepcopy(ref), fused_ce=True)
+    ours = copy.deepcopy(ref)
+    report = hf_accel.patch(ours)
+    assert not report.fused_ce
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(ours(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+
+
+def test_the_fused_loss_leaves_a_mixture_of_experts_asked_for_router_logits_to_its_own_forward():
+    """With output_router_logits the model adds the load-balancing loss to its loss in its own forward: the fused loss
+    hands that call to it, so the loss is the unpatched model's, aux loss included."""
+    import copy
+
+    ref = make("qwen3-moe").train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours, fused_ce=True)
+    ids = torch.randint(1, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    got = ours(input_ids=ids, labels=ids, output_router_logits=True)
+    want = ref(input_ids=ids, labels=ids, output_router_logits=True)
+    assert want.aux_loss is not None and got.aux_loss is not None
+    torch.testing.assert_close(got.loss, want.loss)
+    without = ref(input_ids=ids, labels=ids).loss
+    assert (want.loss - without).abs() > 1e-6  # the aux loss counts: the test can fail

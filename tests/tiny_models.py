@@ -101,7 +101,8 @@ FAMILIES_2026 = {
     "qwen3.5-text": lambda: _auto(
         "qwen3_5_text", head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
-    "gpt2": lambda: _auto("gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=64),  # Conv1D linears
+    "gpt2": lambda: _auto("gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0),  # Conv1D linears (dropout off: the tests compare training steps)
 }
 
 VARIANTS = {

@@ -22,6 +22,7 @@ import torch
 
 # Keyword arguments the seam reads itself (beyond transformers' model-level ones)
 HANDLED = frozenset({"sliding_window", "softcap", "s_aux", "is_causal"})
+OURS = "hf_accel_"  # keyword arguments hf_accel's own hooks pass down (hf_attention.LAYER_POSITIONS, the hybrids')
 # What a forward hands every layer and carries no attention meaning of its own
 _PASSED_DOWN = frozenset({"cache_position", "position_embeddings", "use_cache", "past_key_values", "past_key_value",
                           "cache", "return_dict", "labels", "logits_to_keep", "token_type_ids"})
@@ -71,7 +72,8 @@ def read_call(module: torch.nn.Module, head_dim: int, scaling: float | None, dro
     if layer_type(module) == "chunked_attention":
         chunk = getattr(module.config, "attention_chunk_size", None)
     known = model_kwargs() | HANDLED | _PASSED_DOWN
-    unknown = tuple(sorted(k for k, v in kwargs.items() if v is not None and k not in known))
+    unknown = tuple(sorted(k for k, v in kwargs.items()
+                           if v is not None and k not in known and not k.startswith(OURS)))
     is_causal = kwargs.get("is_causal")
     return CallAsks(
         scale=scaling if scaling is not None else head_dim ** -0.5,

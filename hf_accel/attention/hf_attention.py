@@ -113,10 +113,13 @@ def _hf_accel_attention_varlen(module, q_bshd, k_bshd, v_bshd, attention_mask, s
 
 
 def _layout_kwargs(kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
-    """(position_ids, cu_seq_lens_q, max_length_q) of this call: as the call passed them, else as the patched
-    model's forward was given them (a body that keeps position_ids to itself, as Llama 4's does, still packs)."""
+    """(position_ids, cu_seq_lens_q, max_length_q) of this call: as the call passed them, else as its decoder layer
+    was given them (``LAYER_POSITIONS``: a layer that keeps position_ids to itself, as Llama 4's does; also in a
+    checkpoint's recompute), else as the patched model's forward was."""
     if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
         return kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if kwargs.get(LAYER_POSITIONS) is not None:
+        return kwargs[LAYER_POSITIONS], None, None
     record = _PATCHED_FORWARD.get()
     if record is None:
         return None, None, None
@@ -306,7 +309,36 @@ def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], b
             undo.append(lambda m=module: m.__dict__.pop(BACKEND_ATTR, None))
     undo += route_attention_modules(model, modules)
     undo += routing_hooks(model.base_model, model.config._attn_implementation)
+    undo += _layer_position_hooks(model, modules)
     return names, undo
+
+
+# A decoder layer given position_ids that it does not pass down to its attention (Llama 4's) hands them on under this
+# name through its **kwargs: its attention calls, and a checkpoint's recompute of the layer (which replays the layer's
+# keyword arguments), still see the documents.
+LAYER_POSITIONS = "hf_accel_position_ids"
+
+
+def _layer_position_hooks(model: torch.nn.Module, attention_modules: list[torch.nn.Module]
+                          ) -> list[Callable[[], None]]:
+    import inspect
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def hand_down(layer, args, kwargs):
+        if kwargs.get("position_ids") is not None and LAYER_POSITIONS not in kwargs:
+            return args, {**kwargs, LAYER_POSITIONS: kwargs["position_ids"]}
+        return None
+
+    inside = {id(m) for m in attention_modules}
+    removers = []
+    for layer in model.modules():
+        if not isinstance(layer, GradientCheckpointingLayer) or not any(id(m) in inside for m in layer.modules()):
+            continue
+        params = inspect.signature(type(layer).forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            removers.append(layer.register_forward_pre_hook(hand_down, with_kwargs=True).remove)
+    return removers
 
 
 def current_forward_batch() -> _ForwardBatch | None:

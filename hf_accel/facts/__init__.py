@@ -142,6 +142,9 @@ def _found(model_cls: type, config, model: nn.Module | None = None) -> Family:
         output_projections=lambda config_: facts.output_projections,
         notes=notes,
         packs_apart=stock_keeps_documents_apart,
+        head_differs=lambda config_: None if facts.plain_head else (
+            "the model's forward does more to the LM head's logits than a final soft-cap (a scale, a bias), which the "
+            "fused loss would leave out"),
     )
 
 

@@ -61,6 +61,7 @@ class Probed:
     attention_classes: tuple[type, ...]
     layer_linears: tuple[str, ...] = field(default_factory=tuple)  # last names of the layers' nn.Linear modules
     mlp_width: int | None = None  # the widest linear inside the layers' ``mlp``; None where it holds experts
+    plain_head: bool = True  # the logits are the LM head's output (a final soft-cap aside): the fused loss serves
 
 
 # ---------------------------------------------------------------------------------------------- the stand-in kernel
@@ -211,6 +212,8 @@ class _Tally(TorchDispatchMode):
         self.linear_out: list[dict[int, str]] = [{} for _ in range(layers)]
         self.layer_out: list[int | None] = [None] * layers
         self.held: list[list[torch.Tensor]] = []
+        self.outside: list[_Op] = []  # the ops outside decoder layers (embeddings, final norm, LM head, after it)
+        self.head_out: int | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -218,6 +221,9 @@ class _Tally(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.held.append(outputs)  # every storage of the forward stays alive: its identity is never reused
         if self.layer is None:
+            inputs = [_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            packet = getattr(func, "overloadpacket", func)
+            self.outside.append(_Op(packet, inputs, [_key(t) for t in outputs], args, kwargs, outputs))
             return out
         packet = getattr(func, "overloadpacket", func)
         if packet in self.save_ops:
@@ -246,6 +252,10 @@ class _Tally(TorchDispatchMode):
 
 def _hooks(model: nn.Module, layers: list[nn.Module], tally: _Tally) -> list:
     handles = []
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Module):
+        handles.append(head.register_forward_hook(
+            lambda m, a, out: setattr(tally, "head_out", _key(out)) if isinstance(out, torch.Tensor) else None))
     for index, layer in enumerate(layers):
         def enter(module, args, kwargs, index=index):
             hidden = args[0] if args else kwargs.get("hidden_states")
@@ -354,6 +364,33 @@ def _feeds_only_output(start: int, ops: list[_Op], output: int | None) -> bool:
     return reached
 
 
+# what may happen to the LM head's logits before the forward returns them, for hf_accel's fused loss to compute what
+# the model does (it applies a final soft-cap itself)
+_LOGIT_VIEWS = {"_to_copy", "clone", "contiguous", "alias", "slice", "select", "view", "_unsafe_view", "reshape"}
+_SOFTCAP = {"div", "tanh", "mul"}
+
+
+def _plain_head(tally: _Tally, softcap: bool) -> bool:
+    """Whether the logits leave the forward as the LM head made them (a soft-cap aside where the config has one):
+    no scale, no bias, nothing the fused loss, which runs the head itself, would leave out."""
+    if tally.head_out is None:
+        return False
+    frontier, done = [tally.head_out], set()
+    allowed = _LOGIT_VIEWS | (_SOFTCAP if softcap else set())
+    while frontier:
+        key = frontier.pop()
+        if key in done:
+            continue
+        done.add(key)
+        for op in tally.outside:
+            if key not in op.inputs or not op.outputs or op.outputs == [key]:
+                continue
+            if getattr(op.packet, "__name__", "") not in allowed:
+                return False
+            frontier.extend(k for k in op.outputs if k != key)
+    return True
+
+
 def _output_projections(tally: _Tally) -> tuple[str, ...]:
     """The projection paths that feed nothing but their layer's output in every decoder layer that has them."""
     verdicts: dict[str, bool] = {}
@@ -420,7 +457,8 @@ def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16) -
     projections = _output_projections(long)
     classes = tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
     linears = lora_targets(model)
-    return Probed(calls, saves, projections, classes, linears, _mlp_width(layers))
+    softcap = bool(getattr(config, "final_logit_softcapping", None))
+    return Probed(calls, saves, projections, classes, linears, _mlp_width(layers), _plain_head(long, softcap))
 
 
 def _mlp_width(layers: list[nn.Module]) -> int | None:

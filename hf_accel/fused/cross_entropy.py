@@ -261,6 +261,18 @@ _STOCK_FORWARD = "_hf_accel_stock_forward"
 TARGET_ROWS_KEY = "hf_accel_target_rows"
 
 
+def _body(model: torch.nn.Module) -> torch.nn.Module:
+    """The CausalLM's body (the module holding its decoder layers): ``model.<base_model_prefix>``, or for a class
+    whose prefix names no attribute (Llama 4's "language_model" on Llama4ForCausalLM) its child holding the layers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    body = getattr(model, model.base_model_prefix, None)
+    if isinstance(body, torch.nn.Module) and body is not model:
+        return body
+    return next(child for child in model.children()
+                if any(isinstance(m, GradientCheckpointingLayer) for m in child.modules()))
+
+
 def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: Method = "auto",
                     softcap: float | None = None) -> Callable[[], None]:
     """Bind a ``forward`` on this ``*ForCausalLM`` instance that, in training with labels, returns the loss computed
@@ -287,7 +299,10 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
     def forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
         target_rows = kwargs.pop(TARGET_ROWS_KEY, None)  # batch metadata for this loss only
         as_tuple = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
-        if labels is None or not self.training or args or as_tuple:  # (a tuple's fields sit where logits would)
+        # (a tuple's fields sit where logits would; a mixture of experts asked for its router logits adds their
+        # load-balancing loss to the loss in its own forward)
+        router_logits = kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+        if labels is None or not self.training or args or as_tuple or router_logits:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return stock(*args, labels=labels, **kwargs)
@@ -295,8 +310,7 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
         shift_labels = kwargs.pop("shift_labels", None)  # transformers' loss kwarg: pre-shifted targets
         if shift_labels is not None:
             target_rows = None  # targets not from `labels`, where the rows were listed: take every row
-        body = getattr(self, self.base_model_prefix)
-        out = body(**kwargs)
+        out = _body(self)(**kwargs)
         loss = causal_lm_loss_from_hidden(self, out.last_hidden_state, labels, num_items_in_batch,
                                           shift_labels=shift_labels, target_rows=target_rows, chunk_size=chunk_size,
                                           method=method, softcap=softcap)

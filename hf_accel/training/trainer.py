@@ -208,6 +208,7 @@ class AccelMixin(CheckpointFilesMixin):
             out = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self._writer.wait()
+            self._sync_compile_notes()
         # After a normal end only: a summary's device reads must not replace the exception of a failed run.
         if self._meter is not None:
             from ..memory.budget import plan_vs_peak
@@ -236,7 +237,18 @@ class AccelMixin(CheckpointFilesMixin):
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs and self._meter is not None:
             logs.update(self._meter.pop())
+        self._sync_compile_notes()
         super().log(logs, *args, **kwargs)
+
+    def _sync_compile_notes(self) -> None:
+        """What the compiled layers decided about liger's / hub kernels' forwards (bound when train() starts) goes
+        into the PatchReport's notes."""
+        if getattr(self, "patch_report", None) is None:
+            return
+        from ..fused.foreign_forwards import compile_notes
+
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self.patch_report.notes += [n for n in compile_notes(model) if n not in self.patch_report.notes]
 
 class Trainer(AccelMixin, transformers.Trainer):
     """``transformers.Trainer`` with hf_accel's attention patch, packing collator, token-budget sampler, checkpoint

@@ -106,24 +106,7 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         trl_loss.resolve_metrics(self)  # the device-side metrics of the steps since the last log, read back once
-        self._sync_compile_notes()
         super().log(logs, *args, **kwargs)
-
-    def train(self, *args, **kwargs):
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self._sync_compile_notes()
-
-    def _sync_compile_notes(self) -> None:
-        """What the compiled layers decided about liger's / hub kernels' forwards (bound when train() starts) goes
-        into the PatchReport's notes."""
-        if self.patch_report is None:
-            return
-        from ..fused.foreign_forwards import compile_notes
-
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        self.patch_report.notes += [n for n in compile_notes(model) if n not in self.patch_report.notes]
 
 
 def _loss_name(trainer: Any) -> str:
