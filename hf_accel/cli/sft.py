@@ -138,7 +138,8 @@ def make_trainer(model, tok: Any, train: Any, args: argparse.Namespace, tiny_def
 
     auto = lambda value: "auto" if value is None else value  # noqa: E731 (None: the flag was not given)
     accel = AccelArguments(
-        non_finite=args.non_finite, patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
+        non_finite=args.non_finite, cpu_threads=None,  # configure_threads decided
+        patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
         max_tokens_per_batch=args.max_tokens_per_batch, fused_ce=auto(args.fused_ce), async_save=args.async_save,
         fused_ops=auto(args.fused_ops), compile=auto(args.compile), mlp_chunks=args.mlp_chunks, save=args.save,
         overwrite_output_dir=args.overwrite, precision=None if args.precision == "model" else args.precision,

@@ -23,7 +23,7 @@ from typing import Any
 import transformers
 from torch.utils.data import DataLoader
 
-from . import checkpoint_io, compile_rules, data_loading, non_finite, run_context, sequence_parallel
+from . import checkpoint_io, compile_rules, cpu_threads, data_loading, non_finite, run_context, sequence_parallel
 from .checkpoint_hooks import CheckpointFilesMixin, ReserveSnapshotAhead, RestoreLossWindow
 from .data_loading import tokenize_dataset  # noqa: F401 (re-exported)
 from .metrics import ThroughputMeter, format_summary
@@ -75,6 +75,9 @@ class AccelArguments:
     non_finite: what a non-finite loss or gradient norm does: "stop" (raise ``NonFiniteLoss`` naming the step, with
         nothing of that step saved) or "skip" (drop that step's update and count it in ``Trainer.skipped_steps``;
         one host sync a step). See ``hf_accel.training.non_finite``.
+    cpu_threads: torch's CPU threads while training on the CPU: "auto" (one less than the usable cores unless
+        ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` chose fewer; see ``hf_accel.training.cpu_threads``), a number,
+        or None (torch's setting as it is).
     """
 
     patch: bool = True
@@ -94,6 +97,7 @@ class AccelArguments:
     print_summary: bool = True
     non_blocking: bool = True
     non_finite: str = "stop"
+    cpu_threads: Any = "auto"
 
     def patch_options(self, **decided: Any) -> PatchOptions:
         """These arguments as ``patch()``'s options (validated here: a bad value raises ConfigurationError), with
@@ -210,7 +214,8 @@ class AccelMixin(CheckpointFilesMixin):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         resume_from_checkpoint = self._prepare_run(resume_from_checkpoint)
         try:
-            out = super().train(resume_from_checkpoint, *args, **kwargs)
+            with cpu_threads.for_training(self.accel.cpu_threads, self.args.device):
+                out = super().train(resume_from_checkpoint, *args, **kwargs)
             non_finite.stop_if_found(self, weights=True)  # before anything saves the model this run ends with
         finally:
             self._writer.wait()
