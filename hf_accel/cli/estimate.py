@@ -51,10 +51,7 @@ def _model_help(argv: list[str]) -> str:
     return f"one of {', '.join(model_names())}, or a local folder with config.json"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    import sys
-
-    argv = list(sys.argv[1:] if argv is None else argv)
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-accel estimate-memory", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help=_model_help(argv))
@@ -85,7 +82,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mlp-chunks", default="auto",
                         help="patch()'s mlp_chunks: auto (chunk the MLPs of long calls), a chunk size in tokens, or "
                         "0 / off")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     args.mlp_chunks = mlp_chunks_value(args.mlp_chunks)
     if args.lora_rank is not None and args.lora_rank < 1:
         raise UsageError(f"--lora-r {args.lora_rank}: a LoRA rank is at least 1 (leave it out for full "
