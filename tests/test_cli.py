@@ -240,7 +240,7 @@ def test_estimate_memory_command_prints_the_estimate(capsys):
     assert capsys.readouterr().out.strip() == kept.table().strip() and "counted in 16-bit" in kept.table()
     assert kept.param_bytes < estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True,
                                                        nested_quant=True).param_bytes
-    for argv, message in ((["--load-in-4bit"], "add --lora-rank"),
+    for argv, message in ((["--load-in-4bit"], "add --lora-r "),
                           (["--lora-rank", "8", "--use-bnb-nested-quant"], "add --load-in-4bit"),
                           (["--lora-rank", "8", "--keep-base-dtype"], "--keep-base-dtype applies to a 4-bit base"),
                           (["--host-gib", "nan"], "--host-gib nan: must be a positive number"),

@@ -53,21 +53,22 @@ def _hub_model(name: str, flag: str, kind: str) -> dict[str, Any]:
 def check_model_type(name: str, folder: Path) -> None:
     """A --model folder's config.json names a model_type this transformers can build."""
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {name}: its config.json cannot be read ({str(e).splitlines()[0]}); pass a folder "
                          "written by save_pretrained") from None
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if not model_type:
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if not kind:
         raise UsageError(f"--model {name}: its config.json names no model_type; pass a folder written by "
                          "save_pretrained (config.json, weights, tokenizer)")
-    if model_type not in CONFIG_MAPPING_NAMES:
-        raise UsageError(f"--model {name}: config.json has model_type {model_type!r}, which transformers "
+    try:
+        transformers.AutoConfig.for_model(kind)  # transformers' own registry of the types it can build
+    except (ValueError, KeyError):
+        raise UsageError(f"--model {name}: config.json has model_type {kind!r}, which transformers "
                          f"{transformers.__version__} does not know; upgrade transformers (pip install -U "
-                         "transformers), or pass a folder of a model it knows")
+                         "transformers), or pass a folder of a model it knows") from None
 
 
 def check_tokenizer_files(name: str, folder: Path) -> None:

@@ -257,7 +257,7 @@ def _train(trainer, args: argparse.Namespace, argv: list[str], threads: dict[str
         step = trainer.state.global_step
         raise RunInterrupted(interrupted_message(args, argv, step, trainer.state.max_steps,
                                                  newest_checkpoint(args.output_dir), at_once=True)) from None
-    if stop.stopped_at is not None:
+    if stop.stopped_at is not None and stop.stopped_at < trainer.state.max_steps:  # (at the last step: done anyway)
         message = interrupted_message(args, argv, stop.stopped_at, trainer.state.max_steps,
                                       newest_checkpoint(args.output_dir), at_once=False)
         write_outputs(run_metrics(trainer, args, threads, data_report, stopped=message), trainer, args.output_dir)
