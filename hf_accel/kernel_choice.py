@@ -14,7 +14,7 @@ import torch
 
 from .attention.kernels import AttentionRequest, DeviceInfo, Selection, select
 from .errors import BackendUnavailable
-from .patches import Family, LayerAttention
+from .family import Family, LayerAttention
 
 
 def attention_dtype(param_dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
@@ -31,8 +31,9 @@ def attention_dtype(param_dtype: torch.dtype, device: DeviceInfo) -> torch.dtype
 def training_request(model, family: Family, device: DeviceInfo | None,
                      layer: LayerAttention | None = None) -> AttentionRequest:
     """What a training call of one of ``model``'s layers (default: its first) asks of a kernel."""
-    heads_q, heads_kv, head_dim = family.head_shape(model.config)
-    layer = layer if layer is not None else family.layer_attention(model.config, 0)
+    if layer is None:
+        layer = next(iter(family.layer_attentions(model.config).values()), LayerAttention())
+    heads_q, heads_kv, head_dim = layer.heads or family.head_shape(model.config)
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     where = param.device if param is not None else torch.device("cpu")
     if where.type == "meta":  # init_empty_weights / FSDP's cpu_ram_efficient_loading: weights arrive later
@@ -42,7 +43,7 @@ def training_request(model, family: Family, device: DeviceInfo | None,
         device=dev, dtype=attention_dtype(param.dtype if param is not None else torch.float32, dev),
         head_dim=head_dim, num_heads_q=heads_q, num_heads_kv=heads_kv,
         dropout=family.training_dropout(model.config) > 0, window=layer.window is not None,
-        softcap=layer.softcap is not None, alibi=layer.alibi,
+        softcap=layer.softcap is not None, alibi=layer.alibi, sinks=layer.sinks,
     )
 
 
@@ -51,37 +52,47 @@ class KernelChoice:
     """The backend of the first layer (the report's headline), the name each layer's calls select with, notes."""
 
     selection: Selection
-    layer_backends: list[str]
+    layer_backends: dict[int, str]  # decoder layer index -> the backend name its calls select with
     request: AttentionRequest  # the first layer's
     notes: list[str] = field(default_factory=list)
 
 
 def _pick(request: AttentionRequest, backend: str) -> tuple[Selection, str]:
     """(selection, the name calls select with): ``backend`` where it serves the request, else "auto" where
-    ``backend`` fails only for the layer's own features (window, softcap, ALiBi)."""
+    ``backend`` fails only for the layer's own features (window, softcap, ALiBi, sinks, its own head_dim)."""
     try:
         return select(request, backend), backend
     except BackendUnavailable:
-        plain = replace(request, window=False, softcap=False, alibi=False)
+        plain = replace(request, window=False, softcap=False, alibi=False, sinks=False)
         if backend == "auto" or plain == request:
             raise
         select(plain, backend)  # a backend that cannot serve the layer for any other reason: that error
         return select(request, "auto"), "auto"
 
 
+def _request(first: AttentionRequest, kind: LayerAttention) -> AttentionRequest:
+    heads_q, heads_kv, head_dim = kind.heads or (first.num_heads_q, first.num_heads_kv, first.head_dim)
+    return replace(first, window=kind.window is not None, softcap=kind.softcap is not None, alibi=kind.alibi,
+                   sinks=kind.sinks, num_heads_q=heads_q, num_heads_kv=heads_kv, head_dim=head_dim)
+
+
 def choose(model, family: Family, backend: str) -> KernelChoice:
+    """Each attention layer's backend (by what its calls ask), and the report's lines when layers differ."""
     layers = family.layer_attentions(model.config)
-    first = training_request(model, family, None, layers[0] if layers else None)
-    kinds = list(dict.fromkeys(layers))
-    picks = {kind: _pick(replace(first, window=kind.window is not None, softcap=kind.softcap is not None,
-                                 alibi=kind.alibi), backend) for kind in kinds}
-    choice = KernelChoice(picks[layers[0]][0] if layers else select(first, backend),
-                          [picks[kind][1] for kind in layers], first)
-    if len(kinds) > 1 or any(name != backend for _, name in picks.values()):
-        for kind in kinds:
-            selection, name = picks[kind]
-            indices = [i for i, layer in enumerate(layers) if layer == kind]
+    first = training_request(model, family, None, next(iter(layers.values()), None))
+    kinds = [kind for kind in dict.fromkeys(layers.values()) if not kind.stock]
+    picks = {kind: _pick(_request(first, kind), backend) for kind in kinds}
+    first_kind = next((kind for kind in layers.values() if not kind.stock), None)
+    choice = KernelChoice(picks[first_kind][0] if first_kind is not None else select(first, backend),
+                          {i: picks[kind][1] for i, kind in layers.items() if not kind.stock}, first)
+    if len(dict.fromkeys(layers.values())) > 1 or any(name != backend for _, name in picks.values()):
+        for kind in dict.fromkeys(layers.values()):
+            indices = [i for i, layer in layers.items() if layer == kind]
             where = f"layer {indices[0]}" if len(indices) == 1 else f"{len(indices)} layers"
+            if kind.stock:
+                choice.notes.append(f"{where}: transformers' own attention ({kind.stock})")
+                continue
+            selection, name = picks[kind]
             line = f"{where} ({kind.describe()}): {selection.backend.name}"
             if name != backend:
                 line += (f" (backend {backend!r} cannot do {kind.describe()}; these layers take the fastest "

@@ -173,7 +173,7 @@ def _decide(model_hf: torch.nn.Module, options: PatchOptions) -> _Decisions:
     from .kernel_choice import training_request
     from .memory import mlp_chunks as mlp_chunking
 
-    family = family_of(model_hf.config)
+    family = family_of(model_hf)
     request = training_request(model_hf, family, None)
     speedups = resolve_speedups(model_hf, request.device, fused_ce=options.fused_ce, fused_ops=options.fused_ops,
                                 compile=options.compile, compile_stand_down=options.compile_stand_down)
@@ -187,7 +187,7 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     """Bind every stage the decisions ask for, in order, appending each one's undo actions to ``undo``."""
     family, backend, compiled = decisions.family, decisions.options.backend, decisions.compile_options is not None
     applied = _Applied(previous_attn=model_hf.config._attn_implementation, notes=list(family.notes) + choice.notes)
-    if applied.previous_attn == "sdpa" and any(a.softcap for a in family.layer_attentions(model_hf.config)):
+    if applied.previous_attn == "sdpa" and any(a.softcap for a in family.layer_attentions(model_hf.config).values()):
         applied.notes.append("the unpatched model runs transformers' SDPA attention, which cannot soft-cap and drops "
                              "the attention soft-cap (transformers 5.17 allowed it; later versions refuse SDPA here): "
                              "patched training applies the cap, as eager attention does; build with eager to compare")
@@ -248,7 +248,7 @@ def checkpoint_default(model: torch.nn.Module, device: DeviceInfo | None = None)
     from .memory.defaults import checkpoint_default as default_for
 
     model_hf = _transformers_model(model)
-    family = family_of(model_hf.config)
+    family = family_of(model_hf)
     device = device or training_request(model_hf, family, None).device
     return default_for(model, device, base_4bit=four_bit_base(model_hf),
                        output_projections=tuple(family.output_projections(model_hf.config)))
@@ -307,7 +307,7 @@ def _precision_line(applied: _Applied) -> str | None:
     return fp8.describe(applied.fp8_linears)
 
 
-def _tag_layer_backends(model_hf, names: list[str], layer_backends: list[str], backend: str) -> None:
+def _tag_layer_backends(model_hf, names: list[str], layer_backends: dict[int, str], backend: str) -> None:
     """Attention modules of layers the requested backend cannot serve select per call ("auto"); the family's undo
     removes the attribute."""
     from .attention.hf_attention import BACKEND_ATTR
@@ -315,7 +315,7 @@ def _tag_layer_backends(model_hf, names: list[str], layer_backends: list[str], b
     for name in names:
         module = model_hf.get_submodule(name)
         index = getattr(module, "layer_idx", None)
-        if index is not None and index < len(layer_backends) and layer_backends[index] != backend:
+        if layer_backends.get(index, backend) != backend:
             setattr(module, BACKEND_ATTR, layer_backends[index])
 
 

@@ -44,7 +44,7 @@ from hf_accel.attention.hf_attention import (
 from hf_accel.attention.kernels import AttnOptions
 from hf_accel.attention.routing import PROBABILITIES, leaves_forward_to_stock
 
-from ._family import Family, LayerAttention, LayerBytes, affine_layer_norm, fusable_by_class
+from hf_accel.family import Family, LayerAttention, LayerBytes, affine_layer_norm, fusable_by_class
 
 _ORIGINAL = "_hf_accel_original_forward"
 _CALL = "_hf_accel_model_call"

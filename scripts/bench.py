@@ -59,6 +59,7 @@ import torch  # noqa: E402
 from hf_accel.errors import BudgetExceeded  # noqa: E402
 
 from hf_accel.training import flops  # noqa: E402
+from benchlib.anchors import ANCHOR_REVISION, anchors_text, stock_anchors  # noqa: E402
 from benchlib.apart import child_env  # noqa: E402
 from benchlib.configs import CONFIGS, Options, missing_requirement  # noqa: E402
 from benchlib.distributed import CHILDREN, Rank, RunStopped, gather_ranks, launch_argv, run_group  # noqa: E402
@@ -492,6 +493,8 @@ def sweep_record(args: argparse.Namespace, argv: list[str], workload, results: l
     table = markdown_table(results, best)
     if targets_line(results):
         table = targets_line(results) + "\n\n" + table
+    if anchors_text(args.configs):
+        table = anchors_text(args.configs) + "\n\n" + table
     profiles = profile_table(results)
     if profiles:
         table += "\n\n" + profiles
@@ -510,6 +513,7 @@ def sweep_record(args: argparse.Namespace, argv: list[str], workload, results: l
         "optimizer": "torch.optim.AdamW(fused=True), lr 1e-5", "peak_flops": peak(args),
         "device_memory_cap_gib": args.device_memory_cap_gib,
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
+        "anchor_revision": ANCHOR_REVISION, "anchors": stock_anchors(args.configs),
         "total_seconds": time.perf_counter() - start, "results": results,
     }
     if args.nproc:
@@ -628,6 +632,7 @@ def long_context_record(args: argparse.Namespace, argv: list[str], workload, don
         "data": {"doc_lengths": lengths, "docs_per_step": 1}, "peak_flops": peak(args),
         "device_memory_cap_gib": args.device_memory_cap_gib,
         "mfu_formula": flops.__doc__, "args": {k: str(v) for k, v in vars(args).items()},
+        "anchor_revision": ANCHOR_REVISION, "anchors": stock_anchors(args.configs),
         "total_seconds": time.perf_counter() - start, "results": results,
     }
     return record, table

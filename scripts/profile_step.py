@@ -11,9 +11,10 @@ optimizer / norms+elementwise / other. Also times batch collation on the CPU alo
     python scripts/profile_step.py --workload llama-8b-qlora --defaults --memory-peak   # + what its peak holds
     python scripts/profile_step.py --workload llama-8b-qlora --defaults --op-sites      # + which code launches them
 
-QLoRA workloads (`*-qlora`) profile the QLoRA rows' model: the NF4 base as scripts/bench.py builds it, PEFT's kbit
-preparation (its checkpointing on), LoRA; `--defaults` patches it as `hf_accel.patch(model)` does with no arguments
-(the hf_accel-qlora row) instead of the explicit --fused-ops / --compile / --fused-ce choices.
+QLoRA workloads (`*-qlora`) profile the hf_accel-qlora row's model: the NF4 base as scripts/bench.py builds it (no
+kbit preparation since issue 70: the recommended recipe; checkpointing on), LoRA; `--defaults` patches it as
+`hf_accel.patch(model)` does with no arguments (the hf_accel-qlora row) instead of the explicit --fused-ops /
+--compile / --fused-ce choices.
 """
 from __future__ import annotations
 

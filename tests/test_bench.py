@@ -115,6 +115,13 @@ def test_ratio_uses_best_same_computation_stock():
     assert results[2]["ratio_to_best_stock"] == 1.5 and "ratio_to_best_stock" not in results[3]
     table = markdown_table(results, "a")
     assert "| mine | 150 | 1.50 | 50.0% |" in table and "skipped: needs CUDA |" in table
+    # two competing anchors that split the measures (issue 70): each ratio against its own fastest stock config
+    split = [{"config": "trl", "status": "ok", "tokens_per_s": 100.0, "steady_tokens_per_s": 104.0},
+             {"config": "trl-liger", "status": "ok", "tokens_per_s": 98.0, "steady_tokens_per_s": 110.0},
+             {"config": "mine", "status": "ok", "tokens_per_s": 150.0, "steady_tokens_per_s": 165.0}]
+    assert add_ratios(split, ["trl", "trl-liger"]) == "trl"
+    assert split[2]["ratio_to_best_stock"] == 1.5 and split[2]["steady_ratio_to_best_stock"] == 1.5
+    assert split[0]["steady_ratio_to_best_stock"] == pytest.approx(104 / 110)
 
 
 def _run_bench(tmp_path, *args: str) -> tuple[str, dict]:
@@ -313,7 +320,8 @@ def test_preset_sets_defaults_that_flags_override_and_pending_preset_exits_2(mon
     bench = script_module("bench")
     args = bench.parse_args(["--preset", "llama-8b-lora", "--steps", "4"])
     assert (args.workload, args.steps, args.warmup, args.best_checkpointing) == ("llama-8b-lora", 4, 2, "budget:0.8")
-    assert args.configs == ["trl-fa4-packed", "hf_accel-defaults", "hf_accel-best", "hf_accel-offload", "hf_accel-offload-mlp4k", "unsloth"]
+    assert args.configs == ["trl-fa4-packed", "trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-best",
+                            "hf_accel-offload", "hf_accel-offload-mlp4k", "unsloth"]
     assert args.nproc is None  # no launcher unless asked for
     assert bench.parse_args(["--preset", "long-context", "--warmup", "0"]).warmup == 0  # one step alone, timed
     with pytest.raises(SystemExit):

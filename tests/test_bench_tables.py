@@ -199,6 +199,38 @@ def test_runs_log_names_each_long_context_rows_length(tmp_path):
     assert "hf_accel-best @ 131,072 tokens 2,882 (42.7); hf_accel-best @ 262,144 tokens 1,609 (41.9)" in log
 
 
+def test_runs_log_marks_rows_measured_with_an_older_definition_of_their_configuration(tmp_path):
+    """Issue 70: a record made before an anchor's (or the QLoRA headline row's) definition changed keeps its numbers
+    in the log, marked, with what that row measured then; the same configuration in a record made since, and a
+    configuration whose definition did not change for that workload (TRL on full fine-tuning), is not marked."""
+    from benchlib.anchors import ANCHOR_REVISION, REDEFINED
+    from benchlib.tables import runs_log
+
+    qlora = [_result("trl-qlora", 7236.0, 21.3), _result("unsloth-qlora", 6124.0, 15.0),
+             _result("hf_accel-qlora", 11950.0, 15.0)]
+    _write(tmp_path, "q_old.json", _record("llama-8b-qlora", "2026-12-05T02:27:00+00:00", qlora))
+    _write(tmp_path, "q_new.json", _record("llama-8b-qlora", "2026-12-08T02:27:00+00:00", qlora,
+                                           anchor_revision=ANCHOR_REVISION))
+    _write(tmp_path, "full.json", _record("llama-1b", "2026-12-06T02:27:00+00:00", [
+        _result("trl-fa4-packed-liger", 62498.0, 27.5), _result("hf_accel-defaults", 70374.0, 26.7)]))
+    _write(tmp_path, "lora.json", _record("llama-8b-lora", "2026-12-06T04:46:00+00:00", [
+        _result("trl-fa4-packed", 7223.0, 24.8), _result("hf_accel-defaults", 11965.0, 23.8)]))
+    log = runs_log(build_index(tmp_path))
+    rows = {line.split("[`")[1].split("`]")[0]: line for line in log.splitlines() if "[`" in line}
+    assert "trl-qlora *[older anchor]* 7,236 (21.3); unsloth-qlora 6,124 (15.0); hf_accel-qlora " \
+           "*[PEFT-prepared base]* 11,950 (15.0)" in rows["q_old.json"]
+    assert "*[" not in rows["q_new.json"] and "*[" not in rows["full.json"]
+    assert "trl-fa4-packed *[older anchor]* 7,223 (24.8); hf_accel-defaults 11,965" in rows["lora.json"]
+    legend = log.split("| date |")[0]
+    for name in ("trl-qlora", "hf_accel-qlora", "trl-fa4-packed"):
+        assert f"`{name}` *[{REDEFINED[name].tag}]*" in legend and REDEFINED[name].before in legend
+    assert "trl-fa4-packed-liger" not in legend  # no marked row of it in this log
+    _write(tmp_path, "q_old.json", _record("llama-8b-qlora", "2026-12-05T02:27:00+00:00", qlora,
+                                           anchor_revision=ANCHOR_REVISION))
+    (tmp_path / "lora.json").unlink()
+    assert "*[" not in runs_log(build_index(tmp_path))  # nothing marked, no legend
+
+
 def test_long_context_region_takes_each_config_from_its_newest_run(tmp_path):
     from benchlib.tables import long_context_region
 

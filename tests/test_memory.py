@@ -81,7 +81,15 @@ def test_lora_parameter_count_matches_peft():
 
 @pytest.mark.parametrize("name", ["llama", "gpt_neox", "falcon", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"])
 def test_activation_estimate_close_to_saved_tensor_measurement(name):
+    """The estimate counts flash-style attention (no seq x seq tensor). A model built on eager attention (Gemma 2,
+    which transformers refuses SDPA for) keeps its probabilities: measured through the facts probe's flash-like
+    stand-in attention instead (real tensors; it saves q, k, v, out and the log-sum-exp as a flash kernel does)."""
     model = build(name)
+    if model.config._attn_implementation == "eager":
+        from hf_accel.facts.probe import PROBE_NAME, register
+
+        register()
+        model.config._attn_implementation_internal = PROBE_NAME
     ids = torch.randint(0, 128, (1, TOKENS))
     measured = probe_layer_activations(model, {"input_ids": ids, "labels": ids})
     estimate = estimate_training_memory(model.config, dtype="fp32", batch_tokens=TOKENS).layer

@@ -12,7 +12,7 @@ import torch
 
 import hf_accel
 from hf_accel.errors import BackendUnavailable, UnsupportedModel
-from tiny_models import NEW_FAMILIES, VARIANTS, VOCAB, make
+from tiny_models import FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, make
 
 LOGITS_RTOL = 2e-4  # relative to the logits' scale (issue 2's bar)
 GRAD_RTOL = 1e-3  # relative to each gradient's scale
@@ -168,7 +168,7 @@ def test_stock_falcon_packing_leaks_and_ours_does_not():
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi",
-                                     "mistral-window", "gemma2-softcap", "gemma3-text"])
+                                     "mistral-window", "gemma2-softcap", "gemma3-text", *FAMILIES_2026])
 def test_generate_unchanged(variant):
     model = make(variant)
     model.config.use_cache = True
@@ -180,7 +180,7 @@ def test_generate_unchanged(variant):
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "neox-sequential", "falcon-7b-mqa", *NEW_FAMILIES])
+@pytest.mark.parametrize("variant", ["llama-gqa", "neox-sequential", "falcon-7b-mqa", *NEW_FAMILIES, *FAMILIES_2026])
 def test_unpatch_restores_bit_identical(variant):
     model = make(variant)
     ids, mask, _ = batch("right")
@@ -210,12 +210,17 @@ def test_training_defaults_use_cache_off():
     assert out.past_key_values is None
 
 
-def test_unsupported_model_lists_supported():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_a_model_outside_the_attention_interface_is_refused_saying_so():
+    """GPT-Neo builds its own attention (no transformers AttentionInterface) and no patches/ module types it: refused
+    before anything changes, naming the interface."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(UnsupportedModel, match="llama.*gpt_neox.*falcon"):
+    model = GPTNeoForCausalLM(GPTNeoConfig(num_layers=2, attention_types=[[["global", "local"], 1]], hidden_size=32,
+                                           num_heads=2, vocab_size=50))
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(UnsupportedModel, match="does not reach attention through transformers' AttentionInterface"):
         hf_accel.patch(model)
+    assert {n: type(m) for n, m in model.named_modules()} == before and hf_accel.patch_report(model) is None
 
 
 def _tiny_gemma3_multimodal():
@@ -290,7 +295,8 @@ def test_checkpointed_layers_still_recompute(variant):
     assert len(calls) == 2 * model.config.num_hidden_layers  # each layer's attention ran again in backward
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-40b-newarch", "neox-parallel", *NEW_FAMILIES])
+@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-40b-newarch", "neox-parallel", *NEW_FAMILIES,
+                                     *FAMILIES_2026])
 def test_lora_grads_equal_patch_before_or_after_peft(variant):
     from peft import LoraConfig, get_peft_model
 
@@ -322,21 +328,21 @@ def test_report_predicts_the_backend_training_calls_use():
     """Attention dropout in training rules out kernels without dropout; the report must say which serves."""
     from hf_accel.attention.kernels import DeviceInfo
     from hf_accel.kernel_choice import training_request
-    from hf_accel.patches import family_for
+    from hf_accel.patches import family_of
 
     model = make("llama-gqa")
     model.config.attention_dropout = 0.1
-    request = training_request(model, family_for("llama"), DeviceInfo("cuda", (9, 0)))
+    request = training_request(model, family_of(model), DeviceInfo("cuda", (9, 0)))
     assert request.dropout and request.device.capability == (9, 0)
     rw = make("falcon-rw-alibi")
     rw.config.attention_dropout = 0.1
-    assert training_request(rw, family_for("falcon"), None).dropout
+    assert training_request(rw, family_of(rw), None).dropout
     from hf_accel.patches.falcon import TAKES_ALIBI
 
     rotary = make("falcon-mha")
     rotary.config.attention_dropout = 0.1
     # Falcon's rotary path has dropout from transformers 5.25 on (its attention-interface forward), none before
-    assert training_request(rotary, family_for("falcon"), None).dropout == (not TAKES_ALIBI)
+    assert training_request(rotary, family_of(rotary), None).dropout == (not TAKES_ALIBI)
 
 
 @pytest.mark.parametrize("variant", ["falcon-40b-newarch", "falcon-mha", "falcon-rw-alibi", "llama-gqa"])
@@ -423,14 +429,14 @@ def test_fp32_master_weights_pick_the_half_precision_kernel():
     over for "cannot do dtype torch.float32"."""
     from hf_accel.attention.kernels import select
     from hf_accel.kernel_choice import training_request
-    from hf_accel.patches import family_for
+    from hf_accel.patches import family_of
 
     model = make("llama-gqa")  # fp32 weights
-    request = training_request(model, family_for("llama"), _h200())
+    request = training_request(model, family_of(model), _h200())
     assert request.dtype == torch.bfloat16
     installed = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
     assert select(request, "auto", installed).backend.name == "fa4"
-    cpu = training_request(model, family_for("llama"), None)
+    cpu = training_request(model, family_of(model), None)
     assert cpu.dtype == torch.float32  # CPU: unchanged
 
 

@@ -29,7 +29,7 @@ def run(config: str, workload: str, options: Options = Options()) -> tuple[Timin
 @pytest.mark.parametrize("config, workload", [
     *((config, workload) for config in ("hf_accel-qlora", "hf_accel-qlora-budget")
       for workload in ("llama-8b-qlora", "llama-70b-qlora")),
-    ("hf_accel-qlora-bf16-budget", "llama-8b-qlora")])
+    ("hf_accel-qlora-kbit", "llama-8b-qlora"), ("hf_accel-qlora-bf16-budget", "llama-8b-qlora")])
 def test_hf_accel_qlora_rows_train_on_a_4bit_base(config, workload):
     import bitsandbytes as bnb
     import torch
@@ -41,20 +41,26 @@ def test_hf_accel_qlora_rows_train_on_a_4bit_base(config, workload):
     assert "LoRA cast skip: not bound" not in report  # PEFT's 4-bit LoRA layers take the skip
     if config.endswith("budget"):
         assert f"checkpointing: memory budget {configs.QLORA_BUDGET.removeprefix('budget:').lower()}: per layer" in report, report
-    # PEFT's recipe leaves the norms, embeddings and head in fp32 (an fp32 residual stream); the bf16 row keeps
-    # them as Unsloth does, the adapters in fp32 in both
+    # hf_accel's recipe (hf_accel-qlora, issue 70) keeps the norms, embeddings and head bf16 as loaded; PEFT's recipe
+    # (the kbit and budget rows) makes them fp32 (an fp32 residual stream), the bf16 row casts them back; the
+    # adapters stay PEFT's fp32 in every row
     kept = {p.dtype for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point()}
-    assert kept == {torch.bfloat16 if "bf16" in config else torch.float32}
+    peft_recipe = config.endswith("kbit") or (config.endswith("budget") and "bf16" not in config)
+    assert kept == {torch.float32 if peft_recipe else torch.bfloat16}
     assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
 
 
-def test_trl_qlora_row_builds_and_trains_through_trl(monkeypatch):
-    """TRL's row with sdpa for flash-attn-4 and without Liger (its Triton kernels need CUDA): the model it trains is
-    the 4-bit base with PEFT's LoRA."""
+@pytest.mark.parametrize("config, workload", [("trl-qlora", "llama-70b-qlora"), ("trl-qlora-kbit", "llama-8b-qlora"),
+                                              ("hf_accel-qlora-sft", "llama-8b-qlora")])
+def test_trl_qlora_rows_build_and_train_through_trl(monkeypatch, config, workload):
+    """TRL's rows with sdpa for flash-attn-4 and without Liger (its Triton kernels need CUDA), and hf_accel's
+    SFTTrainer row: the model each trains is the 4-bit base with the LoRA TRL added from peft_config (what each row
+    gives TRL: tests/test_bench_anchors.py)."""
+    pytest.importorskip("trl", reason="needs trl (pip install 'hf_accel[trl]')")
     run_trl = configs.run_trl
     monkeypatch.setattr(configs, "run_trl", lambda *a, liger, **k: run_trl(*a, liger=False, **k))
-    timing, model = run("trl-qlora", "llama-70b-qlora", Options(substitute_attn="sdpa"))
-    assert timing.losses and all(math.isfinite(x) for x in timing.losses)
+    timing, model = run(config, workload, Options(substitute_attn="sdpa"))
+    assert len(timing.losses) == 2 and all(math.isfinite(x) for x in timing.losses)
     assert sum(type(m).__module__ == "peft.tuners.lora.bnb" for m in model.modules()) == 2 * 7
 
 
@@ -69,7 +75,8 @@ def test_unsloth_rows_skip_workloads_built_on_the_device():
 
 def test_qlora_presets_name_the_target_rows():
     eight = get_preset("llama-8b-qlora")
-    assert {"trl-qlora", "unsloth-qlora", "hf_accel-qlora", "hf_accel-qlora-budget"} <= set(eight.configs)
+    assert {"trl-qlora", "trl-qlora-noliger", "trl-qlora-kbit", "unsloth-qlora", "hf_accel-qlora",
+            "hf_accel-qlora-kbit"} <= set(eight.configs)
     seventy = get_preset("llama-70b-qlora")
     assert seventy.workload == "llama-70b-qlora" and WORKLOADS[seventy.workload].qlora_build == "device"
     assert seventy.configs[0] == "hf_accel-qlora"  # the headline row first, before the time budget runs out

@@ -60,6 +60,50 @@ def _gemma2(**kw):
     return Gemma2ForCausalLM(Gemma2Config(**cfg))
 
 
+def _auto(model_type: str, **kw):
+    """A causal LM of ``model_type`` from its config class, Llama-like tiny sizes unless ``kw`` says otherwise."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = dict(_LLAMA_LIKE, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(kw)
+    return AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**cfg))
+
+
+_MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01)  # top-2 of 4 experts, the aux loss on
+# The 2026 families (transformers 5.17+): each tiny config turns on what the family adds to Llama
+FAMILIES_2026 = {
+    # per-layer head_dim (global layers 32, sliding 16), one kv head on global layers whose values are their keys
+    # (attention_k_eq_v), the last two layers reusing earlier layers' keys and values, per-layer embeddings, a sliding
+    # window shorter than the sequences, final soft-capping
+    "gemma4-text": lambda: _auto(
+        "gemma4_text", head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=2.0, initializer_range=0.2, attn_implementation="eager"),
+    # attention sinks (s_aux), sliding and full layers, 4 experts top-2 with its clamped SwiGLU
+    "gpt-oss": lambda: _auto("gpt_oss", head_dim=16, num_local_experts=4, layer_types=["sliding_attention",
+                             "full_attention"], sliding_window=WINDOW, attn_implementation="eager",
+                             **_MOE),
+    "qwen3-moe": lambda: _auto("qwen3_moe", head_dim=16, num_experts=4, moe_intermediate_size=32, **_MOE),
+    "mixtral": lambda: _auto("mixtral", num_local_experts=4, **_MOE),
+    # chunked layers (chunks of 4 tokens, shorter than the sequences) and a NoPE global layer, q/k norm, MoE
+    "llama4-text": lambda: _auto(
+        "llama4_text", head_dim=16, intermediate_size_mlp=96, num_local_experts=2, num_experts_per_tok=1,
+        attention_chunk_size=WINDOW, layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0],
+        use_qk_norm=True),
+    "ministral3": lambda: _auto("ministral3", head_dim=16, sliding_window=WINDOW),
+    "olmo2": lambda: _auto("olmo2"),  # q/k norm over all heads, norms after attention and MLP
+    "olmo3": lambda: _auto("olmo3", sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "smollm3": lambda: _auto("smollm3", no_rope_layers=[1, 0]),  # a NoPE layer
+    "phi3": lambda: _auto("phi3"),  # fused qkv_proj and gate_up_proj
+    # linear-attention (Gated DeltaNet) layers beside a full-attention layer: head_dim 16, gated attention output
+    "qwen3.5-text": lambda: _auto(
+        "qwen3_5_text", head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
+    "gpt2": lambda: _auto("gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=64),  # Conv1D linears
+}
+
 VARIANTS = {
     "llama-gqa": lambda: _llama(),
     "llama-mqa": lambda: _llama(num_key_value_heads=1),
@@ -81,6 +125,7 @@ VARIANTS = {
     "gemma2-softcap": lambda: _gemma2(),
     "gemma3-text": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**_GEMMA)),
 }
+VARIANTS.update(FAMILIES_2026)
 NEW_FAMILIES = ["qwen2-qkv-bias", "qwen3-qk-norm", "mistral-window", "gemma2-softcap", "gemma3-text"]
 
 

@@ -20,9 +20,10 @@ import transformers.masking_utils as masking_utils
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .calls import CallAsks, read_call
 from .kernels import AttnOptions, varlen_attention
 from .routing import ATTN_NAME, forward_padding_mask, runs_stock_forward, stock_attention, stock_mask
-from .varlen import varlen_batch
+from .varlen import chunked, varlen_batch
 
 BACKEND_ATTR = "_hf_accel_backend"
 
@@ -67,13 +68,17 @@ def seam_attention(
     opts: AttnOptions,
     cu_seq_lens: torch.Tensor | None = None,
     max_length: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """The one seam every family shares: (B, S, H, D) in, varlen kernel, (B, S, Hq, D) out."""
+    """The one seam every family shares: (B, S, H, D) in, varlen kernel, (B, S, Hq, D) out. ``chunk``: each document
+    is cut into pieces of that many tokens from its start, each attending within itself (Llama 4's chunked layers)."""
     batch, seq = q_bshd.shape[:2]
     meta = varlen_batch(
         batch_size=batch, seq_len=seq, device=q_bshd.device, attention_mask=attention_mask,
         position_ids=position_ids, cu_seq_lens=cu_seq_lens, max_length=max_length,
     )
+    if chunk:
+        meta = chunked(meta, chunk)
     out_thd = varlen_attention(
         meta.unpad(q_bshd), meta.unpad(k_bshd), meta.unpad(v_bshd),
         meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, opts,
@@ -88,41 +93,69 @@ def seam_attention(
 @torch.compiler.disable
 def _hf_accel_attention_varlen(module, q_bshd, k_bshd, v_bshd, attention_mask, scaling, dropout,
                                kwargs) -> torch.Tensor:
-    # transformers' sliding_window counts the query itself: a query sees keys q - window < k <= q
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
-    opts = AttnOptions(
-        scale=scaling if scaling is not None else q_bshd.shape[-1] ** -0.5,
-        causal=getattr(module, "is_causal", True),
-        window=(window - 1 if window else None, None),
-        softcap=float(kwargs.get("softcap") or 0.0),  # Gemma: scores -> softcap * tanh(scores / softcap)
-        dropout_p=dropout,
-    )
-    if window and attention_mask is not None and _holes(q_bshd, attention_mask, kwargs):
+    asks = read_call(module, q_bshd.shape[-1], scaling, dropout, kwargs)
+    if asks.unknown or (asks.window and attention_mask is not None and _holes(q_bshd, attention_mask, kwargs)):
         query, key, value = (t.transpose(1, 2) for t in (q_bshd, k_bshd, v_bshd))
-        return _windowed_with_holes(module, query, key, value, attention_mask, scaling, dropout, window, kwargs)
-    return seam_attention(
-        module, q_bshd, k_bshd, v_bshd,
-        attention_mask=attention_mask, position_ids=kwargs.get("position_ids"), opts=opts,
-        cu_seq_lens=kwargs.get("cu_seq_lens_q"), max_length=kwargs.get("max_length_q"),
+        return stock_call(module, query, key, value, attention_mask, scaling, dropout, asks, kwargs)
+    opts = AttnOptions(
+        scale=asks.scale,
+        causal=asks.causal,
+        window=(asks.window - 1 if asks.window else None, None),  # transformers' window counts the query itself
+        softcap=asks.softcap or 0.0,  # Gemma: scores -> softcap * tanh(scores / softcap)
+        dropout_p=asks.dropout,
+        sinks=asks.sinks,
     )
+    position_ids, cu_seq_lens, max_length = _layout_kwargs(kwargs)
+    return seam_attention(
+        module, q_bshd, k_bshd, v_bshd, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
+        cu_seq_lens=cu_seq_lens, max_length=max_length, chunk=asks.chunk,
+    )
+
+
+def _layout_kwargs(kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
+    """(position_ids, cu_seq_lens_q, max_length_q) of this call: as the call passed them, else as the patched
+    model's forward was given them (a body that keeps position_ids to itself, as Llama 4's does, still packs)."""
+    if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
+        return kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    record = _PATCHED_FORWARD.get()
+    if record is None:
+        return None, None, None
+    return record.position_ids, record.cu_seq_lens, record.max_length
 
 
 def _holes(q_bshd, attention_mask, kwargs) -> bool:
     """Whether the padding mask has holes inside a row (read from the forward's layout, memoised for every layer)."""
     batch, seq = q_bshd.shape[:2]
+    position_ids, cu_seq_lens, max_length = _layout_kwargs(kwargs)
     return varlen_batch(batch_size=batch, seq_len=seq, device=q_bshd.device, attention_mask=attention_mask,
-                        position_ids=kwargs.get("position_ids"), cu_seq_lens=kwargs.get("cu_seq_lens_q"),
-                        max_length=kwargs.get("max_length_q")).has_holes
+                        position_ids=position_ids, cu_seq_lens=cu_seq_lens, max_length=max_length).has_holes
 
 
-def _windowed_with_holes(module, query, key, value, attention_mask, scaling, dropout, window, kwargs):
-    """A sliding window over a row with holes: transformers' window counts slots, holes included, where the varlen
-    layout counts real tokens. The reported implementation serves this call, with the mask transformers builds."""
-    from transformers.masking_utils import sliding_window_causal_mask_function
+def stock_call(module, query, key, value, attention_mask, scaling, dropout, asks: CallAsks, kwargs):
+    """Transformers' own attention for one call the varlen layout cannot express, with the mask transformers builds
+    for that layer: a call passing something no hf_accel kernel reads (``asks.unknown``), or a sliding window over a
+    row with holes (transformers' window counts slots, holes included, where the varlen layout counts real tokens).
+    query/key/value (B, H, S, D); ``attention_mask``: the forward's 2D padding mask or None (then packed documents
+    come from position_ids, as in transformers). Returns (B, S, Hq, D)."""
+    from transformers import masking_utils as mu
 
     batch, seq = query.shape[0], query.shape[2]
-    mask = stock_mask()(batch_size=batch, q_length=seq, kv_length=seq, mask_function=sliding_window_causal_mask_function(
-        window), attention_mask=attention_mask.bool(), allow_is_causal_skip=False, dtype=query.dtype, device=query.device)
+    if asks.chunk:
+        left = (attention_mask.cumsum(-1) == 0).sum(-1) if attention_mask is not None else \
+            torch.zeros(batch, dtype=torch.long, device=query.device)
+        mask_function = mu.chunked_causal_mask_function(asks.chunk, left)
+    elif asks.window:
+        mask_function = mu.sliding_window_causal_mask_function(asks.window)
+    else:
+        mask_function = mu.causal_mask_function if asks.causal else (lambda *index: True)
+    packed, position_ids = None, _layout_kwargs(kwargs)[0]
+    if attention_mask is None and position_ids is not None:
+        packed = (_transformers_find_packed or mu.find_packed_sequence_indices)(position_ids)
+    if packed is not None:
+        mask_function = mu.and_masks(mask_function, mu.packed_sequence_mask_function(packed))
+    mask = stock_mask()(batch_size=batch, q_length=seq, kv_length=seq, mask_function=mask_function,
+                        attention_mask=None if attention_mask is None else attention_mask.bool(),
+                        allow_is_causal_skip=False, dtype=query.dtype, device=query.device)
     out, _ = stock_attention(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return out
 
@@ -248,3 +281,29 @@ def forward_batch_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
         model.register_forward_pre_hook(before, with_kwargs=True).remove,
         model.register_forward_hook(after, with_kwargs=True, always_call=True).remove,
     ]
+
+
+GENERIC_ATTENTIONS = "transformers' eager attention for that call (mask and probabilities as in the unpatched model)"
+
+
+def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], backend: str
+                            ) -> tuple[list[str], list[Callable[[], None]]]:
+    """The generic seam, for a model whose attention modules (instances of ``classes``) look their function up in
+    transformers' AttentionInterface: registers hf_accel's attention and mask functions under our own name, tags each
+    attention module with its backend, gives each a routed view of the config (it reads hf_accel's name) and hooks
+    the model's body so that each forward builds its mask with hf_accel's mask function (``routing``). Between
+    forwards the config reports the implementation the user chose, which also serves every call the seam leaves to
+    transformers. Returns the patched module names and the undo actions (hooks, views and tags removed)."""
+    from .routing import route_attention_modules, routing_hooks
+
+    register()
+    names, modules, undo = [], [], []
+    for name, module in model.named_modules():
+        if isinstance(module, classes):
+            setattr(module, BACKEND_ATTR, backend)
+            names.append(name)
+            modules.append(module)
+            undo.append(lambda m=module: m.__dict__.pop(BACKEND_ATTR, None))
+    undo += route_attention_modules(model, modules)
+    undo += routing_hooks(model.base_model, model.config._attn_implementation)
+    return names, undo

@@ -186,6 +186,14 @@ def routing_hooks(body: torch.nn.Module, patched_name: str) -> list[Callable[[],
             undo.append(suspend_forward_record())
         config._attn_implementation_internal = PROBABILITIES if probabilities else ATTN_NAME  # both always exist
         calls.append((config, reported, undo))
+        keep = kwargs.get("logits_to_keep")
+        if isinstance(keep, int) and not isinstance(keep, bool):
+            # A body that slices its queries to the kept positions before some layers (Gemma 4's KV-shared layers,
+            # an inference shortcut for integer logits_to_keep) would slice the masks as 4D (B, 1, Q, K) tensors,
+            # which the seam's 2D padding mask is not: the same positions as a slice, which such a body computes in
+            # full (the same values; the CausalLM slices its logits with its own argument).
+            return args, {**kwargs, "logits_to_keep": slice(-keep, None) if keep else slice(None)}
+        return None
 
     def after(module, args, kwargs, output):
         entry = calls.pop() if calls else None

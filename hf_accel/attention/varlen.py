@@ -223,3 +223,23 @@ def varlen_batch(
         value = from_mask_and_positions(attention_mask, position_ids, batch_size, seq_len, device)
     _memo.put(key, value)
     return value
+
+
+_chunk_memo: dict[tuple[int, int], tuple[weakref.ref, VarlenBatch]] = {}
+
+
+def chunked(meta: VarlenBatch, chunk: int) -> VarlenBatch:
+    """``meta`` with each document cut into pieces of ``chunk`` tokens counted from the document's start, so a query
+    attends only to keys of its own piece (Llama 4's chunked-attention layers): what the document computes alone.
+    Memoised per layout: one host read of the boundaries per forward, shared by every chunked layer."""
+    hit = _chunk_memo.get((id(meta), chunk))
+    if hit is not None and hit[0]() is meta:
+        return hit[1]
+    bounds = meta.cu_seqlens.tolist()  # host sync: chunked layers only, once per forward
+    cut = [start for begin, end in zip(bounds, bounds[1:]) for start in range(begin, end, chunk)] + bounds[-1:]
+    value = VarlenBatch(meta.batch_size, meta.seq_len, torch.tensor(cut, dtype=torch.int32).to(meta.cu_seqlens.device),
+                        min(meta.max_seqlen, chunk), meta.indices, meta.has_holes)
+    if len(_chunk_memo) > 8:
+        _chunk_memo.clear()
+    _chunk_memo[(id(meta), chunk)] = (weakref.ref(meta), value)
+    return value

@@ -1,7 +1,8 @@
 """``hf-accel sft``'s quantized bases (QLoRA): what a checkpoint's config says of its stored quantization (read
 before torch is imported), ``--load-in-4bit``'s bitsandbytes config, loading a base in 4 bits on
 the device it trains on (a model built in memory through a temporary folder, as transformers' quantizer loads from
-files), and PEFT's preparation of a quantized base, with bitsandbytes' CPU inference repacking turned off."""
+files), and the preparation of a quantized base for LoRA (hf_accel's recipe, or PEFT's on request), with
+bitsandbytes' CPU inference repacking turned off."""
 from __future__ import annotations
 
 import argparse
@@ -76,21 +77,33 @@ def reload_quantized(model, quantization, dtype):
 
 
 def prepare_quantized(model, args: argparse.Namespace):
-    """PEFT's QLoRA preparation (docs/qlora.md) of a quantized base: the non-quantized weights (norms, embeddings,
-    head) in fp32, input gradients on, and -- unless --checkpointing chooses -- the recipe's checkpointing of every
-    layer (non-reentrant), which patch() takes over with its own (trimmed; offloaded on CUDA). bitsandbytes' CPU
-    inference repacking is turned off (patched or not): the held-out evaluation before training would otherwise leave
-    the weights in a layout that trains with wrong gradients (``fused.quantized.keep_cpu_4bit_trainable``).
-    --keep-base-dtype: those weights back in bf16 afterwards (``unquantized_weights_to``)."""
+    """A quantized base ready for LoRA, as hf_accel's QLoRA recipe has it (docs/qlora.md): frozen, its weights that
+    are not quantized (norms, embeddings, head) left in the dtype it was loaded in (the run's: bf16 with --bf16), and
+    -- unless --checkpointing chooses -- every layer checkpointed (non-reentrant), which patch() takes over with its
+    own (trimmed; offloaded on CUDA). That is TRL's QLoRA path too; PEFT's ``prepare_model_for_kbit_training`` makes
+    those weights fp32 instead, which is slower and larger (issue 70's measurement) and changes nothing in an fp32 run.
+    ``args.peft_kbit_preparation`` (``--peft-kbit-preparation`` where the command offers it) runs PEFT's preparation
+    instead; --keep-base-dtype then puts those weights back in bf16 afterwards (``unquantized_weights_to``).
+    bitsandbytes' CPU inference repacking is turned off (patched or not): the held-out evaluation before training
+    would otherwise leave the weights in a layout that trains with wrong gradients
+    (``fused.quantized.keep_cpu_4bit_trainable``)."""
     import torch
-    from peft import prepare_model_for_kbit_training
 
     from ..fused.quantized import keep_cpu_4bit_trainable
 
     keep_cpu_4bit_trainable(model)
+    checkpointing = {"use_reentrant": False} if args.checkpointing is None else None
+    if not getattr(args, "peft_kbit_preparation", False):
+        model.requires_grad_(False)
+        if checkpointing is not None:  # 5.23 renamed gradient_checkpointing_enable (5.17); the first positional stays
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable(checkpointing)
+        return model
+    from peft import prepare_model_for_kbit_training
+
     with warnings.catch_warnings():  # PEFT calls methods transformers 5.2x renamed: nothing a user can change
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing is None,
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing is not None,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.keep_base_dtype:
         unquantized_weights_to(model, torch.bfloat16)
@@ -98,9 +111,9 @@ def prepare_quantized(model, args: argparse.Namespace):
 
 
 def unquantized_weights_to(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Cast a prepared quantized base's fp32 weights (those PEFT's ``prepare_model_for_kbit_training`` upcast: norms,
-    embeddings, LM head; the quantized weights are integer storage and stay) to ``dtype``, as TRL's SFTTrainer (which
-    does not run PEFT's preparation) and Unsloth keep them. The residual stream is then ``dtype`` instead of fp32:
+    """Cast a PEFT-prepared quantized base's fp32 weights (those ``prepare_model_for_kbit_training`` upcast: norms,
+    embeddings, LM head; the quantized weights are integer storage and stay) to ``dtype``, as hf_accel's recipe, TRL's
+    SFTTrainer (neither runs PEFT's preparation) and Unsloth keep them. The residual stream is then ``dtype`` instead of fp32:
     every layer input a checkpoint saves is half the bytes in bf16. Call it before adding adapters (PEFT makes those
     fp32 itself). Returns how many tensors it cast."""
     import torch

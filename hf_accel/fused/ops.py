@@ -89,6 +89,9 @@ def apply(model: nn.Module, modules: Fusable) -> tuple[list[str], list[Callable[
         # Gemma's (x * (1 + w)).to(dtype): what liger's Gemma 2 / 3 patches bind
         "rms_norm_gemma": lambda m: _patch_rms_norm_module(m, eps=_eps(m), offset=1.0, casting_mode="gemma",
                                                            in_place=False),
+        # (x_norm * w) in fp32, then cast (Olmo 2's norms)
+        "rms_norm_fp32": lambda m: _patch_rms_norm_module(m, eps=_eps(m), offset=0.0, casting_mode="gemma",
+                                                          in_place=False),
         "swiglu": lambda m: _patch_swiglu_module(m, LigerSwiGLUMLP),
         "geglu": _patch_geglu_module,
         "layer_norm": lambda m: _patch_layer_norm_module(m, eps=m.eps),
@@ -97,7 +100,7 @@ def apply(model: nn.Module, modules: Fusable) -> tuple[list[str], list[Callable[
 
 
 def _eps(norm: nn.Module) -> float:
-    """Llama-style norms name it variance_epsilon, Gemma's eps."""
+    """Llama-style norms name it variance_epsilon, Gemma's and LayerNorm eps."""
     eps = getattr(norm, "variance_epsilon", None)
     return eps if eps is not None else norm.eps
 

@@ -139,12 +139,19 @@ def check_setting(setting) -> None:
         )
 
 
-def resolve(setting, intermediate_size: int, element_size: int) -> MlpChunking | None:
+def resolve(setting, intermediate_size: int | None, element_size: int) -> MlpChunking | None:
     """patch()'s ``mlp_chunks``: "auto", a chunk size in tokens (int > 0), or False / 0 / None (off).
-    ``intermediate_size``: the MLP's width (its family's ``mlp_width``, handed in by patch())."""
+    ``intermediate_size``: the MLP's width (its family's ``mlp_width``, handed in by patch()); None for a model whose
+    decoder layers have no dense ``mlp`` to chunk (experts): "auto" is off then, a chunk size refused."""
     check_setting(setting)
     if _off(setting):
         return None
+    if intermediate_size is None:
+        if setting == AUTO:
+            return None
+        raise ConfigurationError(
+            f"mlp_chunks={setting!r} runs each decoder layer's dense MLP in chunks of tokens, and this model's layers "
+            "have none (their MLP holds experts, or is not named mlp). Pass mlp_chunks=False.")
     if setting == AUTO:
         return MlpChunking(auto_chunk_tokens(intermediate_size, element_size),
                            auto_min_tokens(intermediate_size, element_size), auto=True)

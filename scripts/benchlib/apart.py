@@ -94,15 +94,17 @@ def nf4_config():
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
 
-def qlora_base(settings: RunSettings, attn_implementation: str, keep_bf16: bool = False) -> nn.Module:
-    """The workload's model in NF4, prepared as PEFT's QLoRA recipe does (prepare_model_for_kbit_training: norms,
-    embeddings and the LM head in fp32; checkpointing as the workload says, non-reentrant). No LoRA yet. The NF4 model
-    is the random bf16 one saved and reloaded (the file route, as users load), or for workloads too large for that
-    (`qlora_build="device"`: 70B) built in NF4 on the device one weight at a time (quantized_base.build_4bit_model).
+def qlora_base(settings: RunSettings, attn_implementation: str, kbit_preparation: bool = False,
+               keep_bf16: bool = False) -> nn.Module:
+    """The workload's model in NF4 (bf16 compute; norms, embeddings and LM head in bf16 as loaded), checkpointing as
+    the workload says (non-reentrant), no LoRA yet: the base of TRL's QLoRA path and of hf_accel's recommended recipe
+    (docs/qlora.md). The NF4 model is the random bf16 one saved and reloaded (the file route, as users load), or for
+    workloads too large for that (`qlora_build="device"`: 70B) built in NF4 on the device one weight at a time
+    (quantized_base.build_4bit_model).
 
-    keep_bf16: those weights back in bf16 after the recipe, as Unsloth's QLoRA keeps them: the residual stream is then
-    bf16, not fp32 (the recipe's fp32 embeddings make it fp32 under autocast), so every layer input is half the
-    bytes."""
+    kbit_preparation: PEFT's QLoRA recipe on top (prepare_model_for_kbit_training: norms, embeddings and the LM head
+    in fp32, so the residual stream is fp32 under autocast; its checkpointing). keep_bf16 (with it): those weights back
+    in bf16 after the recipe, as `hf-accel sft --keep-base-dtype` does."""
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
@@ -112,6 +114,9 @@ def qlora_base(settings: RunSettings, attn_implementation: str, keep_bf16: bool 
     if not settings.workload.lora:
         raise ValueError(f"QLoRA trains LoRA adapters on a frozen 4-bit base; workload {settings.workload.name!r} "
                          "has no LoRA. Run it on llama-8b-qlora (--preset llama-8b-qlora).")
+    if keep_bf16 and not kbit_preparation:
+        raise ValueError("keep_bf16 casts back what prepare_model_for_kbit_training made fp32: pass "
+                         "kbit_preparation=True too (without it the base is bf16 already)")
     if settings.workload.qlora_build == "device":
         model = build_4bit_model(build_config(settings.workload, settings.tiny), nf4_config(), settings.device,
                                  attn_implementation=attn_implementation, seed=settings.seed)
@@ -121,6 +126,12 @@ def qlora_base(settings: RunSettings, attn_implementation: str, keep_bf16: bool 
                                                          dtype=torch.bfloat16, attn_implementation=attn_implementation,
                                                          device_map={"": settings.device})
     model.config.use_cache = False
+    if not kbit_preparation:
+        model.requires_grad_(False)  # the base is frozen (get_peft_model freezes it too)
+        if settings.workload.checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
+        return model
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=settings.workload.checkpointing,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
     if keep_bf16:

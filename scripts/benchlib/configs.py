@@ -17,16 +17,15 @@ from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
 from hf_accel.fused.ops import unavailable_reason
 from hf_accel.patches import FAMILIES, family_of
 
+from .anchors import ANCHORS, FA4, TrlRecipe
 from .apart import (APART_PACKAGES, BNB_SITES, TORCHAO_SITES, UNSLOTH_SITES, child_sites, missing_apart, qlora_base,
                     unsloth_runner)
 from .distributed import run_accel_trainer
 from .options import BenchConfig, Options
 from .train import (Batch, RunSettings, Timing, add_lora, build_model, call_filtered, causal_lm, forward_autocast,
-                    Targets, hf_loss, progress, run_loop, run_trl)
+                    Targets, hf_loss, lora_config, progress, run_loop, run_trl)
 from .targets import data_targets
 from .workloads import BenchData, Workload, greedy_steps, micro_batches
-
-FA4 = "flash_attention_4"
 
 
 def _has(module: str) -> bool:
@@ -173,11 +172,21 @@ def _liger_padded(settings: RunSettings, data: BenchData, options: Options, timi
     return model
 
 
-def _trl(liger: bool) -> Callable[..., nn.Module]:
+def _trl(name: str) -> Callable[..., nn.Module]:
+    """Anchor `name`'s TRL configuration, from its recipe (anchors.ANCHORS): the base as the recipe loads it (bf16, or
+    NF4 with or without PEFT's kbit preparation), LoRA through TRL's peft_config, SFTConfig from the recipe."""
+    recipe: TrlRecipe = ANCHORS[name].trl
+
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-        model = add_lora(build_model(settings, _attn(options, FA4)), settings.workload)
-        run_trl(model, data, settings, timing, liger=liger)
-        return model
+        attn = _attn(options, recipe.attn_implementation)
+        if recipe.quantized:
+            model = qlora_base(settings, attn, kbit_preparation=recipe.kbit_preparation)
+        else:
+            model = build_model(settings, attn)
+        peft = lora_config(settings.workload) if settings.workload.lora else None
+        timing.notes.append(f"anchor {name}: {recipe}")
+        return run_trl(model, data, settings, timing, liger=recipe.liger, peft_config=peft,
+                       packing_strategy=recipe.packing_strategy, loss_type=recipe.loss_type)
 
     return run
 
@@ -315,12 +324,12 @@ CONFIGS: dict[str, BenchConfig] = {
                     "stock HF, sdpa, DataCollatorWithFlattening (one row, position_ids)", wrong_for=_PACKING_LEAKS),
         BenchConfig("liger-sdpa-padded", True, ("cuda", "liger", "liger-family"), _liger_padded,
                     "liger_kernel on stock sdpa, padded"),
-        BenchConfig("trl-fa4-packed", True, ("fa4", "trl"), _trl(liger=False),
-                    "TRL SFTTrainer packing=True (bfd, padding-free), flash_attention_4", wrong_for=_PACKING_LEAKS,
-                    launched=_trl(liger=False)),
-        BenchConfig("trl-fa4-packed-liger", True, ("fa4", "trl", "cuda", "liger", "liger-family"), _trl(liger=True),
-                    "as trl-fa4-packed plus use_liger_kernel=True", wrong_for=_PACKING_LEAKS,
-                    launched=_trl(liger=True)),
+        BenchConfig("trl-fa4-packed", True, ("fa4", "trl"), _trl("trl-fa4-packed"),
+                    "TRL SFTTrainer packing=True (bfd, padding-free), flash_attention_4, LoRA through peft_config",
+                    wrong_for=_PACKING_LEAKS, launched=_trl("trl-fa4-packed")),
+        BenchConfig("trl-fa4-packed-liger", True, ("fa4", "trl", "cuda", "liger", "liger-family"),
+                    _trl("trl-fa4-packed-liger"), "as trl-fa4-packed plus use_liger_kernel=True",
+                    wrong_for=_PACKING_LEAKS, launched=_trl("trl-fa4-packed-liger")),
         BenchConfig("hf_accel", False, ("hf_accel",), _hf_accel(best=False),
                     "hf_accel.patch(model, fused_ce=False, fused_ops=False, compile=False, mlp_chunks=False) + "
                     "TokenBudgetBatchSampler "
@@ -383,10 +392,14 @@ REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam in UNSLOTH_FAM
                                                       f"workloads only, not {fam!r}")
 
 
-def _trl_qlora(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
-    model = add_lora(qlora_base(settings, _attn(options, FA4)), settings.workload)
-    run_trl(model, data, settings, timing, liger=True)
-    return model
+def _hf_accel_sft(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
+    """hf_accel.SFTTrainer (TRL's SFTTrainer with hf_accel's patch, AccelArguments' defaults) on the NF4 base as
+    loaded, LoRA through peft_config, the same SFTConfig as TRL's QLoRA anchor without Liger."""
+    from hf_accel import SFTTrainer
+
+    model = qlora_base(settings, "sdpa")
+    return run_trl(model, data, settings, timing, liger=False, peft_config=lora_config(settings.workload),
+                   trainer_cls=SFTTrainer)
 
 
 # The memory class of Unsloth's QLoRA on Llama-3-8B shapes (its peak in the same run, BENCHMARKS.md), with room
@@ -397,10 +410,11 @@ QLORA_BUDGET = "budget:14.5GiB"
 
 def _qlora_budget(settings: RunSettings, data: BenchData, options: Options, timing: Timing,
                   keep_bf16: bool = False) -> nn.Module:
-    """The QLoRA model with its LoRA, then `hf_accel.patch(model, checkpointing=<budget plan>)` (--best-checkpointing,
-    else QLORA_BUDGET), otherwise the defaults: the plan sees the adapters' states and probes a packed row of the
-    step's size. keep_bf16: the base's other weights in bf16, as Unsloth keeps them (apart.qlora_base)."""
-    model = add_lora(qlora_base(settings, "sdpa", keep_bf16=keep_bf16), settings.workload)
+    """The QLoRA model on PEFT's recipe (prepare_model_for_kbit_training) with its LoRA, then `hf_accel.patch(model,
+    checkpointing=<budget plan>)` (--best-checkpointing, else QLORA_BUDGET), otherwise the defaults: the plan sees the
+    adapters' states and probes a packed row of the step's size. keep_bf16: the base's other weights back in bf16
+    after the recipe (apart.qlora_base)."""
+    model = add_lora(qlora_base(settings, "sdpa", kbit_preparation=True, keep_bf16=keep_bf16), settings.workload)
     from hf_accel.memory.checkpointing import policy_from_spec
 
     policy = policy_from_spec(options.checkpointing or QLORA_BUDGET)
@@ -427,25 +441,34 @@ CONFIGS.update({
                     "Unsloth FastLanguageModel load_in_4bit=True (its NF4 QLoRA), LoRA r=16, its offloaded "
                     "checkpointing, TRL SFTTrainer packing=True (padding-free)", sites=UNSLOTH_SITES,
                     loads_files=True),
-        BenchConfig("trl-qlora", True, ("bitsandbytes", "fa4", "trl", "cuda", "liger", "liger-family"), _trl_qlora,
-                    "QLoRA (bitsandbytes NF4, bf16 compute, prepare_model_for_kbit_training) + PEFT LoRA r=16, TRL "
-                    "SFTTrainer packing=True, flash_attention_4, use_liger_kernel=True (TRL casts a quantized model's "
-                    "adapters to bf16)", sites=BNB_SITES),
+        *(BenchConfig(name, True, ("bitsandbytes", "fa4", "trl", *(("cuda", "liger", "liger-family")
+                                                                   if ANCHORS[name].trl.liger else ())),
+                      _trl(name), ANCHORS[name].settings, sites=BNB_SITES)
+          for name in ("trl-qlora", "trl-qlora-noliger", "trl-qlora-kbit")),
         BenchConfig("hf_accel-qlora", False, ("bitsandbytes", "hf_accel"), _patched(qlora_base),
-                    "the same QLoRA model with hf_accel.patch(model), no arguments, + hf_accel's packing",
+                    "hf_accel's QLoRA recipe (docs/qlora.md): the same NF4 base as loaded (no "
+                    "prepare_model_for_kbit_training: norms, embeddings and LM head bf16), hf_accel.patch(model) with "
+                    "no arguments, + hf_accel's packing", sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-kbit", False, ("bitsandbytes", "hf_accel"),
+                    _patched(functools.partial(qlora_base, kbit_preparation=True)),
+                    "hf_accel.patch(model), no arguments, on PEFT's recipe (prepare_model_for_kbit_training: fp32 "
+                    "norms, embeddings and LM head) + hf_accel's packing: hf_accel-qlora before issue 70",
                     sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-sft", False, ("bitsandbytes", "hf_accel", "trl"), _hf_accel_sft,
+                    "hf_accel.SFTTrainer(peft_config=...) on the NF4 base as loaded, TRL's packing (the TRL anchor's "
+                    "SFTConfig without Liger): the drop-in path for TRL users", sites=BNB_SITES),
         BenchConfig("hf_accel-qlora-untrimmed", False, ("bitsandbytes", "hf_accel"),
-                    _patched(qlora_base, untrimmed="OffloadedCheckpointing"),
-                    "as hf_accel-qlora, the recompute untrimmed (the defaults before 2026-12-04: "
-                    "OffloadedCheckpointing(trim_recompute=False)): what the trimmed recompute gains",
+                    _patched(functools.partial(qlora_base, kbit_preparation=True), untrimmed="OffloadedCheckpointing"),
+                    "as hf_accel-qlora-kbit (PEFT's recipe), the recompute untrimmed (the defaults before "
+                    "2026-12-04: OffloadedCheckpointing(trim_recompute=False)): what the trimmed recompute gains",
                     sites=BNB_SITES),
         BenchConfig("hf_accel-qlora-offload", False, ("bitsandbytes", "hf_accel"),
-                    _patched(qlora_base, checkpointing="offload"),
-                    "the same QLoRA model with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
+                    _patched(functools.partial(qlora_base, kbit_preparation=True), checkpointing="offload"),
+                    "PEFT's QLoRA recipe with hf_accel.patch(model, checkpointing='offload') (layer inputs in "
                     "pinned host memory, as Unsloth's offloaded checkpointing) + hf_accel's packing",
                     sites=BNB_SITES),
         BenchConfig("hf_accel-qlora-budget", False, ("bitsandbytes", "hf_accel"), _qlora_budget,
-                    f"the same QLoRA model with its LoRA, then hf_accel.patch(model, checkpointing=<budget plan>) "
+                    f"PEFT's QLoRA recipe with its LoRA, then hf_accel.patch(model, checkpointing=<budget plan>) "
                     f"(--best-checkpointing, else {QLORA_BUDGET}: Unsloth QLoRA's memory class; the plan keeps, "
                     "recomputes, offloads or spaces each layer's input) + hf_accel's packing", sites=BNB_SITES),
         BenchConfig("hf_accel-qlora-bf16-budget", False, ("bitsandbytes", "hf_accel"),

@@ -139,6 +139,7 @@ def entry(record: dict[str, Any], file: str) -> dict[str, Any]:
         "command": recorded or reconstructed_command(record["args"]),
         "command_source": "recorded" if recorded else "reconstructed from the record's arguments",
         "preset": record.get("preset"), "nproc": record.get("nproc"),
+        "anchor_revision": record.get("anchor_revision"),  # absent before issue 70 (benchlib.anchors)
         "versions": {k: versions[k] for k in ("torch", "transformers", "trl", "peft", "liger-kernel", "flash-attn-4",
                                               "hf_accel_commit") if versions.get(k)},
         "current": False,

@@ -26,6 +26,11 @@ benchlib.workloads): TRL + flash-attn-4 + Liger through its prompt-completion fo
 over every row (what the target rows save) and hf_accel best. Each is sized to fit one 10-minute device call (the
 8B one takes most of it).
 
+Issue 70: every preset runs the stock configurations that compete for its anchor side by side (TRL with and without
+Liger; for QLoRA also PEFT's kbit preparation and Unsloth): the faster of the same run is the anchor
+(benchlib.anchors says which configuration is which). Presets with two 8B TRL rows or more outgrow one 10-minute
+device call: run them in the background queue (scripts/gpu_queue.sh, e.g. scripts/gpu_queues/next70.txt).
+
 A preset whose code does not exist yet names the issue that will add it (`pending`); running it fails with
 "not implemented yet: issue N" and what it will run.
 """
@@ -55,10 +60,13 @@ class Preset:
 
 
 _DEFAULTS_AND_BEST = ("hf_accel-defaults", "hf_accel-best")
+# TRL's two stock stacks for a bf16 model (anchors: the faster of the run is the anchor; Liger's row says where Liger
+# has no kernels for the family)
+_TRL = ("trl-fa4-packed-liger", "trl-fa4-packed")
 _LONG_CONFIGS = ("trl-fa4-packed-liger", "hf-sdpa-padded", "unsloth", "hf_accel-best")  # unsloth: where its pack is
 _MULTI_CONFIGS = ("trl-fa4-packed-liger", "hf_accel-defaults")
 # sized like llama-8b-lora (6 timed steps of 16k tokens, a minute or two a configuration)
-_FAMILY_LORA_SETTINGS = dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=560,
+_FAMILY_LORA_SETTINGS = dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=700,
                              config_timeout=170)
 _LONG_SETTINGS = dict(doc_lengths="16384,32768,65536,131072,262144", steps=2, warmup=1, best_checkpointing="offload",
                       best_compile="off", time_budget=560, config_timeout=400)
@@ -83,38 +91,38 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset(
-            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 + Liger vs hf_accel defaults / best, and "
-            "Unsloth (full_finetuning=True) where its pack is installed",
-            "llama-1b", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "unsloth"),
-            dict(steps=30, warmup=6, best_compile="on", time_budget=360, config_timeout=120),
+            "llama-1b", "Llama-3.2-1B shapes, full FT: TRL + flash-attn-4 with and without Liger vs hf_accel "
+            "defaults / best, and Unsloth (full_finetuning=True) where its pack is installed",
+            "llama-1b", (*_TRL, *_DEFAULTS_AND_BEST, "unsloth"),
+            dict(steps=30, warmup=6, best_compile="on", time_budget=420, config_timeout=120),
         ),
         Preset(  # issue 39c: each lever beside the defaults and the TRL anchor, same run
             "llama-1b-levers", "Llama-3.2-1B shapes, full FT: hf_accel defaults vs the same with inductor's "
             "max-autotune matmuls, with CUDA graphs, with torch's FlashAttention-2 for flash-attn-4, and traced "
-            "without dynamo's nested graph breaks, against TRL + flash-attn-4 + Liger",
-            "llama-1b", ("trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-autotune", "hf_accel-cudagraphs",
-                         "hf_accel-torch-fa2", "hf_accel-without-nested-breaks"),
-            dict(steps=30, warmup=8, time_budget=560, config_timeout=200),
+            "without dynamo's nested graph breaks, against TRL + flash-attn-4 with and without Liger",
+            "llama-1b", (*_TRL, "hf_accel-defaults", "hf_accel-autotune", "hf_accel-cudagraphs", "hf_accel-torch-fa2",
+                         "hf_accel-without-nested-breaks"),
+            dict(steps=30, warmup=8, time_budget=620, config_timeout=200),
         ),
         # issue 39d: float8 training as an explicit opt-in beside bf16 (hf_accel defaults) and the TRL anchor; the
         # 1B over 200 timed steps, so the records hold both loss curves on the same data
         Preset(
             "fp8-1b", "Llama-3.2-1B shapes, full FT, 200 steps: hf_accel precision='fp8' (torchao float8, rowwise) vs "
-            "bf16 (hf_accel defaults) and TRL + flash-attn-4 + Liger: tokens/s and the loss curves",
-            "llama-1b", ("trl-fa4-packed-liger", "hf_accel-defaults", "hf_accel-fp8"),
+            "bf16 (hf_accel defaults) and TRL + flash-attn-4 with and without Liger: tokens/s and the loss curves",
+            "llama-1b", (*_TRL, "hf_accel-defaults", "hf_accel-fp8"),
             # 200 steps of ~0.27 s: the default 15 s of timed steps stopped every row near step 60 (run 24)
-            dict(steps=200, warmup=6, step_time_budget=70, time_budget=540, config_timeout=170),
+            dict(steps=200, warmup=6, step_time_budget=70, time_budget=620, config_timeout=170),
         ),
         Preset(
             "fp8-8b", "Llama-3-8B shapes, full FT (checkpointing): hf_accel precision='fp8' vs bf16 (hf_accel "
-            "defaults) and TRL + flash-attn-4 + Liger",
-            "llama-8b-full", ("hf_accel-defaults", "hf_accel-fp8", "trl-fa4-packed-liger"),
-            dict(steps=12, warmup=3, time_budget=560, config_timeout=180),
+            "defaults) and TRL + flash-attn-4 with and without Liger",
+            "llama-8b-full", ("hf_accel-defaults", "hf_accel-fp8", *_TRL),
+            dict(steps=12, warmup=3, time_budget=740, config_timeout=180),
         ),
         Preset(
-            "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (liger has no GPT-NeoX kernels) vs "
-            "hf_accel defaults / best",
-            "neox-1.4b", ("trl-fa4-packed", *_DEFAULTS_AND_BEST),
+            "neox-1.4b", "GPT-NeoX 1.4B shapes, full FT: TRL + flash-attn-4 (Liger's row says it has no GPT-NeoX "
+            "kernels) vs hf_accel defaults / best",
+            "neox-1.4b", (*_TRL[::-1], *_DEFAULTS_AND_BEST),
             dict(steps=30, warmup=6, best_compile="on", time_budget=230, config_timeout=85),
         ),
         Preset(
@@ -124,38 +132,43 @@ PRESETS: dict[str, Preset] = {
             dict(steps=15, warmup=6, best_compile="on", time_budget=220, config_timeout=80),
         ),
         Preset(
-            "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 (full checkpointing) "
-            "vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded "
-            "checkpointing) where its pack is installed",
-            "llama-8b-lora", ("trl-fa4-packed", *_DEFAULTS_AND_BEST, "hf_accel-offload", "hf_accel-offload-mlp4k", "unsloth"),
-            dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=540,
+            "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 with and without Liger "
+            "(full checkpointing) vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and "
+            "offloaded checkpointing) where its pack is installed",
+            "llama-8b-lora", (*_TRL[::-1], *_DEFAULTS_AND_BEST, "hf_accel-offload", "hf_accel-offload-mlp4k",
+                              "unsloth"),
+            dict(steps=6, warmup=2, best_compile="on", best_checkpointing="budget:0.8", time_budget=660,
                  config_timeout=150),
         ),
         # issue 36: the other bases people LoRA-tune, at their published shapes: the strongest stock stacks (TRL +
         # flash-attn-4 + Liger, Unsloth where its pack is installed) vs hf_accel defaults / best in the same run
         *[Preset(
-            name, f"{shape} shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 + Liger (full checkpointing) vs "
-            "hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and offloaded checkpointing) "
-            "where its pack is installed",
-            name, ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, *unsloth), _FAMILY_LORA_SETTINGS,
+            name, f"{shape} shapes, LoRA r=16 + checkpointing: TRL + flash-attn-4 with and without Liger (full "
+            "checkpointing) vs hf_accel defaults / best (checkpointing budget:0.8), and Unsloth (its LoRA and "
+            "offloaded checkpointing) where its pack is installed",
+            name, (*_TRL, *_DEFAULTS_AND_BEST, *unsloth), _FAMILY_LORA_SETTINGS,
         ) for name, shape, unsloth in (
             ("qwen3-8b-lora", "Qwen3-8B", ("unsloth",)), ("mistral-7b-lora", "Mistral-7B-v0.1", ("unsloth",)),
             # Unsloth's compiled Gemma-2 layers failed in inductor on torch 2.11 (12-02): its eager row as well
             ("gemma2-9b-lora", "Gemma-2-9B (soft-capping, sliding / global layers)", ("unsloth", "unsloth-eager")))],
         Preset(
-            "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL + "
-            "flash-attn-4 + Liger vs Unsloth's QLoRA vs hf_accel defaults, where the bitsandbytes / Unsloth packs "
-            "are installed",
-            "llama-8b-qlora", ("trl-qlora", "unsloth-qlora", "hf_accel-qlora", "hf_accel-qlora-budget",
-                               "hf_accel-qlora-offload"),
+            "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL's "
+            "QLoRA path (peft_config on the base as loaded, flash-attn-4) with and without Liger and on PEFT's kbit "
+            "preparation, Unsloth's QLoRA, vs hf_accel's recipe (the base as loaded, patch(model)), the same on "
+            "PEFT's recipe, and hf_accel.SFTTrainer(peft_config=...), where the bitsandbytes / Unsloth packs are "
+            "installed",
+            "llama-8b-qlora", ("trl-qlora", "trl-qlora-noliger", "trl-qlora-kbit", "unsloth-qlora", "hf_accel-qlora",
+                               "hf_accel-qlora-kbit", "hf_accel-qlora-sft"),
             # hf_accel's rows compile their layers now (bitsandbytes 4-bit): warm-up 3 covers the first graphs and a
-            # recompile at a new token range; five rows of ~100 s fit one 10-minute call (the last may be cut)
-            dict(steps=6, warmup=3, time_budget=580, config_timeout=170),
+            # recompile at a new token range; rows take ~100-120 s each: seven outgrow one 10-minute call (queue it)
+            dict(steps=6, warmup=3, time_budget=1000, config_timeout=170),
         ),
         Preset(  # issue 38d: a 16k-token step is ~6 x 70B x 16k FLOPs (tens of seconds on one GPU): few steps
             "llama-70b-qlora", "Llama-3-70B shapes, QLoRA (NF4 base built layer by layer on the GPU, LoRA r=16, "
-            "checkpointing): hf_accel defaults vs TRL + flash-attn-4 + Liger; Unsloth loads from files, which do "
-            "not fit (its row says so)",
+            "checkpointing): hf_accel defaults vs TRL's QLoRA path + flash-attn-4 + Liger; Unsloth loads from files, "
+            "which do not fit (its row says so)",
+            # TRL's QLoRA path with Liger only: a 70B row takes ~5 minutes; its other stock variants (without Liger,
+            # on PEFT's kbit preparation) run beside it at 8B (llama-8b-qlora)
             "llama-70b-qlora", ("hf_accel-qlora", "trl-qlora", "unsloth-qlora"),
             dict(steps=2, warmup=2, time_budget=580, config_timeout=330),
         ),
@@ -170,22 +183,23 @@ PRESETS: dict[str, Preset] = {
         # issue 39b: prompt-masked SFT data, the same masks in every configuration
         Preset(
             "llama-1b-completion", "Llama-3.2-1B shapes, full FT, prompt-completion documents (40-60% of each "
-            "masked): TRL + flash-attn-4 + Liger (completion_only_loss) vs hf_accel defaults (LM head on target rows "
-            "only), the same over every row, and best",
-            "llama-1b-completion", ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
-            dict(steps=30, warmup=6, best_compile="on", time_budget=420, config_timeout=120),
+            "masked): TRL + flash-attn-4 with and without Liger (completion_only_loss) vs hf_accel defaults (LM head "
+            "on target rows only), the same over every row, and best",
+            "llama-1b-completion", (*_TRL, *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
+            dict(steps=30, warmup=6, best_compile="on", time_budget=480, config_timeout=120),
         ),
         Preset(
             "llama-8b-lora-completion", "Llama-3-8B shapes, LoRA r=16 + checkpointing, prompt-completion documents "
-            "(40-60% of each masked): TRL + flash-attn-4 + Liger (completion_only_loss) vs hf_accel defaults (LM head "
-            "on target rows only), the same over every row, and best (checkpointing budget:0.8)",
+            "(40-60% of each masked): TRL + flash-attn-4 with and without Liger (completion_only_loss) vs hf_accel "
+            "defaults (LM head on target rows only), the same over every row, and best (checkpointing budget:0.8)",
             "llama-8b-lora-completion",
-            ("trl-fa4-packed-liger", *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
+            (*_TRL, *_DEFAULTS_AND_BEST, "hf_accel-defaults-all-rows"),
             # TRL's steps here are of two kinds (~1.7 s and ~2.35 s, 2026-12-03): twelve timed steps, not six, so
             # the median is not one kind by chance; the four rows took 377 s of the budget with six. The step-time
-            # budget lets all twelve run (the default 15 s stopped TRL after seven on 2026-12-05)
+            # budget lets all twelve run (the default 15 s stopped TRL after seven on 2026-12-05). Five rows with
+            # TRL's second stack (issue 70): past one 10-minute call
             dict(steps=12, warmup=2, step_time_budget=40, best_compile="on", best_checkpointing="budget:0.8",
-                 time_budget=560, config_timeout=150),
+                 time_budget=720, config_timeout=150),
         ),
         # issue 22: one document per step, each (config, length) in its own process, a config stopping at its first
         # OOM or timeout. Lengths past ~64k do not fit one 10-minute device call: run them apart with --doc-lengths
@@ -204,7 +218,7 @@ PRESETS: dict[str, Preset] = {
             f"r=16), every config capped at an 80 GB card's {EIGHTY_GB_CARD_GIB} GiB of device memory: hf_accel's "
             f"budget plan (budget:{EIGHTY_GB_CARD_GIB}GiB) on PEFT's recipe (fp32 residual stream) and on the base "
             "as Unsloth keeps it (bf16) vs Unsloth's QLoRA (published: 342,733 tokens on an 80 GB GPU) and TRL + "
-            "flash-attn-4 + Liger QLoRA, where the bitsandbytes / Unsloth packs are installed",
+            "flash-attn-4 + Liger on TRL's QLoRA path, where the bitsandbytes / Unsloth packs are installed",
             "llama-8b-qlora-long",
             ("hf_accel-qlora-budget", "hf_accel-qlora-bf16-budget", "unsloth-qlora", "trl-qlora"), _QLORA_LONG_SETTINGS,
         ),

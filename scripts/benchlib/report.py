@@ -67,18 +67,22 @@ def _ok(result: dict[str, Any]) -> bool:
 
 
 def add_ratios(results: list[dict[str, Any]], stock: Iterable[str]) -> str | None:
-    """Set `ratio_to_best_stock` on every ok result; return the best stock config's name (None if none ran)."""
+    """Set `ratio_to_best_stock` on every ok result (tokens/s over the fastest stock config's) and
+    `steady_ratio_to_best_stock` (steady tokens/s over the highest steady rate of a stock config: where competing
+    anchors, e.g. TRL with and without Liger, split the two measures, each ratio is against its own fastest); return
+    the fastest stock config's name (None if none ran)."""
     stock = set(stock)
     # a stock run that computes something else (e.g. Falcon packed without document masking) is no baseline
     ok_stock = [r for r in results if r["config"] in stock and _ok(r) and r.get("same_computation", True)]
     if not ok_stock:
         return None
     best = max(ok_stock, key=lambda r: r["tokens_per_s"])
+    steady = max((r["steady_tokens_per_s"] for r in ok_stock if r.get("steady_tokens_per_s")), default=None)
     for r in results:
         if _ok(r):
             r["ratio_to_best_stock"] = r["tokens_per_s"] / best["tokens_per_s"]
-            if r.get("steady_tokens_per_s") and best.get("steady_tokens_per_s"):
-                r["steady_ratio_to_best_stock"] = r["steady_tokens_per_s"] / best["steady_tokens_per_s"]
+            if r.get("steady_tokens_per_s") and steady:
+                r["steady_ratio_to_best_stock"] = r["steady_tokens_per_s"] / steady
     return best["config"]
 
 
@@ -154,7 +158,7 @@ def markdown_table(results: list[dict[str, Any]], best_stock: str | None) -> str
         f"ratio = tokens/s / tokens/s of the best stock config ({best_stock or 'none ran'}); loss at timed step "
         f"{step or '-'} (the last one every config reached; TRL packs other batches, so compare its loss loosely); "
         "steady = the median step's tokens/s (one slow step, e.g. a compile or a garbage-collector pause, moves the "
-        "mean but not this)",
+        "mean but not this), its ratio over the highest steady rate among the stock configs",
         "",
         "| config | real tokens/s | vs best stock | MFU | peak GiB | loss | steady tokens/s | steady vs best stock "
         "| slowest step | status |",

@@ -46,7 +46,11 @@ CONFIG_LABELS = {
     "unsloth-eager": "Unsloth FastLanguageModel + TRL padding-free, UNSLOTH_COMPILE_DISABLE=1",
     "unsloth-qlora": "Unsloth FastLanguageModel 4-bit + TRL padding-free",
     "trl-qlora": "QLoRA, TRL SFTTrainer packing + flash-attn-4 + Liger",
+    "trl-qlora-noliger": "QLoRA, TRL SFTTrainer packing + flash-attn-4",
+    "trl-qlora-kbit": "QLoRA on PEFT's prepare_model_for_kbit_training, TRL SFTTrainer packing + flash-attn-4 + Liger",
     "hf_accel-qlora": "QLoRA, `hf_accel.patch(model)`, no arguments",
+    "hf_accel-qlora-kbit": "QLoRA on PEFT's prepare_model_for_kbit_training, `hf_accel.patch(model)`",
+    "hf_accel-qlora-sft": "QLoRA, `hf_accel.SFTTrainer(peft_config=...)`, TRL's packing",
     "hf_accel-sdpa": "`hf_accel.patch(model, backend=\"sdpa\")`",
     "hf_accel-offload": "`hf_accel.patch(model, checkpointing=\"offload\")`",
     "hf_accel-offload-mlp4k": "`hf_accel.patch(model, checkpointing=\"offload\", mlp_chunks=4096)`",
@@ -182,14 +186,42 @@ def _on_gpus(row: dict[str, Any]) -> str:
     return f"{name} @ {row['doc_length']:,} tokens" if row.get("doc_length") else name
 
 
+def _older(run: dict[str, Any], row: dict[str, Any]):
+    """The redefinition (benchlib.anchors.REDEFINED) this row's measurement predates, or None."""
+    from .anchors import older_definition
+
+    return older_definition(row["config"], run["workload"], run.get("anchor_revision"))
+
+
+def redefinitions_legend(index: dict[str, Any]) -> str:
+    """What each mark of the runs log means: per configuration whose definition changed, what rows of earlier
+    records measured and what it measures now (only those the log has marked rows of)."""
+    from .anchors import REDEFINED
+
+    marked = {r["config"] for run in index["runs"] for r in run["configs"] if _older(run, r) is not None}
+    lines = [f"- `{name}` *[{change.tag}]* (before anchor revision {change.revision}): {change.before}"
+             + (f"; now {change.after}" if change.after else "")
+             for name, change in REDEFINED.items() if name in marked]
+    if not lines:
+        return ""
+    return ("Rows marked *[older anchor]* or *[PEFT-prepared base]* were measured with an earlier definition of "
+            "their configuration (benchlib.anchors.REDEFINED); their ratios are against that run's anchors:\n\n"
+            + "\n".join(lines) + "\n\n")
+
+
 def runs_log(index: dict[str, Any]) -> str:
-    """Every indexed run, newest first: date, workload, GPU, results, file and command."""
-    lines = ["| date | workload | GPU | configuration: tokens/s (peak GiB) | run | command |",
-             "|---|---|---|---|---|---|"]
+    """Every indexed run, newest first: date, workload, GPU, results, file and command; a row measured with an
+    earlier definition of its configuration is marked (redefinitions_legend says what it measured)."""
+    header = "| date | workload | GPU | configuration: tokens/s (peak GiB) | run | command |"
+    lines = [redefinitions_legend(index) + header, "|---|---|---|---|---|---|"]
     for run in reversed(index["runs"]):
+        def name(r: dict[str, Any]) -> str:
+            older = _older(run, r)
+            return _on_gpus(r) + ("" if older is None else f" *[{older.tag}]*")
+
         results = "; ".join(
-            f"{_on_gpus(r)} {_int(r['tokens_per_s'])} ({_gib(r.get('peak_gib'))})" if _ok(r)
-            else f"{_on_gpus(r)}: {r['status'][:60]}" for r in run["configs"])
+            f"{name(r)} {_int(r['tokens_per_s'])} ({_gib(r.get('peak_gib'))})" if _ok(r)
+            else f"{name(r)}: {r['status'][:60]}" for r in run["configs"])
         current = " **current**" if run.get("current") else ""
         lines.append(f"| {_date(run)}{current} | {run['workload']} | {run.get('gpu')} | {results} "
                      f"| [`{run['file']}`](benchmarks/results/{run['file']}) | `{run['command']}` |")

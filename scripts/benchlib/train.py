@@ -104,15 +104,21 @@ def build_model(settings: RunSettings, attn_implementation: str) -> nn.Module:
     return model
 
 
+def lora_config(workload: Workload):
+    """The workload's LoRA: r=16, alpha=32, no dropout, on its decoder linears (a peft LoraConfig)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(workload.lora_targets),
+                      task_type="CAUSAL_LM")
+
+
 def add_lora(model: nn.Module, workload: Workload) -> nn.Module:
-    """LoRA r=16, alpha=32 on the workload's decoder linears (identity when the workload has no LoRA)."""
+    """The workload's LoRA (lora_config) added with get_peft_model (identity when the workload has no LoRA)."""
     if not workload.lora:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(workload.lora_targets),
-                        task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    return get_peft_model(model, lora_config(workload))
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -344,10 +350,10 @@ def _timing_callback(settings: RunSettings, timing: Timing, clock: StepClock):
 
 
 def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
-                make: Callable[[type, Any], Any]) -> None:
+                make: Callable[[type, Any], Any]) -> Any:
     """Build a trainer with ``make(trainer class, timing callback)`` and train it: the class records each training
     step's document lengths and loss (read after the run: no sync from the harness), the callback marks step ends on
-    a StepClock; the timed steps (after ``settings.warmup``) go to ``timing``."""
+    a StepClock; the timed steps (after ``settings.warmup``) go to ``timing``. Returns the trainer."""
     docs: list[list[int]] = []
     losses: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
@@ -361,48 +367,65 @@ def train_timed(trainer_cls: type, settings: RunSettings, timing: Timing,
             losses.append(loss.detach())
             return loss
 
-    make(Counting, _timing_callback(settings, timing, clock)).train()
+    trainer = make(Counting, _timing_callback(settings, timing, clock))
+    trainer.train()
     timing.profile = clock.finish_profile()
     timing.step_seconds = clock.step_seconds()
     timed = slice(settings.warmup, settings.warmup + len(timing.step_seconds))
     timing.step_docs.extend(docs[timed])
     timing.step_targets.extend(int(t) for t in targets[timed])
     timing.losses = [float(x) for x in losses[timed]]
+    return trainer
+
+
+def sft_arguments(settings: RunSettings, data: BenchData, output_dir: str, liger: bool,
+                  packing_strategy: str = "bfd", loss_type: str = "nll") -> dict[str, Any]:
+    """TRL SFTConfig arguments: the harness's shared settings (steps, learning rate, fused AdamW, bf16 on CUDA, the
+    step's token budget as rows of max_len) and the configuration's own (packing strategy, loss, Liger). packing=True
+    with strategy "bfd" is TRL's padding-free path; prompt-masked data trains with completion_only_loss=True."""
+    spec = data.spec
+    cuda = settings.device.startswith("cuda")
+    return dict(
+        output_dir=output_dir, max_steps=settings.warmup + settings.steps, max_length=spec.max_len, packing=True,
+        packing_strategy=packing_strategy, per_device_train_batch_size=max(1, spec.tokens_per_step // spec.max_len),
+        gradient_accumulation_steps=1, learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch_fused", bf16=cuda, use_cpu=not cuda, gradient_checkpointing=settings.workload.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, save_strategy="no",  # TRL's logging_steps
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
+        use_liger_kernel=liger, shuffle_dataset=False, completion_only_loss=data.prompts is not None,
+        loss_type=loss_type,
+    )
 
 
 def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool,
-            sft_overrides: dict[str, Any] | None = None, processing_class: Any = None) -> None:
+            sft_overrides: dict[str, Any] | None = None, processing_class: Any = None, *, peft_config: Any = None,
+            packing_strategy: str = "bfd", loss_type: str = "nll", trainer_cls: type | None = None) -> nn.Module:
     """TRL SFTTrainer, packing=True (bfd => padding-free): rows of max_len, tokens_per_step // max_len rows a step.
     ``sft_overrides`` replace SFTConfig arguments (Unsloth: its own checkpointing instead of TRL's). Prompt-masked
     data goes in TRL's prompt-completion form, pre-tokenized: ``completion_mask`` (0 on the prompt) with
-    ``completion_only_loss=True``, from which TRL builds the labels itself."""
+    ``completion_only_loss=True``, from which TRL builds the labels itself. ``peft_config``: the adapters as TRL's own
+    LoRA / QLoRA path adds them (SFTTrainer(peft_config=...) on the base model). ``trainer_cls``: another SFTTrainer
+    (hf_accel's). Returns the model the trainer trained (the PeftModel TRL built, where it built one)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    spec = data.spec
-    cuda = settings.device.startswith("cuda")
     columns: dict[str, Any] = {"input_ids": data.samples}
     if data.prompts is not None:
         columns["completion_mask"] = [[0] * p + [1] * (n - p) for n, p in zip(data.lengths, data.prompts)]
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(**{**dict(
-            output_dir=out, max_steps=settings.warmup + settings.steps, max_length=spec.max_len, packing=True,
-            per_device_train_batch_size=max(1, spec.tokens_per_step // spec.max_len), gradient_accumulation_steps=1,
-            learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
-            bf16=cuda, use_cpu=not cuda, gradient_checkpointing=settings.workload.checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, save_strategy="no",  # TRL's logging_steps
-            report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
-            use_liger_kernel=liger, shuffle_dataset=False, completion_only_loss=data.prompts is not None,
-        ), **(sft_overrides or {})})
+        args = SFTConfig(**{**sft_arguments(settings, data, out, liger, packing_strategy, loss_type),
+                            **(sft_overrides or {})})
+        extra = {} if peft_config is None else {"peft_config": peft_config}
 
         def make(cls: type, timer: Any) -> Any:
             trainer = cls(model=model, args=args, train_dataset=Dataset.from_dict(columns),
-                          processing_class=processing_class or offline_tokenizer(), callbacks=[timer])
+                          processing_class=processing_class or offline_tokenizer(), callbacks=[timer], **extra)
             if data.prompts is not None:
                 timing.data_targets = trainer_data_targets(trainer)
             return trainer
 
-        train_timed(SFTTrainer, settings, timing, make)
+        trainer = train_timed(trainer_cls or SFTTrainer, settings, timing, make)
+    return model if trainer is None else trainer.model
 
 
 def summarize(model: nn.Module, timing: Timing, peak: float | None, device: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from .registry import BACKENDS, PREFERENCE, Selection, format_backends, list_bac
 # Ops whose outputs selective-checkpoint policies should save rather than recompute.
 SAVEABLE_OPS = [
     torch.ops.hf_accel.fa4_varlen_fwd.default,
+    torch.ops.hf_accel.fa4_varlen_sinks_fwd.default,
     torch.ops.aten._flash_attention_forward.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,

@@ -36,6 +36,7 @@ class AttnOptions:
     softcap: float = 0.0
     dropout_p: float = 0.0
     alibi_slopes: torch.Tensor | None = None  # (H_q,) fp32; bias slope * (k_pos - q_pos) added to scaled scores
+    sinks: torch.Tensor | None = None  # (H_q,) learned logits joining each softmax's denominator (no value)
 
     @property
     def has_window(self) -> bool:
@@ -57,6 +58,7 @@ class AttentionRequest:
     softcap: bool = False
     dropout: bool = False
     alibi: bool = False
+    sinks: bool = False
     needs_grad: bool = True
 
     @staticmethod
@@ -72,6 +74,7 @@ class AttentionRequest:
             softcap=opts.softcap != 0.0,
             dropout=opts.dropout_p > 0.0,
             alibi=opts.alibi_slopes is not None,
+            sinks=opts.sinks is not None,
             needs_grad=torch.is_grad_enabled() and (q_thd.requires_grad or k_thd.requires_grad),
         )
 
@@ -93,6 +96,7 @@ class Capabilities:
     dropout: bool = False
     alibi: bool = False
     alibi_backward: bool = False
+    sinks: bool = False
     backward_devices: frozenset[str] | None = None  # where gradients work; None = every device in ``devices``
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -125,6 +129,7 @@ class Capabilities:
             "dropout": (req.dropout, self.dropout),
             "ALiBi": (req.alibi, self.alibi),
             "ALiBi backward": (req.alibi and req.needs_grad, self.alibi_backward),
+            "attention sinks": (req.sinks, self.sinks),
         }
         out += [name for name, (needed, offered) in wanted.items() if needed and not offered]
         return out

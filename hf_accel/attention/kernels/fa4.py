@@ -16,6 +16,7 @@ import torch
 from ..varlen import IdentityMemo
 from .backend import Backend, no_cuda_reason
 from .base import HALF_DTYPES, AttnOptions, Capabilities
+from .sinks import sinks_grad, with_sinks
 
 
 # flash-attn-4 compiles a separate kernel variant when a batch's longest document fits one tile (<= 128 tokens: its
@@ -138,6 +139,38 @@ def _backward(ctx, dout, dlse):
 fa4_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("hf_accel::fa4_varlen_sinks_fwd", mutates_args=())
+def fa4_varlen_sinks_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_q: int, max_k: int, scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn-4 with attention sinks (``kernels.sinks``): its output and log-sum-exp corrected for the sinks."""
+    out, lse = fa4_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, softcap)
+    return with_sinks(out, lse, sinks)
+
+
+@fa4_varlen_sinks_fwd.register_fake
+def _(q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, softcap):
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return out, q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+def _setup_sinks(ctx, inputs, output):
+    q, k, v, sinks, cu_q, cu_k, max_q, max_k, scale, causal, window_left, window_right, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, sinks, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, scale, causal, window_left, window_right, softcap)
+
+
+def _backward_sinks(ctx, dout, dlse):
+    q, k, v, sinks, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = fa4_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)  # the sink softmax's (kernels.sinks)
+    return dq, dk, dv, sinks_grad(dout, out, lse, sinks), None, None, None, None, None, None, None, None, None
+
+
+fa4_varlen_sinks_fwd.register_autograd(_backward_sinks, setup_context=_setup_sinks)
+
+
 class FA4Backend(Backend):
     name = "fa4"
     capabilities = Capabilities(
@@ -150,6 +183,7 @@ class FA4Backend(Backend):
         softcap=True,
         alibi=False,  # score_mod ALiBi not wired up (per-head slopes need aux tensors; see the module docstring)
         alibi_backward=False,
+        sinks=True,  # by the log-sum-exp correction (kernels.sinks)
         notes=("flash-attn-4 4.0.0b36; no dropout; no ALiBi yet",),
     )
 
@@ -170,9 +204,9 @@ class FA4Backend(Backend):
 
     def _varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         left, right = opts.window
-        out, _ = fa4_varlen_fwd(
-            q_thd, k_thd, v_thd, cu_q, cu_k, jit_stable_max_seqlen(max_q), jit_stable_max_seqlen(max_k),
-            float(opts.scale), bool(opts.causal),
-            -1 if left is None else int(left), -1 if right is None else int(right), float(opts.softcap),
-        )
-        return out
+        args = (cu_q, cu_k, jit_stable_max_seqlen(max_q), jit_stable_max_seqlen(max_k), float(opts.scale),
+                bool(opts.causal), -1 if left is None else int(left), -1 if right is None else int(right),
+                float(opts.softcap))
+        if opts.sinks is not None:
+            return fa4_varlen_sinks_fwd(q_thd, k_thd, v_thd, opts.sinks, *args)[0]
+        return fa4_varlen_fwd(q_thd, k_thd, v_thd, *args)[0]

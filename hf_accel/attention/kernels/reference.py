@@ -18,6 +18,7 @@ class ReferenceBackend(Backend):
         dropout=True,
         alibi=True,
         alibi_backward=True,
+        sinks=True,
         notes=("one document at a time in fp32; slow, exact",),
     )
 
@@ -45,7 +46,11 @@ class ReferenceBackend(Backend):
         if bias is not None:
             scores = scores + bias
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows attend to nothing
+        if opts.sinks is not None:  # one more logit per head in every row's softmax, with no value (gpt-oss)
+            sinks = opts.sinks.to(math_dtype).view(-1, 1, 1).expand(scores.shape[0], scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows attend to nothing
         if opts.dropout_p > 0:
             probs = torch.nn.functional.dropout(probs, p=opts.dropout_p)
         return (probs @ v).transpose(0, 1).to(dtype)

@@ -1,8 +1,10 @@
 """What hf_accel knows about a model family, as one typed object: ``Family``.
 
-Each family module (``patches/<family>.py``) defines ``FAMILY = Family(...)`` and ``patches/__init__.py`` lists them.
-Everything outside ``patches/`` that depends on a family asks this object (the memory estimate, fused ops, MLP
-chunking, the Trainers, the attention request of ``patch()``); nothing there reads ``config.model_type``.
+For a model whose attention goes through transformers' ``AttentionInterface`` the object is found from the model
+itself (``hf_accel.facts``: its attention calls, what its layers save, which modules liger may fuse); a module in
+``patches/`` types one only where a model needs more than the generic seam (Falcon's own attention). Everything that
+depends on a family asks this object (the memory estimate, fused ops, MLP chunking, the Trainers, the attention
+request of ``patch()``); nothing reads ``config.model_type`` to decide.
 """
 from __future__ import annotations
 
@@ -18,22 +20,32 @@ ApplyFn = Callable[[nn.Module, str], tuple[list[str], list[Undo]]]
 # forwards only), or each attention instance's forward (families outside the registry)
 Seam = Literal["attention_interface", "instance_forward"]
 # What liger-kernel can fuse, per module (hf_accel.fused.ops binds each kind): Llama-style RMSNorm (x.to(dtype) * w),
-# Gemma's RMSNorm ((x * (1 + w)).to(dtype): liger's offset=1, casting_mode "gemma"), a SiLU-gated MLP (SwiGLU), a
-# tanh-GELU-gated MLP (GEGLU) and an affine nn.LayerNorm
-FusableKind = Literal["rms_norm", "rms_norm_gemma", "swiglu", "geglu", "layer_norm"]
+# Gemma's RMSNorm ((x * (1 + w)).to(dtype): liger's offset=1, casting_mode "gemma"), an RMSNorm weighting in fp32
+# ((x * w).to(dtype): offset 0, casting_mode "gemma"), a SiLU-gated MLP (SwiGLU), a tanh-GELU-gated MLP (GEGLU) and
+# an affine nn.LayerNorm. hf_accel.facts finds each module's kind from what it computes.
+FusableKind = Literal["rms_norm", "rms_norm_gemma", "rms_norm_fp32", "swiglu", "geglu", "layer_norm"]
 
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """What one decoder layer's attention asks of a kernel beyond causal softmax attention."""
+    """What one decoder layer's attention asks of a kernel beyond causal softmax attention. ``heads``: (query heads,
+    key/value heads, head_dim) where the layer's differ from the model's first layer (Gemma 4's global layers), else
+    None; ``stock``: why every call of the layer runs transformers' own attention (it passes something no hf_accel
+    kernel expresses), else None."""
 
     window: int | None = None  # tokens a query sees, itself included (transformers' sliding_window); None: all
     softcap: float | None = None  # scores become softcap * tanh(scores / softcap) before the softmax
     alibi: bool = False  # a per-head linear position bias (the kernel gets the slopes)
+    sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss's s_aux)
+    chunk: int | None = None  # a query sees keys of its own chunk of this many positions only (Llama 4)
+    heads: tuple[int, int, int] | None = None
+    stock: str | None = None
 
     def describe(self) -> str:
         parts = [f"sliding window {self.window}" if self.window else "",
-                 f"softcap {self.softcap:g}" if self.softcap else "", "ALiBi" if self.alibi else ""]
+                 f"softcap {self.softcap:g}" if self.softcap else "", "ALiBi" if self.alibi else "",
+                 "attention sinks" if self.sinks else "", f"chunks of {self.chunk}" if self.chunk else "",
+                 f"head_dim {self.heads[2]}" if self.heads else "", f"stock ({self.stock})" if self.stock else ""]
         return ", ".join(p for p in parts if p) or "causal"
 
 
@@ -79,7 +91,8 @@ class Family:
     lora_targets: tuple[str, ...]  # projection module names PEFT's LoRA targets
     apply: ApplyFn  # (model, backend) -> (patched module names, undo actions)
     head_shape: Callable[[Any], tuple[int, int, int]]  # config -> (query heads, kv heads, head_dim)
-    mlp_width: Callable[[Any], int]  # config -> the MLP's hidden width (memory.mlp_chunks sizes chunks by it)
+    # config -> the MLP's hidden width (memory.mlp_chunks sizes chunks by it); None: no MLP to chunk (experts)
+    mlp_width: Callable[[Any], int | None]
     layer_bytes: Callable[[Any, int], LayerBytes]  # (config, activation bytes per element) -> per token, one layer
     fusable: Callable[[nn.Module], list[tuple[str, nn.Module, FusableKind]]]  # model -> what liger can fuse
     training_dropout: Callable[[Any], float] = config_dropout
@@ -94,10 +107,15 @@ class Family:
     # Never list one whose output a norm, a product or the next projection reads (Gemma's post-MLP norm).
     output_projections: Callable[[Any], tuple[str, ...]] = _no_output_projections
     notes: tuple[str, ...] = field(default_factory=tuple)  # what the PatchReport adds for every model of the family
+    # config -> {decoder layer index: its LayerAttention} for the layers that have attention (a hybrid model's
+    # linear-attention layers have none); None: every layer, from layer_attention
+    attention_layers: Callable[[Any], dict[int, LayerAttention]] | None = None
 
-    def layer_attentions(self, config: Any) -> list[LayerAttention]:
-        """Each decoder layer's LayerAttention, in order."""
-        return [self.layer_attention(config, i) for i in range(config.num_hidden_layers)]
+    def layer_attentions(self, config: Any) -> dict[int, LayerAttention]:
+        """{decoder layer index: LayerAttention} of each layer with attention, in order."""
+        if self.attention_layers is not None:
+            return self.attention_layers(config)
+        return {i: self.layer_attention(config, i) for i in range(config.num_hidden_layers)}
 
 
 def fusable_by_class(kinds: Callable[[nn.Module], FusableKind | None]

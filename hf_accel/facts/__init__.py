@@ -1,0 +1,142 @@
+"""A model family's facts found from the model, not typed by hand: ``found_family(model or config)``.
+
+Any causal LM whose attention modules look their function up in transformers' ``AttentionInterface`` gets the
+generic seam; what hf_accel needs to know about it comes from a probe forward of a copy built from the config on fake
+tensors (``probe``: each attention call's asks and shapes, the bytes each decoder layer saves, the projections only
+the residual reads), from PEFT-style naming of its ``nn.Linear`` modules (the LoRA targets: every linear of the
+decoder layers, what PEFT's ``target_modules="all-linear"`` picks) and from running its norms and gated MLPs on a
+probe input (``fusable``). A family needing more than the seam (Falcon's own attention) is typed in ``patches/``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention.hf_attention import GENERIC_ATTENTIONS, patch_attention_modules
+from ..errors import UnsupportedModel
+from ..family import Family, LayerAttention, LayerBytes
+from .probe import PROBE_NAME, Probed, probe_config, uses_attention_interface  # noqa: F401 (re-exported)
+
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+def causal_lm_class(config) -> type:
+    """The class transformers' AutoModelForCausalLM builds for ``config``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError) as e:
+        raise UnsupportedModel(
+            f"transformers has no causal LM class for model_type {getattr(config, 'model_type', None)!r} "
+            f"({type(config).__name__}); hf_accel patches causal LMs. Train it unpatched.") from e
+
+
+def _fingerprint(config) -> str:
+    try:
+        return config.to_json_string(use_diff=False)
+    except (TypeError, ValueError):
+        return repr(sorted(config.to_dict().items()))
+
+
+_PROBES: dict[tuple, Probed] = {}
+
+
+def probed(model_cls: type, config, dtype: torch.dtype = torch.bfloat16) -> Probed:
+    """``probe_config``, memoised per class, config and dtype (a config changed in place probes again)."""
+    key = (model_cls, _fingerprint(config), dtype)
+    if key not in _PROBES:
+        if len(_PROBES) > 64:
+            _PROBES.clear()
+        _PROBES[key] = probe_config(model_cls, config, dtype)
+    return _PROBES[key]
+
+
+def _layer_attention(calls, index: int, first) -> LayerAttention:
+    layer_calls = [c for c in calls if c.layer == index]
+    if not layer_calls:
+        return LayerAttention()
+    call = layer_calls[0]
+    asks = call.asks
+    stock = f"its call passes {', '.join(asks.unknown)}, which no hf_accel kernel reads" if asks.unknown else None
+    return LayerAttention(window=asks.window, softcap=asks.softcap, sinks=asks.sinks is not None, chunk=asks.chunk,
+                          heads=call.heads if call.heads != first else None, stock=stock)
+
+
+def _mean(figures: list[float]) -> int:
+    """Per-layer bytes for the uniform per-layer figure the estimate uses: the layers past the first (which may also
+    hold what the model hands every layer, such as rotary tables), averaged."""
+    rest = figures[1:] or figures
+    return int(round(sum(rest) / len(rest))) if rest else 0
+
+
+def _needs_eager(model_cls: type, calls) -> bool:
+    """Whether stock SDPA cannot compute what the calls ask (soft-capping, sinks, anything unknown), or the class
+    refuses it: the unpatched reference is eager attention then."""
+    if not getattr(model_cls, "_supports_sdpa", False):
+        return True
+    return any(c.asks.softcap or c.asks.sinks is not None or c.asks.unknown for c in calls)
+
+
+def found_family(model_or_config: Any) -> Family:
+    """The generic Family of a transformers causal LM (or its config). UnsupportedModel where its attention does not
+    go through transformers' AttentionInterface."""
+    get_base = getattr(model_or_config, "get_base_model", None)
+    model = get_base() if callable(get_base) else model_or_config  # under PEFT, the transformers model
+    config = getattr(model, "config", model)
+    model_cls = type(model) if isinstance(model, nn.Module) else causal_lm_class(config)
+    return _found(model_cls, config)
+
+
+def _found(model_cls: type, config) -> Family:
+    facts = probed(model_cls, config)
+    model_type = config.model_type
+    if not facts.attention_classes:
+        raise UnsupportedModel(
+            f"{model_cls.__name__} (model_type {model_type!r}) does not reach attention through transformers' "
+            "AttentionInterface (ALL_ATTENTION_FUNCTIONS), the seam hf_accel patches, and hf_accel.patches has no "
+            "family of its own for it. Train it unpatched.")
+    calls = facts.calls
+    first = calls[0].heads if calls else (config.num_attention_heads, config.num_attention_heads, 0)
+    classes = facts.attention_classes
+    layers = {c.layer for c in calls if c.layer is not None}
+    attention_of = {index: _layer_attention(calls, index, first) for index in sorted(layers)}
+    stock_layers = [i for i, a in attention_of.items() if a.stock]
+    notes = tuple(f"layer {i}: transformers' own attention for every call ({attention_of[i].stock})"
+                  for i in stock_layers)
+
+    def layer_bytes(config_: Any, b: int) -> LayerBytes:
+        saves = probed(model_cls, config_, _DTYPES.get(b, torch.bfloat16)).layers
+        return LayerBytes(*(_mean([getattr(s, f) for s in saves]) for f in ("none", "op", "full", "mlp")))
+
+    def apply(model: nn.Module, backend: str):
+        return patch_attention_modules(model, classes, backend)
+
+    return Family(
+        name=model_type,
+        model_types=(model_type,),
+        seam="attention_interface",
+        touches=f"{', '.join(c.__name__ for c in classes)} via transformers' AttentionInterface",
+        attentions=GENERIC_ATTENTIONS,
+        lora_targets=facts.layer_linears,
+        apply=apply,
+        head_shape=lambda config_: first,
+        mlp_width=lambda config_: facts.mlp_width,
+        layer_bytes=layer_bytes,
+        fusable=_fusable,
+        training_dropout=lambda config_: max((c.asks.dropout for c in calls), default=0.0),
+        layer_attention=lambda config_, index: attention_of.get(index, LayerAttention()),
+        attention_layers=lambda config_: dict(attention_of),
+        final_logit_softcap=lambda config_: getattr(config_, "final_logit_softcapping", None) or None,
+        reference_attention="eager" if _needs_eager(model_cls, calls) else "sdpa",
+        output_projections=lambda config_: facts.output_projections,
+        notes=notes,
+    )
+
+
+def _fusable(model: nn.Module):
+    from .fusable import fusable_modules
+
+    return fusable_modules(model)

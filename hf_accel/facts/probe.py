@@ -1,0 +1,401 @@
+"""A model's facts read off one forward of a copy built from its config on fake tensors (torch's FakeTensorMode: every
+shape and dtype, no memory, no weight read, no kernel run), with a stand-in attention registered under a name of our
+own that records each call and saves what a flash kernel saves (q, k, v, out and the fp32 log-sum-exp).
+
+From that forward (``probe_config``):
+- each attention call's asks (``hf_accel.attention.calls.read_call``, the same reading the seam makes in training)
+  and shapes, per decoder layer;
+- per decoder layer, per token, the bytes autograd saves (no checkpointing), what op-level checkpointing keeps (the
+  layer's input and the outputs of matmuls and attention) and what full checkpointing keeps (its input), and of the
+  first, the share made inside the layer's ``mlp`` (what a chunked MLP holds for one chunk only); each figure is the
+  difference of two forwards of different lengths, so what does not grow with the tokens drops out;
+- the projections whose output nothing but the layer's output reads, through residual adds (``memory.trim`` may skip
+  their matmuls in a checkpointed layer's recompute): found by following the data from each ``nn.Linear`` through
+  the ops of the layer.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..attention.calls import CallAsks, read_call
+
+PROBE_NAME = "hf_accel_probe"  # never containing "flash": transformers would take it for its own flash path
+TOKENS = (8, 16)  # the two probe lengths
+
+
+@dataclass(frozen=True)
+class ProbedCall:
+    """One attention call of the probe forward."""
+
+    module: str  # the attention module's path in the model
+    layer: int | None  # the decoder layer it runs in (index among the GradientCheckpointingLayers)
+    heads: tuple[int, int, int]  # (query heads, key/value heads, head_dim)
+    asks: CallAsks
+
+
+@dataclass(frozen=True)
+class LayerSaves:
+    """Bytes per token one decoder layer keeps for backward (see the module docstring)."""
+
+    none: float
+    op: float
+    full: float
+    mlp: float
+
+
+@dataclass(frozen=True)
+class Probed:
+    calls: tuple[ProbedCall, ...]
+    layers: tuple[LayerSaves, ...]
+    output_projections: tuple[str, ...]  # paths inside a decoder layer, e.g. "mlp.down_proj"
+    attention_classes: tuple[type, ...]
+    layer_linears: tuple[str, ...] = field(default_factory=tuple)  # last names of the layers' nn.Linear modules
+    mlp_width: int | None = None  # the widest linear inside the layers' ``mlp``; None where it holds experts
+
+
+# ---------------------------------------------------------------------------------------------- the stand-in kernel
+@torch.library.custom_op("hf_accel::probe_attention", mutates_args=())
+def _probe_attention_op(q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seq, heads, _ = q_bshd.shape
+    return (q_bshd.new_empty(batch, seq, heads, v_bshd.shape[-1]),
+            q_bshd.new_empty(batch, heads, seq, dtype=torch.float32))
+
+
+@_probe_attention_op.register_fake
+def _(q_bshd, k_bshd, v_bshd):
+    batch, seq, heads, _ = q_bshd.shape
+    return (q_bshd.new_empty(batch, seq, heads, v_bshd.shape[-1]),
+            q_bshd.new_empty(batch, heads, seq, dtype=torch.float32))
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)  # what a flash kernel keeps: q, k, v, out, log-sum-exp
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v = ctx.saved_tensors[:3]
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+_probe_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[nn.Module, tuple[int, int, int], CallAsks]] = []
+
+
+_RECORDER: list[_Recorder] = []
+
+
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: record the call, return a flash kernel's output shape."""
+    if _RECORDER:
+        asks = read_call(module, query.shape[-1], scaling, dropout, kwargs)
+        _RECORDER[-1].calls.append((module, (query.shape[1], key.shape[1], query.shape[-1]), asks))
+    q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+    out, _ = _probe_attention_op(q_bshd, k_bshd, v_bshd)
+    return out, None
+
+
+def _probe_mask(*args, **kwargs):
+    return None  # causal, no padding: the probe forward has one full-length document
+
+
+@functools.lru_cache(maxsize=1)
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PROBE_NAME, _probe_attention)
+    AttentionMaskInterface.register(PROBE_NAME, _probe_mask)
+
+
+# ---------------------------------------------------------------------------------------------- the fake model
+def uses_attention_interface(module: nn.Module) -> bool:
+    """Whether the module's own forward looks its attention function up in transformers' registry."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(_unwrap(forward), "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def _unwrap(fn):
+    import inspect
+
+    try:
+        return inspect.unwrap(fn)
+    except ValueError:
+        return fn
+
+
+def fake_model(model_cls: type, config, dtype: torch.dtype):
+    """(model, mode): ``model_cls`` built from a copy of ``config`` under a FakeTensorMode, in train mode, with the
+    probe attention selected."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    register()
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, _quiet():
+        model = model_cls._from_config(config, dtype=dtype).train()
+    for module in model.modules():
+        sub = getattr(module, "config", None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            sub._attn_implementation_internal = PROBE_NAME
+    return model, mode
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+# ---------------------------------------------------------------------------------------------- one probe forward
+def _key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+class _Op:
+    """One op of a decoder layer's forward: its inputs' and outputs' storages (the tensors themselves are held, so
+    no storage is freed and its identity reused during the probe: fake tensors cost no memory)."""
+
+    __slots__ = ("packet", "inputs", "outputs", "args", "kwargs", "held")
+
+    def __init__(self, packet, inputs, outputs, args, kwargs, held):
+        self.packet, self.inputs, self.outputs, self.args, self.kwargs = packet, inputs, outputs, args, kwargs
+        self.held = held
+
+
+class _Tally(TorchDispatchMode):
+    """Per decoder layer: saved bytes, op-level bytes, inputs, MLP share, and the ops run (for the data flow)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, layers: int, params: set[int], save_ops: frozenset):
+        super().__init__()
+        self.layer: int | None = None
+        self.in_mlp = False
+        self.params, self.save_ops = params, save_ops
+        self.saved, self.op, self.inputs, self.mlp = ([0] * layers for _ in range(4))
+        self.seen: set[int] = set()
+        self.made_in_mlp: set[int] = set()
+        self.ops: list[list[_Op]] = [[] for _ in range(layers)]
+        self.linear_out: list[dict[int, str]] = [{} for _ in range(layers)]
+        self.layer_out: list[int | None] = [None] * layers
+        self.held: list[list[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.held.append(outputs)  # every storage of the forward stays alive: its identity is never reused
+        if self.layer is None:
+            return out
+        packet = getattr(func, "overloadpacket", func)
+        if packet in self.save_ops:
+            self.op[self.layer] += sum(_nbytes(t) for t in outputs)
+        inputs = [_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        keys = [_key(t) for t in outputs]
+        if self.in_mlp:  # storages made here (a view's is its input's)
+            self.made_in_mlp.update(k for k in keys if k not in inputs)
+        self.ops[self.layer].append(_Op(packet, inputs, keys, args, kwargs, outputs))
+        return out
+
+    def pack(self, t: torch.Tensor):
+        self.held.append([t])
+        key = _key(t)
+        if self.layer is not None and key not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.saved[self.layer] += _nbytes(t)
+            if self.in_mlp and key in self.made_in_mlp:
+                self.mlp[self.layer] += _nbytes(t)
+        return None
+
+    @staticmethod
+    def unpack(_):
+        raise RuntimeError("the facts probe runs a forward only")
+
+
+def _hooks(model: nn.Module, layers: list[nn.Module], tally: _Tally) -> list:
+    handles = []
+    for index, layer in enumerate(layers):
+        def enter(module, args, kwargs, index=index):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            tally.layer = index
+            tally.inputs[index] = _nbytes(hidden)
+
+        def leave(module, args, output, index=index):
+            first = output[0] if isinstance(output, (tuple, list)) else output
+            tally.layer_out[index] = _key(first)
+            tally.layer = None
+
+        handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(layer.register_forward_hook(leave))
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, nn.Module):
+            handles.append(mlp.register_forward_pre_hook(lambda *a: setattr(tally, "in_mlp", True)))
+            handles.append(mlp.register_forward_hook(lambda *a: setattr(tally, "in_mlp", False)))
+        for name, sub in layer.named_modules():
+            if isinstance(sub, nn.Linear):
+                def record(module, args, output, index=index, name=name):
+                    if isinstance(output, torch.Tensor):  # a router subclassing nn.Linear may return a tuple
+                        tally.linear_out[index][_key(output)] = name
+                handles.append(sub.register_forward_hook(record))
+    return handles
+
+
+def _forward(model: nn.Module, mode, layers: list[nn.Module], tokens: int, save_ops: frozenset
+             ) -> tuple[_Tally, _Recorder]:
+    params = {_key(t) for t in [*model.parameters(), *model.buffers()]}
+    tally = _Tally(len(layers), params, save_ops | {torch.ops.hf_accel.probe_attention})
+    recorder = _Recorder()
+    handles = _hooks(model, layers, tally)
+    _RECORDER.append(recorder)
+    try:
+        with mode, torch.enable_grad(), tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
+            ids = torch.zeros(1, tokens, dtype=torch.long)
+            model(input_ids=ids, use_cache=False)
+    finally:
+        _RECORDER.pop()
+        for handle in handles:
+            handle.remove()
+    return tally, recorder
+
+
+# ---------------------------------------------------------------------------------------------- data flow
+_PASS = {"add", "clone", "native_dropout", "dropout", "_to_copy", "alias"}
+
+
+def _passes(op: _Op) -> bool:
+    """Whether ``op`` hands its input on unchanged in meaning to a residual sum (adds, copies, a zero dropout)."""
+    name = getattr(op.packet, "__name__", str(op.packet))
+    if name not in _PASS:
+        return False
+    if name == "add":
+        return op.kwargs.get("alpha", 1) == 1
+    if name in ("native_dropout", "dropout"):
+        return len(op.args) > 1 and op.args[1] == 0
+    if name == "_to_copy":
+        source = op.args[0]
+        return op.kwargs.get("dtype", source.dtype) == source.dtype
+    return True
+
+
+def _feeds_only_output(start: int, ops: list[_Op], output: int | None) -> bool:
+    """Whether storage ``start`` reaches nothing but the layer's output storage, through ops that pass it on."""
+    frontier, done, reached = [start], set(), False
+    while frontier:
+        key = frontier.pop()
+        if key in done:
+            continue
+        done.add(key)
+        reached |= key == output
+        for op in ops:
+            if key not in op.inputs or not op.outputs:
+                continue  # a query of metadata (prim.device)
+            if op.outputs == [key]:
+                if getattr(op.packet, "__name__", "").endswith("_"):
+                    return False  # written in place (Llama 4's shared expert: out.add_(routed)): the recompute's
+                continue  # skipped matmul would hand the writer its fill; a view of the same storage passes on
+            if not _passes(op):
+                return False
+            follow = op.outputs[:1] if getattr(op.packet, "__name__", "") == "native_dropout" else op.outputs
+            frontier.extend(k for k in follow if k != key)
+    return reached
+
+
+def _output_projections(tally: _Tally) -> tuple[str, ...]:
+    """The projection paths that feed nothing but their layer's output in every decoder layer that has them."""
+    verdicts: dict[str, bool] = {}
+    for index, linears in enumerate(tally.linear_out):
+        ops, output = tally.ops[index], tally.layer_out[index]
+        for key, name in linears.items():
+            verdicts[name] = verdicts.get(name, True) and _feeds_only_output(key, ops, output)
+    return tuple(name for name, ok in verdicts.items() if ok)
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+def _is_linear(module: nn.Module) -> bool:
+    """A plain linear map: an nn.Linear (or transformers' Conv1D, GPT-2's linears stored transposed) running its class's
+    own forward, what PEFT's LoRA adapts. A subclass with a forward of its own (Llama 4's router, returning scores and
+    logits) is left out: LoRA's wrapper would take its output for a tensor."""
+    from transformers.pytorch_utils import Conv1D
+
+    for base in (nn.Linear, Conv1D):
+        if isinstance(module, base):
+            return type(module).forward is base.forward
+    return False
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16) -> Probed:
+    """The facts of ``model_cls`` built from ``config`` with weights (and activations) in ``dtype``."""
+    from ..memory.targets import default_save_ops
+
+    model, mode = fake_model(model_cls, config, dtype)
+    layers = decoder_layers(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    index_of = {id(layer): i for i, layer in enumerate(layers)}
+    layer_of = {}
+    for layer in layers:
+        for sub in layer.modules():
+            layer_of[id(sub)] = index_of[id(layer)]
+    save_ops = default_save_ops()
+    (short, _), (long, recorder) = (_forward(model, mode, layers, t, save_ops) for t in TOKENS)
+    span = TOKENS[1] - TOKENS[0]
+
+    def per_token(a: list[int], b: list[int]) -> list[float]:
+        return [(y - x) / span for x, y in zip(a, b)]
+
+    saves = tuple(LayerSaves(*figures) for figures in zip(
+        per_token(short.saved, long.saved),
+        per_token([i + o for i, o in zip(short.inputs, short.op)], [i + o for i, o in zip(long.inputs, long.op)]),
+        per_token(short.inputs, long.inputs),
+        per_token(short.mlp, long.mlp)))
+    calls = tuple(ProbedCall(names.get(id(module), ""), layer_of.get(id(module)), heads, asks)
+                  for module, heads, asks in recorder.calls)
+    projections = _output_projections(long)
+    classes = tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
+    linears = tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
+                                  if _is_linear(m)))
+    return Probed(calls, saves, projections, classes, linears, _mlp_width(layers))
+
+
+def _mlp_width(layers: list[nn.Module]) -> int | None:
+    """The widest linear inside a decoder layer's ``mlp`` (the intermediate a chunked MLP holds), None where an MLP
+    holds experts (3-D weights) or there is none."""
+    widths = []
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module) or any(p.ndim > 2 for p in mlp.parameters()):
+            return None
+        widths += [m.out_features if isinstance(m, nn.Linear) else m.nf for m in mlp.modules() if _is_linear(m)]
+    return max(widths) if widths else None
