@@ -130,3 +130,42 @@ def test_the_plot_marks_non_finite_losses(tmp_path, monkeypatch):
              if math.isfinite(float(y))}
     assert drawn >= {1, 2, 3, 4, 5}, drawn
     assert any("nan" in text.get_text() for text in loss_axis.get_legend().get_texts())
+
+
+def test_watching_reads_nothing_back_per_step(tmp_path, monkeypatch):
+    """The default ("stop") notes each loss and gradient norm without reading a value back to the host (a host
+    sync per step on a GPU); the record is read at logs, saves and the end only."""
+    import contextlib
+
+    from hf_accel.training.non_finite import NonFiniteGuard
+
+    @contextlib.contextmanager
+    def no_host_reads():
+        def refuse(*a, **kw):
+            raise AssertionError("a host read while noting a step's values")
+
+        saved = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__")}
+        for name in saved:
+            setattr(torch.Tensor, name, refuse)
+        try:
+            yield
+        finally:
+            for name, method in saved.items():
+                setattr(torch.Tensor, name, method)
+
+    reads = []
+    for name in ("note_loss", "note_grad_norm"):
+        real = getattr(NonFiniteGuard, name)
+
+        def noted(self, *a, _real=real, **kw):
+            with no_host_reads():
+                return _real(self, *a, **kw)
+
+        monkeypatch.setattr(NonFiniteGuard, name, noted)
+    real_first = NonFiniteGuard.first
+    monkeypatch.setattr(NonFiniteGuard, "first", lambda self, *a, **kw: reads.append(1) or real_first(self, *a, **kw))
+    trainer = NanAtStep(model=model(), args=args(tmp_path / "run", max_steps=6, save_steps=3, logging_steps=6),
+                        train_dataset=data(), accel=AccelArguments(backend="reference", print_summary=False))
+    trainer.nan_step = 99  # no nan: a whole run
+    trainer.train()
+    assert len(reads) == 4  # the saves of steps 3 and 6, the log of step 6, the end

@@ -3,7 +3,7 @@ estimate-memory`` (offline memory estimate), ``hf-accel env`` (versions, GPU, ba
 
 Each subcommand checks its arguments before importing torch or loading anything; every failure prints as one line
 (``failures``), Ctrl-C included.
-Under a launcher: ``accelerate launch [--config_file ...] -m hf_accel.cli sft ...``.
+Under a launcher: ``accelerate launch [--config_file ...] -m hf_accel.cli sft --output-dir DIR ...``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ COMMANDS = {
 def usage() -> str:
     rows = "\n".join(f"  {name:<16} {text}" for name, (_, text) in COMMANDS.items())
     return (f"usage: hf-accel COMMAND [ARGS]  (hf-accel COMMAND --help for its flags)\n\ncommands:\n{rows}\n\n"
-            "Multi-GPU: accelerate launch --config_file examples/accelerate/fsdp2.yaml -m hf_accel.cli sft ...")
+            "Multi-GPU: accelerate launch --config_file examples/accelerate/fsdp2.yaml -m hf_accel.cli sft "
+            "--output-dir DIR ...")
 
 
 def main(argv: list[str] | None = None) -> int:

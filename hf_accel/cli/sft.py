@@ -5,22 +5,29 @@
     hf-accel sft --config run.yaml --max-steps 50   # arguments from a YAML / JSON file; flags override it
     hf-accel sft --model-shape llama-1b --max-steps 30              # GPU speed check, random init, bf16
     hf-accel sft --model-shape llama-1b --max-steps 30 --no-patch   # the stock baseline for the same check
-    accelerate launch --config_file examples/accelerate/fsdp2.yaml -m hf_accel.cli sft --model-shape llama-small
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml -m hf_accel.cli sft --model-shape llama-small \\
+        --output-dir runs/fsdp2-small
     hf-accel sft --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16
     hf-accel sft --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16 --load-in-4bit    # QLoRA
 
 --model-shape: a random-init model of a benchmark workload's shapes, on CUDA in bf16, trained on random tokens of its
-vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b, falcon-1b, the long-context shapes
-llama-1b-long and llama-8b-long (Llama-3 rope scaling, 1M positions), and the small test shapes llama-small,
-neox-small, falcon-small (the same families and features, 4 layers of width 1024, vocabulary 32000).
---sequence-parallel N splits each packed row's tokens over N processes of a DeepSpeed launch.
+vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b, falcon-1b, qwen3-8b, mistral-7b,
+gemma2-9b, the long-context shapes llama-1b-long and llama-8b-long (Llama-3 rope scaling, 1M positions), and the
+small test shapes llama-small, neox-small, falcon-small, qwen3-small, mistral-small, gemma2-small (the same families
+and features, 4 layers of width 1024, vocabulary 32000). --sequence-parallel N splits each packed row's tokens over N
+processes of a DeepSpeed launch. Under a launcher every process writes to the one --output-dir, which must be given.
 
 Datasets: local json/jsonl/parquet files, a folder written by scripts/pretokenize.py, or a hub id, with chat
-``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``). Every row is checked once
-before training (malformed, empty, out-of-vocabulary, no target token, longer than --max-length): bad rows stop the run
-with a count per kind (--bad-rows drop trains on the rest), long rows are truncated and counted.
+``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``), trained into --model (or
+--smollm2, --model-shape; --tiny-model for the built-in tiny Llama, a smoke test). Every row is checked once before
+training (malformed, empty, out-of-vocabulary, no target token, longer than --max-length): bad rows stop the run with
+a count per kind (--bad-rows drop trains on the rest), long rows are truncated and counted.
 Each run writes to its own folder (default: a new runs/<model>-<N>): the model (or LoRA adapter), ``metrics.json``
 (losses, throughput, data check, held-out exact match) and ``training.png`` (loss and tokens/s).
+
+A run that goes wrong says so in one line: a non-finite loss stops it naming the step (--non-finite skip skips such
+steps), Ctrl-C finishes the step, saves a checkpoint and prints the command that resumes the run (a second Ctrl-C
+stops at once); HF_ACCEL_TRACEBACK=1 shows the traceback of an error hf_accel did not foresee.
 
 CPU threads: OMP_NUM_THREADS or --threads if given, else 1 for the tiny default task and one less than the usable
 cores for other CPU runs (more threads than free cores make a shared CPU 10-30x slower).
