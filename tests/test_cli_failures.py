@@ -123,6 +123,7 @@ def test_a_token_budget_under_the_longest_example_names_both_flags(sft, capsys):
     assert not os.path.exists("out")  # nothing was written: the run's folder is gone
 
 
+@pytest.mark.slow  # two runs of the command; the token budget and backend tests cover the fast suite
 def test_library_advice_is_said_as_flags(sft, capsys):
     """A resume with other settings: the run-folder check's advice names --output-dir / --overwrite, not the
     Trainer's overwrite_output_dir."""
