@@ -54,6 +54,17 @@ class CheckpointError(HFAccelError, RuntimeError):
     of another run or another base model."""
 
 
+class NonFiniteLoss(HFAccelError, FloatingPointError):
+    """Training met a non-finite loss, gradient norm or weight and stopped before saving anything of that step
+    (``AccelArguments(non_finite="stop")``, the default). ``step``: the optimizer step where it first appeared;
+    ``what``: "loss", "gradient norm" or "trainable weights"; ``checkpoint``: the newest checkpoint kept, or None."""
+
+    def __init__(self, message: str, step: int = 0, what: str = "loss", value: float = float("nan"),
+                 checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.step, self.what, self.value, self.checkpoint = step, what, value, checkpoint
+
+
 def run_cli(main, argv: list[str] | None, prog: str) -> int:
     """Run a command's ``main(argv)``; hf_accel's own errors print as one line (no traceback): exit status 2 for an
     argument that cannot work (a ``UsageError``, as argparse's own), 1 for anything found later."""

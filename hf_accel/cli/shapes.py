@@ -7,9 +7,10 @@ tied embeddings, head size) at 4 layers of width 1024, so a multi-GPU launch tra
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
+if TYPE_CHECKING:  # the names and configs are read without torch (hf-accel estimate-memory checks its MODEL first)
+    import torch
 
 
 class ModelShape(NamedTuple):
@@ -114,6 +115,7 @@ def model_shape_config(name: str) -> Any:
 def build_model_shape(name: str, seed: int, device: torch.device | str) -> torch.nn.Module:
     """--model-shape ``name``, random init from ``seed`` on ``device``, in bf16 (the same weights on every rank), with
     the family's stock reference attention (sdpa; eager for Gemma 2, which transformers refuses SDPA for)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from ..patches import family_of

@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import adapters, checkpoint_io, selective, shards
+from . import adapters, checkpoint_io, non_finite, selective, shards
 from . import run_dir as run_dir_module
 from ..errors import CheckpointError, ConfigurationError
 
@@ -124,6 +124,7 @@ class CheckpointFilesMixin:
         return {"loss_sum": total, "last_logged": int(self._globalstep_last_logged)}
 
     def _save_checkpoint(self, model, trial) -> None:
+        non_finite.stop_if_found(self, weights=True)  # a checkpoint is never of a step at or after a non-finite one
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._pending_window = self._loss_window()

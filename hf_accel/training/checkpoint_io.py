@@ -2,8 +2,8 @@
 
 A process killed during a save leaves at most a stale staging folder (ignored by ``get_last_checkpoint`` and
 removed by the next save); every ``checkpoint-N`` folder that exists is complete. The last file written before the
-rename is a manifest (each file's size), so a checkpoint damaged later (truncated, overwritten, emptied) is detected
-by ``verify_checkpoint`` before anything of it is loaded. ``AsyncWriter`` runs the disk part of a save on a
+rename is a manifest (each file's size and a CRC-32 of its content, ``checksums``), so a checkpoint damaged later
+(truncated, overwritten in place, emptied) is detected by ``verify_checkpoint`` before anything of it is loaded. ``AsyncWriter`` runs the disk part of a save on a
 background thread after the state was copied to CPU, so training does not wait on the disk.
 
 Loading stays safe: weights are read through safetensors only, every other file with ``torch.load(weights_only=True)``
@@ -24,6 +24,7 @@ import time
 import zipfile
 from typing import Callable
 
+from . import checksums
 from ..errors import CheckpointError
 
 logger = logging.getLogger("hf_accel")
@@ -160,7 +161,9 @@ MANIFEST = "hf_accel_manifest.json"
 
 
 def write_manifest(folder: str) -> None:
-    """Record every file under ``folder`` with its size; written last, so its presence means the save finished."""
+    """Record every file under ``folder`` with its size and the CRC-32 of each block of its content (read back right
+    after the files were written: from the page cache, on ``checksums.workers()`` threads); written last, so its
+    presence means the save finished."""
     files = {}
     for root, _, names in os.walk(folder):
         for name in names:
@@ -168,15 +171,18 @@ def write_manifest(folder: str) -> None:
             rel = os.path.relpath(path, folder)
             if rel != MANIFEST:
                 files[rel] = os.path.getsize(path)
+    sums = {"algorithm": checksums.ALGORITHM, "block_bytes": checksums.BLOCK_BYTES,
+            "files": checksums.checksums(folder, sorted(files))}
     with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump({"format": 1, "files": files}, f, indent=1, sort_keys=True)
+        json.dump({"format": 2, "files": files, "checksums": sums}, f, indent=1, sort_keys=True)
 
 
 def verify_checkpoint(folder: str) -> str | None:
     """None when ``folder`` is a complete, readable checkpoint; otherwise one line naming the damaged file and why.
 
-    Checks sizes against the manifest, then each file's structure without loading tensors: safetensors headers and
-    data extents, torch files parsed with ``weights_only=True`` (memory-mapped), JSON files parsed.
+    Checks sizes against the manifest, then the content against its checksums (manifests written since they carry
+    them), then each file's structure without loading tensors: safetensors headers and data extents, torch files
+    parsed with ``weights_only=True`` (memory-mapped), JSON files parsed.
     """
     if not os.path.isdir(folder):
         return f"{folder}: not a folder"
@@ -184,11 +190,13 @@ def verify_checkpoint(folder: str) -> str | None:
     if not entries:
         return f"{folder}: empty folder"
     manifest_path = os.path.join(folder, MANIFEST)
+    sums = None
     if os.path.exists(manifest_path):
         try:
             with open(manifest_path, encoding="utf-8") as f:
-                files = json.load(f)["files"]
-        except (OSError, ValueError, KeyError) as exc:
+                manifest = json.load(f)
+            files, sums = manifest["files"], manifest.get("checksums")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             return f"{manifest_path}: unreadable manifest ({exc})"
     else:  # written by stock transformers or an older hf_accel: structure checks only
         files = {os.path.relpath(os.path.join(r, n), folder): None for r, _, ns in os.walk(folder) for n in ns}
@@ -199,10 +207,29 @@ def verify_checkpoint(folder: str) -> str | None:
         actual = os.path.getsize(path)
         if size is not None and actual != size:
             return f"{path}: {actual} bytes, the save wrote {size} (truncated or overwritten)"
+    if sums is not None:
+        problem = _check_content(folder, sums)
+        if problem:
+            return problem
+    for rel in sorted(files):
+        path = os.path.join(folder, rel)
         problem = _check_structure(path)
         if problem:
             return f"{path}: {problem}"
     return None
+
+
+def _check_content(folder: str, sums: dict) -> str | None:
+    try:
+        algorithm, block_bytes, expected = sums["algorithm"], int(sums["block_bytes"]), dict(sums["files"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"{os.path.join(folder, MANIFEST)}: unreadable checksums ({exc!r})"
+    if algorithm != checksums.ALGORITHM:
+        return f"{os.path.join(folder, MANIFEST)}: checksums by {algorithm!r}, which this hf_accel cannot check"
+    try:
+        return checksums.mismatch(folder, expected, block_bytes)
+    except OSError as exc:
+        return f"{folder}: cannot read back for its checksums ({exc})"
 
 
 def _check_structure(path: str) -> str | None:

@@ -7,6 +7,7 @@ Trainer already makes (``hf_accel.training.metrics`` adds ``tokens_per_s``), so 
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Mapping, Sequence, TextIO
@@ -105,17 +106,31 @@ class ProgressBar(TrainerCallback):
 
 
 def plot_training(log_history: Sequence[Mapping[str, Any]], path: str) -> str | None:
-    """Write a PNG of training loss and real tokens/s against the optimizer step to ``path``.
+    """Write a PNG of training loss and real tokens/s against the optimizer step to ``path`` (``training_figure``).
 
     Returns ``path``, or None when matplotlib is not installed (the plot is optional; nothing else depends on it)
-    or nothing was logged. Uses matplotlib's object API (no pyplot global state, no display needed).
+    or nothing was logged.
+    """
+    fig = training_figure(log_history)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def training_figure(log_history: Sequence[Mapping[str, Any]]) -> Any:
+    """The figure of ``plot_training`` (matplotlib's object API: no pyplot global state, no display needed), or None.
+
+    A non-finite loss (nan, inf) cannot be drawn where it is: each is marked by a red cross at the top of the loss
+    axis, labelled with its value, and the first one by a dashed line (a line through the finite points alone would
+    hide that the run went wrong).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    loss = [(log["step"], log["loss"]) for log in log_history if "loss" in log and "step" in log]
+    loss = [(log["step"], float(log["loss"])) for log in log_history if "loss" in log and "step" in log]
     speed = [(log["step"], log["tokens_per_s"]) for log in log_history if "tokens_per_s" in log and "step" in log]
     evals = [(log["step"], log["eval_loss"]) for log in log_history if "eval_loss" in log and "step" in log]
     if not loss and not speed:
@@ -123,18 +138,30 @@ def plot_training(log_history: Sequence[Mapping[str, Any]], path: str) -> str | 
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_loss, ax_speed = fig.subplots(1, 2)
-    if loss:
-        ax_loss.plot(*zip(*loss), marker=".", label="train")
+    finite = [(step, value) for step, value in loss if math.isfinite(value)]
+    if finite:
+        ax_loss.plot(*zip(*finite), marker=".", label="train")
     if evals:
         ax_loss.plot(*zip(*evals), marker="o", label="eval")
+    _mark_non_finite(ax_loss, [(step, value) for step, value in loss if not math.isfinite(value)],
+                     [v for _, v in finite + evals])
     ax_loss.set(title="loss", xlabel="step")
     ax_loss.legend()
     if speed:
         ax_speed.plot(*zip(*speed), marker=".", color="tab:green")
     ax_speed.set(title="real tokens/s (per logging interval)", xlabel="step")
     ax_speed.set_ylim(bottom=0)
-    fig.savefig(path, dpi=100)
-    return path
+    return fig
+
+
+def _mark_non_finite(ax: Any, points: list[tuple[int, float]], finite_values: list[float]) -> None:
+    if not points:
+        return
+    top = max(finite_values) * 1.05 if finite_values else 1.0
+    names = sorted({str(value) for _, value in points})
+    ax.plot([step for step, _ in points], [top] * len(points), linestyle="none", marker="x", color="tab:red",
+            markersize=8, label=f"loss {' / '.join(names)} (not finite; drawn at the top)")
+    ax.axvline(points[0][0], color="tab:red", linestyle="--", linewidth=1)
 
 
 class LogEnds(TrainerCallback):

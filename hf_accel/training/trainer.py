@@ -23,7 +23,7 @@ from typing import Any
 import transformers
 from torch.utils.data import DataLoader
 
-from . import checkpoint_io, compile_rules, data_loading, run_context, sequence_parallel
+from . import checkpoint_io, compile_rules, cpu_threads, data_loading, non_finite, run_context, sequence_parallel
 from .checkpoint_hooks import CheckpointFilesMixin, ReserveSnapshotAhead, RestoreLossWindow
 from .data_loading import tokenize_dataset  # noqa: F401 (re-exported)
 from .metrics import ThroughputMeter, format_summary
@@ -72,6 +72,12 @@ class AccelArguments:
     non_blocking: copy each batch to the GPU without blocking the host (with ``dataloader_pin_memory``, the default).
         transformers' default copies blocking, and a blocking copy waits for the GPU to finish the previous step, so
         every step starts from an idle GPU. False keeps transformers' setting.
+    non_finite: what a non-finite loss or gradient norm does: "stop" (raise ``NonFiniteLoss`` naming the step, with
+        nothing of that step saved) or "skip" (drop that step's update and count it in ``Trainer.skipped_steps``;
+        one host sync a step). See ``hf_accel.training.non_finite``.
+    cpu_threads: torch's CPU threads while training on the CPU: "auto" (one less than the usable cores unless
+        ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` chose fewer; see ``hf_accel.training.cpu_threads``), a number,
+        or None (torch's setting as it is).
     """
 
     patch: bool = True
@@ -90,6 +96,8 @@ class AccelArguments:
     overwrite_output_dir: bool = False
     print_summary: bool = True
     non_blocking: bool = True
+    non_finite: str = "stop"
+    cpu_threads: Any = "auto"
 
     def patch_options(self, **decided: Any) -> PatchOptions:
         """These arguments as ``patch()``'s options (validated here: a bad value raises ConfigurationError), with
@@ -120,6 +128,7 @@ class AccelMixin(CheckpointFilesMixin):
             # read when the Trainer prepares its dataloaders (accelerate's send_to_device(non_blocking=...))
             self.accelerator.dataloader_config.non_blocking = True
         self._check_save_options()
+        self._guard = non_finite.guard_for(self)
         self._writer = checkpoint_io.AsyncWriter()
         self._buffers = SnapshotBuffers()
         self.add_callback(ReserveSnapshotAhead(self))
@@ -205,7 +214,9 @@ class AccelMixin(CheckpointFilesMixin):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         resume_from_checkpoint = self._prepare_run(resume_from_checkpoint)
         try:
-            out = super().train(resume_from_checkpoint, *args, **kwargs)
+            with cpu_threads.for_training(self.accel.cpu_threads, self.args.device):
+                out = super().train(resume_from_checkpoint, *args, **kwargs)
+            non_finite.stop_if_found(self, weights=True)  # before anything saves the model this run ends with
         finally:
             self._writer.wait()
             self._sync_compile_notes()
@@ -232,13 +243,28 @@ class AccelMixin(CheckpointFilesMixin):
         if self._meter is not None:
             self._meter.add_batch(inputs)
         inputs.pop(REAL_TOKENS_KEY, None)  # the meter's, not the model's
-        return super().training_step(model, inputs, *args, **kwargs)
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        return non_finite.note_loss(self, loss)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        non_finite.note_grad_norm(self, model, grad_norm)  # before the optimizer step (skip mode drops it here)
+        return grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient norm (``AccelArguments(non_finite="skip")``)."""
+        return self._guard.skipped_steps
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs and self._meter is not None:
             logs.update(self._meter.pop())
+        if "loss" in logs and self._guard.mode == "skip":
+            logs["skipped_steps"] = self._guard.skipped_steps
         self._sync_compile_notes()
         super().log(logs, *args, **kwargs)
+        if "loss" in logs:  # the loss was just read back: stop here if anything was non-finite
+            non_finite.stop_if_found(self)
 
     def _sync_compile_notes(self) -> None:
         """What the compiled layers decided about liger's / hub kernels' forwards (bound when train() starts) goes
@@ -249,6 +275,7 @@ class AccelMixin(CheckpointFilesMixin):
 
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.patch_report.notes += [n for n in compile_notes(model) if n not in self.patch_report.notes]
+
 
 class Trainer(AccelMixin, transformers.Trainer):
     """``transformers.Trainer`` with hf_accel's attention patch, packing collator, token-budget sampler, checkpoint

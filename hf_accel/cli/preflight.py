@@ -1,0 +1,93 @@
+"""``hf-accel sft``'s checks that need transformers or torch, run after the arguments parse and before anything
+loads: what a ``--model`` folder holds (a model type this transformers knows, a tokenizer), hub ids answered in
+seconds (``hub``), and an attention backend that can train on this machine. Each refusal is one ``UsageError`` line
+naming the flag to change.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+
+# the files a saved tokenizer leaves (transformers' fast and slow tokenizers, sentencepiece, tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "tokenizer.tiktoken")
+
+
+@dataclass
+class Sources:
+    """from_pretrained's keywords for the model and for its tokenizer (``local_files_only`` when offline-cached)."""
+    model: dict[str, Any] = field(default_factory=dict)
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+
+
+def preflight(args: argparse.Namespace) -> Sources:
+    sources = Sources()
+    if args.model:
+        folder = Path(args.model).expanduser()
+        if folder.is_dir():
+            check_model_type(args.model, folder)
+            if args.tokenizer is None:
+                check_tokenizer_files(args.model, folder)
+        sources.model = _hub_model(args.model, "--model", "model")
+        sources.tokenizer = sources.model if args.tokenizer is None else \
+            _hub_model(args.tokenizer, "--tokenizer", "tokenizer")
+    if args.dataset:
+        from .hub import check_dataset_id
+
+        check_dataset_id(args.dataset)
+    check_backend_trains_here(args.backend)
+    return sources
+
+
+def _hub_model(name: str, flag: str, kind: str) -> dict[str, Any]:
+    from .hub import model_source
+
+    return model_source(name, flag, kind)
+
+
+def check_model_type(name: str, folder: Path) -> None:
+    """A --model folder's config.json names a model_type this transformers can build."""
+    import transformers
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {name}: its config.json cannot be read ({str(e).splitlines()[0]}); pass a folder "
+                         "written by save_pretrained") from None
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if not kind:
+        raise UsageError(f"--model {name}: its config.json names no model_type; pass a folder written by "
+                         "save_pretrained (config.json, weights, tokenizer)")
+    try:
+        transformers.AutoConfig.for_model(kind)  # transformers' own registry of the types it can build
+    except (ValueError, KeyError):
+        raise UsageError(f"--model {name}: config.json has model_type {kind!r}, which transformers "
+                         f"{transformers.__version__} does not know; upgrade transformers (pip install -U "
+                         "transformers), or pass a folder of a model it knows") from None
+
+
+def check_tokenizer_files(name: str, folder: Path) -> None:
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        raise UsageError(f"--model {name}: the folder has no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, "
+                         "...); pass --tokenizer PATH_OR_ID (e.g. the base model's folder or hub id), or save it "
+                         "there (tokenizer.save_pretrained)")
+
+
+def check_backend_trains_here(backend: str) -> None:
+    """--backend NAME must be able to run forward and backward on this machine's device (``env.trains_here``)."""
+    if backend == "auto":
+        return
+    from .env import device_type, trains_here
+
+    ok, why = trains_here(backend)
+    if not ok:
+        from .env import training_backends
+
+        could = training_backends()
+        raise UsageError(f"--backend {backend} cannot train on this machine ({device_type()}): {why}; pass "
+                         f"--backend auto" + (f" (here: {', '.join(could)})" if could else ""))
