@@ -51,8 +51,11 @@ REFUSED = {
                          "--lora-r",
     ("--use-bnb-nested-quant",): "--use-bnb-nested-quant applies to a 4-bit base: add --load-in-4bit",
     ("--keep-base-dtype", "--bf16"): "--keep-base-dtype applies to a 4-bit base: add --load-in-4bit",
-    ("--load-in-4bit", "--lora-r", "4", "--keep-base-dtype"): "--keep-base-dtype keeps the 4-bit base's other weights "
-    "in bf16, and this run computes in fp32",
+    ("--load-in-4bit", "--lora-r", "4", "--peft-kbit-preparation", "--keep-base-dtype"): "--keep-base-dtype keeps the "
+    "4-bit base's other weights in bf16, and this run computes in fp32",
+    ("--load-in-4bit", "--lora-r", "4", "--bf16", "--keep-base-dtype"): "--keep-base-dtype puts back in bf16 what "
+    "PEFT's preparation upcasts",
+    ("--peft-kbit-preparation",): "--peft-kbit-preparation applies to a 4-bit base: add --load-in-4bit",
     ("--bnb-4bit-quant-type", "fp4"): "--bnb-4bit-quant-type applies to a 4-bit base",
     ("--bnb-4bit-quant-type", "int4"): "--bnb-4bit-quant-type: invalid choice: 'int4'",
     ("--load-in-4bit", "--lora-r", "4", "--model-shape", "llama-1b"): "--load-in-4bit loads saved weights in 4 bits, "

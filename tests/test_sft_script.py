@@ -503,18 +503,17 @@ def test_a_checkpoint_stored_in_8bit_trains_as_stored_and_says_so(tmp_path, sft_
 
 
 def test_keep_base_dtype_trains_a_bf16_residual_stream_as_stock(tmp_path, sft_module):
-    """--load-in-4bit --bf16 --keep-base-dtype: after PEFT's recipe (args.peft_kbit_preparation; hf_accel's own
+    """--load-in-4bit --bf16 --keep-base-dtype: after PEFT's recipe (--peft-kbit-preparation; hf_accel's own
     recipe, the default since issue 70, leaves them bf16 as loaded) the base's weights that are not 4-bit (norms,
     embeddings, head) are bf16 again, as TRL's SFTTrainer and Unsloth keep them, the hidden states between layers
     are bf16 (fp32 without the flag: the flag changes the model's numbers, as documented), and the patched run's
     losses are the stock run's (--no-patch)."""
     pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
     common = ["--load-in-4bit", "--bf16", "--lora-r", "4", "--max-steps", "3", "--logging-steps", "1", "--seed", "0",
-              "--lr", "3e-3", "--batch-size", "16", "--threads", "1", "--eval-examples", "0"]
+              "--lr", "3e-3", "--batch-size", "16", "--threads", "1", "--eval-examples", "0", "--peft-kbit-preparation"]
     hidden = {}
     for keep in (False, True):
         args = sft_module.parse_args(common + ["--keep-base-dtype"] * keep)
-        args.peft_kbit_preparation = True
         model, _ = sft_module.load_model_and_tokenizer(args)
         floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
         assert floating == ({torch.bfloat16} if keep else {torch.float32}), floating

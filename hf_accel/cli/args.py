@@ -137,11 +137,14 @@ class LoraOptions:
         "the 4-bit data type with --load-in-4bit (default: nf4)"))
     use_bnb_nested_quant: bool = field(default=False, metadata=_help(
         "with --load-in-4bit: quantize the 4-bit blocks' scales too (about 0.4 bits a weight less)"))
+    peft_kbit_preparation: bool = field(default=False, metadata=_help(
+        "with --load-in-4bit: prepare the base as PEFT's prepare_model_for_kbit_training does (norms, embeddings and "
+        "LM head upcast to fp32) instead of the default, which keeps them in the run's dtype as TRL's SFTTrainer does "
+        "(faster and smaller: docs/qlora.md)"))
     keep_base_dtype: bool = field(default=False, metadata=_help(
-        "with --load-in-4bit --bf16: keep the base's weights that are not 4-bit (norms, embeddings, LM head) in bf16, "
-        "as TRL's SFTTrainer and Unsloth do, instead of PEFT's recipe's fp32: the hidden states between layers are "
-        "then bf16, half the activation memory of long documents (docs/qlora.md); bf16 norms and adds, so not the "
-        "recipe's numbers"))
+        "with --load-in-4bit --peft-kbit-preparation --bf16: put the base's weights that are not 4-bit back in bf16 "
+        "after PEFT's preparation (the hidden states between layers are then bf16, half the activation memory of "
+        "long documents: docs/qlora.md)"))
 
 
 @dataclass

@@ -85,11 +85,15 @@ def _check_lora(args: argparse.Namespace) -> None:
 
 def _check_4bit(args: argparse.Namespace) -> None:
     """--load-in-4bit (QLoRA) and its options: what they need and what they cannot be combined with."""
-    for name in ("bnb_4bit_quant_type", "use_bnb_nested_quant", "keep_base_dtype"):
+    for name in ("bnb_4bit_quant_type", "use_bnb_nested_quant", "keep_base_dtype", "peft_kbit_preparation"):
         if getattr(args, name) not in (None, False) and not args.load_in_4bit:
             raise UsageError(f"{flag(name)} applies to a 4-bit base: add --load-in-4bit, or leave {flag(name)} out")
     if not args.load_in_4bit:
         return
+    if args.keep_base_dtype and not args.peft_kbit_preparation:
+        raise UsageError("--keep-base-dtype puts back in bf16 what PEFT's preparation upcasts, and without "
+                         "--peft-kbit-preparation those weights already stay in the run's dtype: add "
+                         "--peft-kbit-preparation, or leave --keep-base-dtype out")
     if args.keep_base_dtype and not args.bf16:
         raise UsageError("--keep-base-dtype keeps the 4-bit base's other weights in bf16, and this run computes in "
                          "fp32 (PEFT's recipe's dtype for them already): add --bf16, or leave --keep-base-dtype out")
