@@ -31,7 +31,8 @@ def causal_lm_class(config) -> type:
     except (KeyError, ValueError) as e:
         raise UnsupportedModel(
             f"transformers has no causal LM class for model_type {getattr(config, 'model_type', None)!r} "
-            f"({type(config).__name__}); hf_accel patches causal LMs. Train it unpatched.") from e
+            f"({type(config).__name__}): hf_accel patches causal language models (and their bodies), not encoders or "
+            "vision / audio towers. Train it unpatched.") from e
 
 
 def _fingerprint(config) -> str:
@@ -93,6 +94,7 @@ def found_family(model_or_config: Any) -> Family:
 
 def _found(model_cls: type, config, model: nn.Module | None = None) -> Family:
     model_type = config.model_type
+    causal_lm_class(config)  # a causal LM (or its body): not a vision or audio tower, an encoder, ...
     try:
         facts = probed(model_cls, config)
     except Exception as e:  # noqa: BLE001 - a forward fake tensors cannot run: the seam without found facts

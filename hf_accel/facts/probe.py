@@ -148,6 +148,7 @@ def fake_model(model_cls: type, config, dtype: torch.dtype):
     register()
     config = copy.deepcopy(config)
     config.use_cache = False
+    _static_rope(config)
     can_set = getattr(model_cls, "_can_set_experts_implementation", None)
     if callable(can_set) and can_set() and getattr(config, "_experts_implementation", None) != "grouped_mm":
         # stock's eager experts loop finds the experts each token routes to by nonzero(), a shape fake tensors cannot
@@ -161,6 +162,17 @@ def fake_model(model_cls: type, config, dtype: torch.dtype):
         if sub is not None and hasattr(sub, "_attn_implementation_internal"):
             sub._attn_implementation_internal = PROBE_NAME
     return model, mode
+
+
+def _static_rope(config) -> None:
+    """Dynamic RoPE scaling reads the longest position of each forward back to the host to decide its frequencies (a
+    value fake tensors do not have); the copy takes the default RoPE, whose tensors have the same shapes."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return
+    for entry in [params, *(v for v in params.values() if isinstance(v, dict))]:
+        if entry.get("rope_type") == "dynamic":
+            entry["rope_type"] = "default"
 
 
 @contextlib.contextmanager
