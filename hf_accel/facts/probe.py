@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..attention.calls import CallAsks, read_call
+from .dataflow import Op, output_projections, plain_head
 
 PROBE_NAME = "hf_accel_probe"  # never containing "flash": transformers would take it for its own flash path
 TOKENS = (8, 16)  # the two probe lengths
@@ -196,17 +197,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-class _Op:
-    """One op of a decoder layer's forward: its inputs' and outputs' storages (the tensors themselves are held, so
-    no storage is freed and its identity reused during the probe: fake tensors cost no memory)."""
-
-    __slots__ = ("packet", "inputs", "outputs", "args", "kwargs", "held")
-
-    def __init__(self, packet, inputs, outputs, args, kwargs, held):
-        self.packet, self.inputs, self.outputs, self.args, self.kwargs = packet, inputs, outputs, args, kwargs
-        self.held = held
-
-
 class _Tally(TorchDispatchMode):
     """Per decoder layer: saved bytes, op-level bytes, inputs, MLP share, and the ops run (for the data flow)."""
 
@@ -220,11 +210,11 @@ class _Tally(TorchDispatchMode):
         self.saved, self.op, self.inputs, self.mlp = ([0] * layers for _ in range(4))
         self.seen: set[int] = set()
         self.made_in_mlp: set[int] = set()
-        self.ops: list[list[_Op]] = [[] for _ in range(layers)]
+        self.ops: list[list[Op]] = [[] for _ in range(layers)]
         self.linear_out: list[dict[int, str]] = [{} for _ in range(layers)]
         self.layer_out: list[int | None] = [None] * layers
         self.held: list[list[torch.Tensor]] = []
-        self.outside: list[_Op] = []  # the ops outside decoder layers (embeddings, final norm, LM head, after it)
+        self.outside: list[Op] = []  # the ops outside decoder layers (embeddings, final norm, LM head, after it)
         self.head_out: int | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -235,7 +225,7 @@ class _Tally(TorchDispatchMode):
         if self.layer is None:
             inputs = [_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             packet = getattr(func, "overloadpacket", func)
-            self.outside.append(_Op(packet, inputs, [_key(t) for t in outputs], args, kwargs, outputs))
+            self.outside.append(Op(packet, inputs, [_key(t) for t in outputs], args, kwargs, outputs))
             return out
         packet = getattr(func, "overloadpacket", func)
         if packet in self.save_ops:
@@ -244,7 +234,7 @@ class _Tally(TorchDispatchMode):
         keys = [_key(t) for t in outputs]
         if self.in_mlp:  # storages made here (a view's is its input's)
             self.made_in_mlp.update(k for k in keys if k not in inputs)
-        self.ops[self.layer].append(_Op(packet, inputs, keys, args, kwargs, outputs))
+        self.ops[self.layer].append(Op(packet, inputs, keys, args, kwargs, outputs))
         return out
 
     def pack(self, t: torch.Tensor):
@@ -334,85 +324,6 @@ def _forward(model: nn.Module, mode, layers: list[nn.Module], tokens: int, save_
     return tally, recorder
 
 
-# ---------------------------------------------------------------------------------------------- data flow
-_PASS = {"add", "clone", "native_dropout", "dropout", "_to_copy", "alias"}
-
-
-def _passes(op: _Op) -> bool:
-    """Whether ``op`` hands its input on unchanged in meaning to a residual sum (adds, copies, a zero dropout)."""
-    name = getattr(op.packet, "__name__", str(op.packet))
-    if name not in _PASS:
-        return False
-    if name == "add":
-        return op.kwargs.get("alpha", 1) == 1
-    if name in ("native_dropout", "dropout"):
-        return len(op.args) > 1 and op.args[1] == 0
-    if name == "_to_copy":
-        source = op.args[0]
-        return op.kwargs.get("dtype", source.dtype) == source.dtype
-    return True
-
-
-def _feeds_only_output(start: int, ops: list[_Op], output: int | None) -> bool:
-    """Whether storage ``start`` reaches nothing but the layer's output storage, through ops that pass it on."""
-    frontier, done, reached = [start], set(), False
-    while frontier:
-        key = frontier.pop()
-        if key in done:
-            continue
-        done.add(key)
-        reached |= key == output
-        for op in ops:
-            if key not in op.inputs or not op.outputs:
-                continue  # a query of metadata (prim.device)
-            if op.outputs == [key]:
-                if getattr(op.packet, "__name__", "").endswith("_"):
-                    return False  # written in place (Llama 4's shared expert: out.add_(routed)): the recompute's
-                continue  # skipped matmul would hand the writer its fill; a view of the same storage passes on
-            if not _passes(op):
-                return False
-            follow = op.outputs[:1] if getattr(op.packet, "__name__", "") == "native_dropout" else op.outputs
-            frontier.extend(k for k in follow if k != key)
-    return reached
-
-
-# what may happen to the LM head's logits before the forward returns them, for hf_accel's fused loss to compute what
-# the model does (it applies a final soft-cap itself)
-_LOGIT_VIEWS = {"_to_copy", "clone", "contiguous", "alias", "slice", "select", "view", "_unsafe_view", "reshape"}
-_SOFTCAP = {"div", "tanh", "mul"}
-
-
-def _plain_head(tally: _Tally, softcap: bool) -> bool:
-    """Whether the logits leave the forward as the LM head made them (a soft-cap aside where the config has one):
-    no scale, no bias, nothing the fused loss, which runs the head itself, would leave out."""
-    if tally.head_out is None:
-        return False
-    frontier, done = [tally.head_out], set()
-    allowed = _LOGIT_VIEWS | (_SOFTCAP if softcap else set())
-    while frontier:
-        key = frontier.pop()
-        if key in done:
-            continue
-        done.add(key)
-        for op in tally.outside:
-            if key not in op.inputs or not op.outputs or op.outputs == [key]:
-                continue
-            if getattr(op.packet, "__name__", "") not in allowed:
-                return False
-            frontier.extend(k for k in op.outputs if k != key)
-    return True
-
-
-def _output_projections(tally: _Tally) -> tuple[str, ...]:
-    """The projection paths that feed nothing but their layer's output in every decoder layer that has them."""
-    verdicts: dict[str, bool] = {}
-    for index, linears in enumerate(tally.linear_out):
-        ops, output = tally.ops[index], tally.layer_out[index]
-        for key, name in linears.items():
-            verdicts[name] = verdicts.get(name, True) and _feeds_only_output(key, ops, output)
-    return tuple(name for name, ok in verdicts.items() if ok)
-
-
 # ---------------------------------------------------------------------------------------------- the probe
 def _is_linear(module: nn.Module) -> bool:
     """A plain linear map: an nn.Linear (or transformers' Conv1D, GPT-2's linears stored transposed) running its class's
@@ -466,11 +377,11 @@ def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16) -
         per_token(short.mlp, long.mlp)))
     calls = tuple(ProbedCall(names.get(id(module), ""), layer_of.get(id(module)), heads, asks)
                   for module, heads, asks in recorder.calls)
-    projections = _output_projections(long)
+    projections = output_projections(long.ops, long.linear_out, long.layer_out)
     classes = tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
     linears = lora_targets(model)
     softcap = bool(getattr(config, "final_logit_softcapping", None))
-    return Probed(calls, saves, projections, classes, linears, _mlp_width(layers), _plain_head(long, softcap))
+    return Probed(calls, saves, projections, classes, linears, _mlp_width(layers), plain_head(long.outside, long.head_out, softcap))
 
 
 def _mlp_width(layers: list[nn.Module]) -> int | None:
