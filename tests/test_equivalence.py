@@ -16,7 +16,7 @@ from transformers import DynamicCache, StaticCache
 import hf_accel
 from hf_accel.attention import varlen
 from hf_accel.patches.falcon import TAKES_ALIBI as FALCON_TAKES_ALIBI
-from tiny_models import FAMILIES_2026, NEW_FAMILIES, VOCAB, make
+from tiny_models import FAMILIES_2026, NEW_FAMILIES, VOCAB, make, slow_2026
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -108,7 +108,7 @@ def assert_same_step(ref, model, real: torch.Tensor | None = None, **inputs) -> 
 
 # 1. masks with holes -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", slow_2026(VARIANTS))
 @pytest.mark.parametrize("positions", ["default", "continuing"])
 def test_mask_with_holes_hides_keys_only(variant, positions):
     """A hole hides its keys and changes nothing else: real tokens after it still see the real tokens before it."""
@@ -122,7 +122,7 @@ def test_mask_with_holes_hides_keys_only(variant, positions):
 
 # 2. attention probabilities ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", slow_2026(VARIANTS))
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_output_attentions_returns_probabilities(variant, implementation):
     """output_attentions=True gives the unpatched eager model's probabilities, logits and gradients; the report says
@@ -254,7 +254,7 @@ def test_batch_entry_points(variant, entry):
     assert_same_step(ref, model, real=real, **inputs)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", slow_2026(VARIANTS))
 def test_left_padding_with_kv_cache(variant):
     """Prefill a left-padded batch (one row with a hole) into a KV cache, then decode: every step's logits as stock."""
     ref, model, _ = pair(variant)

@@ -13,7 +13,7 @@ import hf_accel
 from hf_accel.facts import probe as facts_probe
 from hf_accel.facts.fusable import fusable_modules, module_kind
 from hf_accel.patches import family_of
-from tiny_models import FAMILIES_2026, VARIANTS, make
+from tiny_models import FAMILIES_2026, VARIANTS, make, slow_2026
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,7 +36,7 @@ def test_lora_targets_are_what_peft_all_linear_adapts(name):
     assert targets and targets == plain and targets <= adapted
 
 
-@pytest.mark.parametrize("name", GENERIC)
+@pytest.mark.parametrize("name", slow_2026(GENERIC))
 def test_output_projections_are_those_whose_output_reaches_only_the_layer_output(name):
     """A projection qualifies when a change of its output moves the layer's output by exactly that change (it feeds
     the residual sum and nothing else) and nothing writes into its output in place (a trimmed recompute's skipped
@@ -104,7 +104,7 @@ def _real_per_token(model: nn.Module, dtype: torch.dtype) -> list[tuple[float, f
             for a, b in zip(*figures)]
 
 
-@pytest.mark.parametrize("name", GENERIC)
+@pytest.mark.parametrize("name", slow_2026(GENERIC))
 def test_fake_tensor_probe_counts_what_real_tensors_save(name):
     """The bytes the fake-tensor forward finds per layer and token are what the budget planner's probe measures on
     real tensors of the same model (fp32 here; the same ops)."""

@@ -12,7 +12,7 @@ import torch
 
 import hf_accel
 from hf_accel.errors import BackendUnavailable, UnsupportedModel
-from tiny_models import FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, make
+from tiny_models import FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, make, slow_2026
 
 LOGITS_RTOL = 2e-4  # relative to the logits' scale (issue 2's bar)
 GRAD_RTOL = 1e-3  # relative to each gradient's scale
@@ -167,8 +167,8 @@ def test_stock_falcon_packing_leaks_and_ours_does_not():
     assert rel_err(model(input_ids=ids, position_ids=pos).logits[0], alone) < LOGITS_RTOL
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi",
-                                     "mistral-window", "gemma2-softcap", "gemma3-text", *FAMILIES_2026])
+@pytest.mark.parametrize("variant", slow_2026(["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi",
+                                                "mistral-window", "gemma2-softcap", "gemma3-text", *FAMILIES_2026]))
 def test_generate_unchanged(variant):
     model = make(variant)
     model.config.use_cache = True

@@ -20,7 +20,7 @@ from hf_accel.data.collators import (TARGET_ROWS_KEY, DataCollatorForPacking, Da
 from hf_accel.errors import InvalidBatch
 from hf_accel.fused import cross_entropy
 from hf_accel.fused.cross_entropy import causal_lm_loss_from_hidden
-from tiny_models import VARIANTS, VOCAB, make
+from tiny_models import VARIANTS, VOCAB, make, slow_2026
 
 LOSS_RTOL = 1e-5  # fp32: fewer rows in the chunks reorder sums only
 GRAD_RTOL = 1e-5  # per parameter, relative to the reference gradient's largest entry
@@ -141,7 +141,7 @@ def test_the_key_names_agree():
 
 
 # ---- the model: target rows vs every row ---------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", slow_2026(sorted(VARIANTS)))
 def test_every_family_trains_the_same_on_target_rows_only(variant, batch):
     """patch(model, fused_ce=True): the batch with the collator's rows gives the loss and gradients of the same batch
     without them, and the head really saw only the target rows (fewer than half the positions here)."""

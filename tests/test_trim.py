@@ -14,7 +14,7 @@ from hf_accel.memory import trim
 from hf_accel.memory.checkpointing import FullCheckpointing, PerLayer
 from hf_accel.patches import family_of
 
-from tiny_models import VARIANTS, loss_and_grads, loss_and_grads_hook_in_forward, make
+from tiny_models import VARIANTS, loss_and_grads, loss_and_grads_hook_in_forward, make, slow_2026
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -70,7 +70,7 @@ def full_ft_model(name: str, policy, *, compile=False):
 
 
 @pytest.mark.parametrize("training", ["lora", "full"])
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", slow_2026(sorted(VARIANTS)))
 def test_trimmed_recompute_takes_the_untrimmed_step_bit_for_bit(name, training):
     """LoRA (frozen base projections) and full fine-tuning (trained projections, GPT-NeoX's biases too: their
     gradients need the recomputed input, never the output)."""

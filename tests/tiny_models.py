@@ -127,6 +127,14 @@ VARIANTS = {
     "gemma3-text": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**_GEMMA)),
 }
 VARIANTS.update(FAMILIES_2026)
+
+
+def slow_2026(names) -> list:
+    """Parametrize values with the 2026 families' cases marked slow: the README's fast suite keeps their core
+    equivalence cases (padded, packed, LoRA, unpatch; tests/test_patch.py), CI's slow run takes the rest."""
+    import pytest
+
+    return [pytest.param(n, marks=pytest.mark.slow) if n in FAMILIES_2026 else n for n in names]
 NEW_FAMILIES = ["qwen2-qkv-bias", "qwen3-qk-norm", "mistral-window", "gemma2-softcap", "gemma3-text"]
 
 
