@@ -156,7 +156,7 @@ def fake_model(model_cls: type, config, dtype: torch.dtype):
         # know: the copy routes through transformers' grouped path, which hf_accel's experts patch runs too
         config._experts_implementation = "grouped_mm"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, _quiet():
+    with mode, _quiet(), _no_init():
         model = model_cls._from_config(config, dtype=dtype).train()
     for module in model.modules():
         sub = getattr(module, "config", None)
@@ -174,6 +174,15 @@ def _static_rope(config) -> None:
     for entry in [params, *(v for v in params.values() if isinstance(v, dict))]:
         if entry.get("rope_type") == "dynamic":
             entry["rope_type"] = "default"
+
+
+def _no_init():
+    """Weights left as allocated (fake tensors have no values to initialise; some initialisers read them back)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 @contextlib.contextmanager
