@@ -1,0 +1,235 @@
+"""``hf_accel.DPOTrainer``: TRL's ``DPOTrainer`` with hf_accel's patch on the policy and the reference model, and
+the chosen / rejected forwards run padding-free on one packed row.
+
+TRL 1.16's DPO data path: ``DataCollatorForPreference`` stacks ``[chosen..., rejected...]`` as 2B right-padded rows
+(prompt + completion, ``completion_mask`` on the completion), and ``_compute_loss`` calls the policy (and the
+reference: a separate model, or the PEFT policy with its adapter disabled) as ``model(input_ids, attention_mask,
+labels, fused_lm_head=True)``. TRL's ``add_fused_lm_head`` answers that call with per-token log-probabilities from a
+chunked LM head (``FusedCausalLMOutput``; no ``(tokens, vocab)`` logits). TRL's own ``padding_free`` option is
+switched off in 1.16 ("temporarily unavailable after a refactor").
+
+This trainer binds one more layer on that call (``bind_packed_forward``): the 2B padded rows become one packed row of
+their real tokens, ``position_ids`` restarting at each sequence and the ``cu_seq_lens`` the patched attention seam
+reads; the first token of each sequence gets no label (in a padded row it has none either); TRL's chunked head scores
+the packed row, and every per-token field comes back to its padded ``(2B, S - 1)`` place, zero elsewhere. TRL then
+computes whatever it computes from them (every ``loss_type``, ``ld_alpha``, WPO weights, f-divergences, metrics) on
+the same numbers as for the padded batch: nothing of TRL's loss is replaced, so no loss variant is refused.
+
+Left to TRL unchanged: ``precompute_ref_log_probs`` (it runs while TRL's ``__init__`` builds the trainer, before the
+patch: padded, stock attention), vision-language models (refused), evaluation and generation (the padded call, or
+none, reaches the same forward: packed too when it comes with ``fused_lm_head=True``).
+"""
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import trl
+
+from ..errors import ConfigurationError
+from ..patching import patch
+from .trainer import AccelArguments, AccelMixin
+
+logger = logging.getLogger("hf_accel")
+
+IGNORE_INDEX = -100
+_PACKED_FORWARD = "_hf_accel_packed_forward"  # marks a forward this module bound (the undo restores what was there)
+
+
+class DPOTrainer(AccelMixin, trl.DPOTrainer):
+    """``trl.DPOTrainer`` plus ``accel`` (an ``AccelArguments``). ``accel.packing`` (default True): the chosen and
+    rejected forwards of the policy and of the reference model run padding-free on one packed row; False keeps TRL's
+    padded rows (the patch still applies). ``accel.patch`` patches the policy and a separate reference model.
+    ``accel.max_tokens_per_batch`` is not served here (TRL's ``per_device_train_batch_size`` forms the batches)."""
+
+    def __init__(self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos,
+                 accel: AccelArguments | None = None, **kwargs) -> None:
+        if args is None:
+            on_gpu = torch.cuda.is_available()
+            args = trl.DPOConfig(output_dir="hf_accel-dpo", report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
+        accel = accel or AccelArguments()
+        if accel.max_tokens_per_batch is not None:
+            raise ConfigurationError(
+                f"AccelArguments(max_tokens_per_batch={accel.max_tokens_per_batch}) is not served by "
+                "hf_accel.DPOTrainer (TRL's preference collator forms the batches). Pass max_tokens_per_batch=None and "
+                "size batches with DPOConfig(per_device_train_batch_size=...).")
+        if accel.checkpointing is not None:
+            # our policy decides which layers recompute; keep TRL from enabling full checkpointing on top
+            for name in ("gradient_checkpointing", "activation_checkpointing"):
+                if hasattr(args, name):
+                    setattr(args, name, False)
+        if not isinstance(model, str):
+            _refuse_vision(model)
+        super().__init__(model, ref_model, args, *pos, **kwargs)
+        _refuse_vision(self.model)
+        self._accel_setup(accel)
+        self._accel_reference()
+        self._accel_pack()
+
+    def _accel_fused_ce(self) -> Any:
+        return False  # TRL's fused LM head (add_fused_lm_head) answers every DPO forward: nothing for ours to bind
+
+    def _accel_check_explicit(self) -> None:
+        if self.accel.fused_ce is True:
+            raise ConfigurationError(
+                "AccelArguments(fused_ce=True) is not served by hf_accel.DPOTrainer: DPO needs per-token "
+                "log-probabilities, which TRL's chunked LM head (add_fused_lm_head) already computes without full "
+                "logits. Pass fused_ce='auto' or False.")
+        super()._accel_check_explicit()
+
+    def _accel_reference(self) -> None:
+        """Patch a separate reference model like the policy (attention seam only: it runs under no_grad, so no
+        checkpointing, compile or fused loss). A PEFT policy with no ``ref_model`` is its own reference."""
+        self.ref_patch_report = None
+        ref = self._unwrapped_ref()
+        if ref is None:
+            self._accel_note("reference: the policy with its PEFT adapter disabled (TRL's use_adapter)"
+                             if self.ref_model is None and self.precompute_ref_logps is False
+                             else "reference: log-probs precomputed by TRL (padded, stock attention)")
+            return
+        if not self.accel.patch:
+            return
+        options = self.accel.patch_options(fused_ce=False, compile=False, checkpointing=None, mlp_chunks=False)
+        self.ref_patch_report = patch(ref, options=options)
+        logger.info("hf_accel: reference model: %s", self.ref_patch_report)
+        self._accel_note("reference: its own model, patched (attention seam only: it runs under no_grad)")
+
+    def _unwrapped_ref(self) -> torch.nn.Module | None:
+        if self.ref_model is None:
+            return None
+        return self.accelerator.unwrap_model(self.ref_model)
+
+    def _accel_pack(self) -> None:
+        if not self.accel.packing:
+            self._accel_note("chosen / rejected: TRL's padded rows (AccelArguments(packing=False))")
+            return
+        policy = self.accelerator.unwrap_model(self.model)
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        self._undo_packing = [bind_packed_forward(base)]
+        ref = self._unwrapped_ref()
+        if ref is not None:
+            self._undo_packing.append(bind_packed_forward(ref))
+        self._accel_note("chosen / rejected: padding-free, one packed row per forward (policy and reference), "
+                         "log-probs from TRL's chunked LM head")
+
+    def _accel_note(self, line: str) -> None:
+        logger.info("hf_accel: %s", line)
+        if self.patch_report is not None and line not in self.patch_report.notes:
+            self.patch_report.notes.append(line)
+
+
+def bind_packed_forward(model: torch.nn.Module) -> Callable[[], None]:
+    """Bind a ``forward`` on this causal LM (whose forward TRL's ``add_fused_lm_head`` has bound) that runs a
+    ``fused_lm_head=True`` call on right-padded rows as one packed row and hands back the padded-shape output.
+    Every other call goes to the forward it wraps unchanged. Returns the action that restores that forward."""
+    inner = model.forward
+    missing = object()
+    own = vars(model).get("forward", missing)
+
+    def forward(self, *args, fused_lm_head: bool = False, **kwargs):
+        why = None if not fused_lm_head else _unpackable(args, kwargs)
+        if why is not None:
+            return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
+        return packed_fused_call(inner, **kwargs)
+
+    forward.__signature__ = getattr(inner, "__signature__", None) or _signature_of(inner)
+    model.forward = types.MethodType(forward, model)
+    model.__dict__[_PACKED_FORWARD] = inner
+
+    def undo() -> None:
+        if own is missing:
+            model.__dict__.pop("forward", None)
+        else:
+            model.__dict__["forward"] = own
+        model.__dict__.pop(_PACKED_FORWARD, None)
+
+    return undo
+
+
+def _signature_of(fn: Callable) -> Any:
+    import inspect
+
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                                   *sig.parameters.values()])
+
+
+def _unpackable(args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """Why this fused call stays padded (None: it packs): positional inputs, embeddings or pixel inputs, labels
+    already shifted, a layout of its own (position_ids), or no 2-D ids with an attention mask."""
+    if args:
+        return "positional arguments"
+    if kwargs.get("shift_labels") is not None or kwargs.get("position_ids") is not None:
+        return "shift_labels / position_ids given"
+    if kwargs.get("inputs_embeds") is not None or kwargs.get("pixel_values") is not None:
+        return "embeddings or pixel inputs"
+    ids, mask, labels = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("labels")
+    if ids is None or mask is None or labels is None or ids.dim() != 2 or mask.shape != ids.shape:
+        return "no (B, S) input_ids, attention_mask and labels"
+    return None
+
+
+def packed_fused_call(inner: Callable, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      labels: torch.Tensor, **kwargs) -> Any:
+    """``inner(fused_lm_head=True, ...)`` on the real tokens of right-padded ``(B, S)`` rows packed into ``(1, T)``;
+    its per-token fields (``(1, T - 1)``) put back at their ``(B, S - 1)`` places, zero on padding. Rows that are not
+    right-padded (a hole, left padding) go to ``inner`` padded, as they came."""
+    batch, seq = input_ids.shape
+    lengths_b = attention_mask.sum(1)
+    right_padded = (attention_mask != 0) == (torch.arange(seq, device=attention_mask.device) < lengths_b[:, None])
+    # the one host read of this call: the layout (lengths) and whether it is right padding
+    host = torch.cat([lengths_b, right_padded.all().reshape(1).to(lengths_b.dtype)]).tolist()
+    lengths, ok = [int(n) for n in host[:-1]], bool(host[-1])
+    if not ok or min(lengths) < 1:
+        return inner(fused_lm_head=True, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+    layout = _Layout(lengths, seq)
+    device = input_ids.device
+    take_t = layout.take_t.to(device, non_blocking=True)
+    labels_t = labels.reshape(-1).index_select(0, take_t).index_fill(0, layout.starts_t.to(device), IGNORE_INDEX)
+    out = inner(fused_lm_head=True, input_ids=input_ids.reshape(-1).index_select(0, take_t)[None],
+                position_ids=layout.position_ids_t.to(device, non_blocking=True)[None], labels=labels_t[None],
+                cu_seq_lens_q=layout.cu_t.to(device), cu_seq_lens_k=layout.cu_t.to(device),
+                max_length_q=layout.max_length, max_length_k=layout.max_length, **kwargs)
+    return _unpack_output(out, layout, batch, seq, device)
+
+
+class _Layout:
+    """Host-side indices of one batch's packing (built from the lengths read once)."""
+
+    def __init__(self, lengths: list[int], seq: int) -> None:
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        self.max_length = max(lengths)
+        # packed position t <- padded flat position row * seq + j, for j < lengths[row]
+        self.take_t = torch.cat([torch.arange(r * seq, r * seq + n) for r, n in enumerate(lengths)])
+        self.position_ids_t = torch.cat([torch.arange(n) for n in lengths])
+        self.starts_t = torch.tensor(starts)
+        self.cu_t = torch.tensor([*starts, starts[-1] + lengths[-1]], dtype=torch.int32)
+        # shifted fields: padded (row, j - 1) <- packed (start + j - 1), for 1 <= j < lengths[row]
+        self.src_t = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(starts, lengths)])
+        self.dst_t = torch.cat([torch.arange(r * (seq - 1), r * (seq - 1) + n - 1) for r, n in enumerate(lengths)])
+
+
+def _unpack_output(out: Any, layout: _Layout, batch: int, seq: int, device: torch.device) -> Any:
+    """Every ``(1, T - 1)`` per-token field of TRL's ``FusedCausalLMOutput`` at its ``(B, S - 1)`` place."""
+    src, dst = layout.src_t.to(device), layout.dst_t.to(device)
+    for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask"):
+        packed = getattr(out, name, None)
+        if packed is None:
+            continue
+        flat = packed.reshape(-1).index_select(0, src)
+        padded = flat.new_zeros(batch * (seq - 1)).index_copy(0, dst, flat)
+        setattr(out, name, padded.view(batch, seq - 1))
+    return out
+
+
+def _refuse_vision(model: Any) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and config.get_text_config() is not config:
+        raise ConfigurationError(
+            f"hf_accel.DPOTrainer trains text-only causal LMs; got {type(model).__name__} ({config.model_type}), a "
+            "model with a vision (or other non-text) tower. Train it with trl.DPOTrainer.")
