@@ -204,3 +204,26 @@ def test_lazy_name():
     import hf_accel
 
     assert hf_accel.DPOTrainer is DPOTrainer
+
+
+def test_checkpoint_policy_survives_the_adapter_disabled_reference(tmp_path):
+    """TRL turns checkpointing off and on again (with its own arguments) around the reference forward of a PEFT
+    policy: the policy's per-layer choice must hold at every training forward, and the numbers stay TRL's."""
+    peft = pytest.importorskip("peft")
+    from hf_accel.memory.checkpointing import decoder_layers
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
+    layers = decoder_layers(model.get_base_model())
+    seen: list[tuple[bool, ...]] = []
+
+    def record(module, args):
+        if module is layers[0] and torch.is_grad_enabled():
+            seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
+
+    layers[0].register_forward_pre_hook(record)
+    trainer, _, _ = run(DPOTrainer, model, config(tmp_path, max_steps=3),
+                        accel=AccelArguments(checkpointing="every_2", print_summary=False))
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * len(layers), seen

@@ -30,6 +30,7 @@ import torch
 import trl
 
 from ..errors import ConfigurationError
+from ..memory.checkpointing import reapply_checkpointing
 from ..patching import patch
 from .trainer import AccelArguments, AccelMixin
 
@@ -68,6 +69,15 @@ class DPOTrainer(AccelMixin, trl.DPOTrainer):
         self._accel_setup(accel)
         self._accel_reference()
         self._accel_pack()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        try:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        finally:
+            # TRL turns checkpointing off and on (with its own arguments, every layer) around the reference forward
+            # of a PEFT policy: put the policy's per-layer choice back for the next forward
+            reapply_checkpointing(self.accelerator.unwrap_model(self.model))
 
     def _accel_fused_ce(self) -> Any:
         return False  # TRL's fused LM head (add_fused_lm_head) answers every DPO forward: nothing for ours to bind
