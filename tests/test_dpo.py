@@ -152,21 +152,28 @@ def test_lora_adapter_disabled_as_reference_matches_trl(tmp_path):
     assert any(n.startswith("reference: the policy with its PEFT adapter disabled") for n in ours[0].patch_report.notes)
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-and-right-padded"])
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "stock"])
 @pytest.mark.parametrize("family", ["llama-gqa", "gpt2", "falcon-rw-alibi"])
-def test_packed_forward_equals_padded_call(family, patched):
+def test_packed_forward_equals_padded_call(family, patched, left):
     """One fused call: log-probs and their gradients from the packed row against TRL's padded call (stock attention),
-    patched or stock, rotary, absolute (GPT-2) and ALiBi positions."""
+    patched or stock, rotary, absolute (GPT-2) and ALiBi positions; rows padded right (DPO's) or on both sides
+    (GRPO's left-padded prompts): each token keeps its column as its position. Stock attention tells the packed
+    documents apart by position_ids restarting at 0: it packs right-padded rows only."""
     import hf_accel
     from trl.trainer.utils import add_fused_lm_head
 
     torch.manual_seed(0)
-    ids = torch.randint(3, 90, (4, 9))
-    lengths = torch.tensor([9, 5, 7, 2])
-    mask = (torch.arange(9) < lengths[:, None]).long()
-    ids = ids * mask
-    prompt = torch.tensor([2, 1, 0, 1])[:, None]  # row 2 has no prompt: its first token is a label no row scores
-    labels = ids.masked_fill(torch.arange(9) < prompt, -100).masked_fill(mask == 0, -100)
+    seq = 9
+    firsts = torch.tensor([0, 2, 1, 5] if left else [0, 0, 0, 0])
+    lengths = torch.tensor([9, 5, 7, 2]) - firsts * (torch.tensor([1, 0, 1, 0]))
+    columns = torch.arange(seq)
+    mask = ((columns >= firsts[:, None]) & (columns < (firsts + lengths)[:, None])).long()
+    ids = torch.randint(3, 90, (4, seq)) * mask
+    # right-padded row 2 has no prompt: its first token is a label no row scores (left-padded, the padded forward
+    # would score it from a padding position: a label there is no DPO or GRPO batch's)
+    prompt = (firsts + torch.tensor([2, 1, int(left), 1]))[:, None]
+    labels = ids.masked_fill(columns < prompt, -100).masked_fill(mask == 0, -100)
     outs = []
     for packed in (False, True):
         model = make(family, seed=0).train()
@@ -174,17 +181,17 @@ def test_packed_forward_equals_padded_call(family, patched):
         if packed:
             if patched:
                 hf_accel.patch(model, fused_ce=False, compile=False)
-            bind_packed_forward(model)
+            bind_packed_forward(model, seam_reads_cu_seqlens=patched)
             seen = RowShapes(model)
         out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         (out.log_probs.sum(1) * torch.arange(1.0, 5.0)).sum().backward()
         outs.append((out, {n: p.grad for n, p in model.named_parameters()}))
     (ref, ref_grads), (ours, grads) = outs
-    assert seen.shapes == [(1, int(lengths.sum()))]
-    assert ours.log_probs.shape == ref.log_probs.shape == (4, 8)
+    assert seen.shapes == ([(4, seq)] if left and not patched else [(1, int(lengths.sum()))])
+    assert ours.log_probs.shape == ref.log_probs.shape == (4, seq - 1)
     torch.testing.assert_close(ours.log_probs, ref.log_probs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.loss, ref.loss, rtol=1e-5, atol=1e-6)  # TRL's mean over the scored labels
-    torch.testing.assert_close(ours.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.entropy * ref.label_mask, ref.entropy, rtol=1e-5, atol=1e-5)
     assert torch.equal(ours.is_top1, ref.is_top1) and torch.equal(ours.label_mask, ref.label_mask)
     for name, g in ref_grads.items():
         err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()

@@ -118,10 +118,11 @@ class DPOTrainer(AccelMixin, trl.DPOTrainer):
             return
         policy = self.accelerator.unwrap_model(self.model)
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-        self._undo_packing = [bind_packed_forward(base)]
+        patched = self.accel.patch
+        self._undo_packing = [bind_packed_forward(base, seam_reads_cu_seqlens=patched)]
         ref = self._unwrapped_ref()
         if ref is not None:
-            self._undo_packing.append(bind_packed_forward(ref))
+            self._undo_packing.append(bind_packed_forward(ref, seam_reads_cu_seqlens=patched))
         self._accel_note("chosen / rejected: padding-free, one packed row per forward (policy and reference), "
                          "log-probs from TRL's chunked LM head")
 
@@ -131,19 +132,24 @@ class DPOTrainer(AccelMixin, trl.DPOTrainer):
             self.patch_report.notes.append(line)
 
 
-def bind_packed_forward(model: torch.nn.Module) -> Callable[[], None]:
+def bind_packed_forward(model: torch.nn.Module, *, seam_reads_cu_seqlens: bool = True) -> Callable[[], None]:
     """Bind a ``forward`` on this causal LM (whose forward TRL's ``add_fused_lm_head`` has bound) that runs a
-    ``fused_lm_head=True`` call on right-padded rows as one packed row and hands back the padded-shape output.
-    Every other call goes to the forward it wraps unchanged. Returns the action that restores that forward."""
+    ``fused_lm_head=True`` call on padded rows as one packed row and hands back the padded-shape output. Every other
+    call goes to the forward it wraps unchanged. Returns the action that restores that forward.
+
+    Each token keeps the position the padded forward gives it (its column: transformers' default ``position_ids``),
+    so a left-padded row (GRPO's prompts) computes what it computed padded, absolute position embeddings included.
+    The packed row's documents are then told by ``cu_seq_lens``, which hf_accel's patched attention reads
+    (``seam_reads_cu_seqlens``); stock attention tells them by ``position_ids`` restarting at 0, so an unpatched
+    model packs only rows that start at column 0 (right padding) and leaves the others padded."""
     inner = model.forward
     missing = object()
     own = vars(model).get("forward", missing)
 
     def forward(self, *args, fused_lm_head: bool = False, **kwargs):
-        why = None if not fused_lm_head else _unpackable(args, kwargs)
-        if why is not None:
+        if not fused_lm_head or _unpackable(args, kwargs) is not None:
             return inner(*args, fused_lm_head=fused_lm_head, **kwargs)
-        return packed_fused_call(inner, **kwargs)
+        return packed_fused_call(inner, left_padding=seam_reads_cu_seqlens, **kwargs)
 
     forward.__signature__ = getattr(inner, "__signature__", None) or _signature_of(inner)
     model.forward = types.MethodType(forward, model)
@@ -183,45 +189,53 @@ def _unpackable(args: tuple, kwargs: dict[str, Any]) -> str | None:
 
 
 def packed_fused_call(inner: Callable, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      labels: torch.Tensor, **kwargs) -> Any:
-    """``inner(fused_lm_head=True, ...)`` on the real tokens of right-padded ``(B, S)`` rows packed into ``(1, T)``;
-    its per-token fields (``(1, T - 1)``) put back at their ``(B, S - 1)`` places, zero on padding. Rows that are not
-    right-padded (a hole, left padding) go to ``inner`` padded, as they came."""
+                      labels: torch.Tensor, left_padding: bool = True, **kwargs) -> Any:
+    """``inner(fused_lm_head=True, ...)`` on the real tokens of padded ``(B, S)`` rows packed into ``(1, T)``; its
+    per-token fields (``(1, T - 1)``) put back at their ``(B, S - 1)`` places, zero on padding. Each row's real tokens
+    must be one run (padding left and / or right of it; ``left_padding=False``: right only); other rows (a hole, an
+    empty row) go to ``inner`` padded, as they came."""
     batch, seq = input_ids.shape
-    lengths_b = attention_mask.sum(1)
-    right_padded = (attention_mask != 0) == (torch.arange(seq, device=attention_mask.device) < lengths_b[:, None])
-    # the one host read of this call: the layout (lengths) and whether it is right padding
-    host = torch.cat([lengths_b, right_padded.all().reshape(1).to(lengths_b.dtype)]).tolist()
-    lengths, ok = [int(n) for n in host[:-1]], bool(host[-1])
-    if not ok or min(lengths) < 1:
+    real_bs = attention_mask != 0
+    lengths_b = real_bs.sum(1)
+    first_b = real_bs.int().argmax(1)  # the first real column (0 for an empty row)
+    columns = torch.arange(seq, device=attention_mask.device)
+    one_run = real_bs == ((columns >= first_b[:, None]) & (columns < (first_b + lengths_b)[:, None]))
+    # the one host read of this call: the layout (first columns, lengths) and whether each row is one run
+    host = torch.cat([first_b, lengths_b, one_run.all().reshape(1)]).tolist()
+    firsts, lengths, ok = host[:batch], host[batch:2 * batch], bool(host[-1])
+    if not ok or min(lengths) < 1 or (not left_padding and max(firsts) > 0):
         return inner(fused_lm_head=True, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
-    layout = _Layout(lengths, seq)
+    layout = _Layout(firsts, lengths, seq)
     device = input_ids.device
     take_t = layout.take_t.to(device, non_blocking=True)
     labels_t = labels.reshape(-1).index_select(0, take_t).index_fill(0, layout.starts_t.to(device), IGNORE_INDEX)
+    cu_t = layout.cu_t.to(device)
     out = inner(fused_lm_head=True, input_ids=input_ids.reshape(-1).index_select(0, take_t)[None],
                 position_ids=layout.position_ids_t.to(device, non_blocking=True)[None], labels=labels_t[None],
-                cu_seq_lens_q=layout.cu_t.to(device), cu_seq_lens_k=layout.cu_t.to(device),
-                max_length_q=layout.max_length, max_length_k=layout.max_length, **kwargs)
+                cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=layout.max_length,
+                max_length_k=layout.max_length, **kwargs)
     return _unpack_output(out, layout, batch, seq, device)
 
 
 class _Layout:
-    """Host-side indices of one batch's packing (built from the lengths read once)."""
+    """Host-side indices of one batch's packing (built from the first columns and lengths read once). Row ``r``'s
+    real tokens are its columns ``firsts[r] .. firsts[r] + lengths[r] - 1``."""
 
-    def __init__(self, lengths: list[int], seq: int) -> None:
+    def __init__(self, firsts: list[int], lengths: list[int], seq: int) -> None:
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
+        spans = list(zip(range(len(lengths)), firsts, lengths, starts))
         self.max_length = max(lengths)
-        # packed position t <- padded flat position row * seq + j, for j < lengths[row]
-        self.take_t = torch.cat([torch.arange(r * seq, r * seq + n) for r, n in enumerate(lengths)])
-        self.position_ids_t = torch.cat([torch.arange(n) for n in lengths])
+        # packed position t <- padded flat position r * seq + column
+        self.take_t = torch.cat([torch.arange(r * seq + f, r * seq + f + n) for r, f, n, _ in spans])
+        self.position_ids_t = torch.cat([torch.arange(f, f + n) for _, f, n, _ in spans])  # each token's column
         self.starts_t = torch.tensor(starts)
         self.cu_t = torch.tensor([*starts, starts[-1] + lengths[-1]], dtype=torch.int32)
-        # shifted fields: padded (row, j - 1) <- packed (start + j - 1), for 1 <= j < lengths[row]
-        self.src_t = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(starts, lengths)])
-        self.dst_t = torch.cat([torch.arange(r * (seq - 1), r * (seq - 1) + n - 1) for r, n in enumerate(lengths)])
+        # shifted fields (position t predicts t + 1): padded (r, column) <- packed (start + column - first), for the
+        # columns first .. first + n - 2 (the last real token predicts nothing of its own row)
+        self.src_t = torch.cat([torch.arange(s, s + n - 1) for _, _, n, s in spans])
+        self.dst_t = torch.cat([torch.arange(r * (seq - 1) + f, r * (seq - 1) + f + n - 1) for r, f, n, _ in spans])
 
 
 def _unpack_output(out: Any, layout: _Layout, batch: int, seq: int, device: torch.device) -> Any:
