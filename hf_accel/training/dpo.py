@@ -40,33 +40,15 @@ IGNORE_INDEX = -100
 _PACKED_FORWARD = "_hf_accel_packed_forward"  # marks a forward this module bound (the undo restores what was there)
 
 
-class DPOTrainer(AccelMixin, trl.DPOTrainer):
-    """``trl.DPOTrainer`` plus ``accel`` (an ``AccelArguments``). ``accel.packing`` (default True): the chosen and
-    rejected forwards of the policy and of the reference model run padding-free on one packed row; False keeps TRL's
-    padded rows (the patch still applies). ``accel.patch`` patches the policy and a separate reference model.
-    ``accel.max_tokens_per_batch`` is not served here (TRL's ``per_device_train_batch_size`` forms the batches)."""
+class PackedTRLMixin:
+    """What ``DPOTrainer`` and ``GRPOTrainer`` add to a TRL trainer that scores sequences through TRL's fused LM
+    head: the patched reference model, the packed forwards, the checkpoint policy kept across TRL's reference calls.
+    Sits before ``AccelMixin`` in the MRO; ``_accel_finish_setup`` runs after ``_accel_setup``."""
 
-    def __init__(self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos,
-                 accel: AccelArguments | None = None, **kwargs) -> None:
-        if args is None:
-            on_gpu = torch.cuda.is_available()
-            args = trl.DPOConfig(output_dir="hf_accel-dpo", report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
-        accel = accel or AccelArguments()
-        if accel.max_tokens_per_batch is not None:
-            raise ConfigurationError(
-                f"AccelArguments(max_tokens_per_batch={accel.max_tokens_per_batch}) is not served by "
-                "hf_accel.DPOTrainer (TRL's preference collator forms the batches). Pass max_tokens_per_batch=None and "
-                "size batches with DPOConfig(per_device_train_batch_size=...).")
-        if accel.checkpointing is not None:
-            # our policy decides which layers recompute; keep TRL from enabling full checkpointing on top
-            for name in ("gradient_checkpointing", "activation_checkpointing"):
-                if hasattr(args, name):
-                    setattr(args, name, False)
-        if not isinstance(model, str):
-            _refuse_vision(model)
-        super().__init__(model, ref_model, args, *pos, **kwargs)
-        _refuse_vision(self.model)
-        self._accel_setup(accel)
+    _name = "hf_accel trainer"
+    _rows = "rows"  # what the packed rows are, for the notes
+
+    def _accel_finish_setup(self) -> None:
         self._accel_reference()
         self._accel_pack()
 
@@ -80,15 +62,18 @@ class DPOTrainer(AccelMixin, trl.DPOTrainer):
             reapply_checkpointing(self.accelerator.unwrap_model(self.model))
 
     def _accel_fused_ce(self) -> Any:
-        return False  # TRL's fused LM head (add_fused_lm_head) answers every DPO forward: nothing for ours to bind
+        return False  # TRL's fused LM head (add_fused_lm_head) answers every scoring forward: nothing for ours to bind
 
     def _accel_check_explicit(self) -> None:
         if self.accel.fused_ce is True:
             raise ConfigurationError(
-                "AccelArguments(fused_ce=True) is not served by hf_accel.DPOTrainer: DPO needs per-token "
-                "log-probabilities, which TRL's chunked LM head (add_fused_lm_head) already computes without full "
-                "logits. Pass fused_ce='auto' or False.")
+                f"AccelArguments(fused_ce=True) is not served by {self._name}: it needs per-token log-probabilities, "
+                "which TRL's chunked LM head (add_fused_lm_head) already computes without full logits. Pass "
+                "fused_ce='auto' or False.")
         super()._accel_check_explicit()
+
+    def _reference_note(self) -> str:
+        return "reference: the policy with its PEFT adapter disabled (TRL's use_adapter)"
 
     def _accel_reference(self) -> None:
         """Patch a separate reference model like the policy (attention seam only: it runs under no_grad, so no
@@ -96,9 +81,7 @@ class DPOTrainer(AccelMixin, trl.DPOTrainer):
         self.ref_patch_report = None
         ref = self._unwrapped_ref()
         if ref is None:
-            self._accel_note("reference: the policy with its PEFT adapter disabled (TRL's use_adapter)"
-                             if self.ref_model is None and self.precompute_ref_logps is False
-                             else "reference: log-probs precomputed by TRL (padded, stock attention)")
+            self._accel_note(self._reference_note())
             return
         if not self.accel.patch:
             return
@@ -108,13 +91,13 @@ class DPOTrainer(AccelMixin, trl.DPOTrainer):
         self._accel_note("reference: its own model, patched (attention seam only: it runs under no_grad)")
 
     def _unwrapped_ref(self) -> torch.nn.Module | None:
-        if self.ref_model is None:
+        if getattr(self, "ref_model", None) is None:
             return None
         return self.accelerator.unwrap_model(self.ref_model)
 
     def _accel_pack(self) -> None:
         if not self.accel.packing:
-            self._accel_note("chosen / rejected: TRL's padded rows (AccelArguments(packing=False))")
+            self._accel_note(f"{self._rows}: TRL's padded rows (AccelArguments(packing=False))")
             return
         policy = self.accelerator.unwrap_model(self.model)
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -123,13 +106,54 @@ class DPOTrainer(AccelMixin, trl.DPOTrainer):
         ref = self._unwrapped_ref()
         if ref is not None:
             self._undo_packing.append(bind_packed_forward(ref, seam_reads_cu_seqlens=patched))
-        self._accel_note("chosen / rejected: padding-free, one packed row per forward (policy and reference), "
+        self._accel_note(f"{self._rows}: padding-free, one packed row per scoring forward (policy and reference), "
                          "log-probs from TRL's chunked LM head")
 
     def _accel_note(self, line: str) -> None:
         logger.info("hf_accel: %s", line)
         if self.patch_report is not None and line not in self.patch_report.notes:
             self.patch_report.notes.append(line)
+
+
+def prepare_args(args: Any, accel: AccelArguments, name: str, batches: str) -> None:
+    """Refuse what the trainer ``name`` does not serve; keep TRL from enabling full checkpointing on top of
+    ``accel.checkpointing``."""
+    if accel.max_tokens_per_batch is not None:
+        raise ConfigurationError(
+            f"AccelArguments(max_tokens_per_batch={accel.max_tokens_per_batch}) is not served by {name} (TRL forms "
+            f"the batches). Pass max_tokens_per_batch=None and size batches with {batches}.")
+    if accel.checkpointing is not None:
+        for field in ("gradient_checkpointing", "activation_checkpointing"):  # 5.23 renamed the field
+            if hasattr(args, field):
+                setattr(args, field, False)
+
+
+class DPOTrainer(PackedTRLMixin, AccelMixin, trl.DPOTrainer):
+    """``trl.DPOTrainer`` plus ``accel`` (an ``AccelArguments``). ``accel.packing`` (default True): the chosen and
+    rejected forwards of the policy and of the reference model run padding-free on one packed row; False keeps TRL's
+    padded rows (the patch still applies). ``accel.patch`` patches the policy and a separate reference model.
+    ``accel.max_tokens_per_batch`` is not served here (TRL's ``per_device_train_batch_size`` forms the batches)."""
+
+    _name = "hf_accel.DPOTrainer"
+    _rows = "chosen / rejected"
+
+    def __init__(self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos,
+                 accel: AccelArguments | None = None, **kwargs) -> None:
+        if args is None:
+            on_gpu = torch.cuda.is_available()
+            args = trl.DPOConfig(output_dir="hf_accel-dpo", report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
+        accel = accel or AccelArguments()
+        prepare_args(args, accel, self._name, "DPOConfig(per_device_train_batch_size=...)")
+        refuse_vision(model, self._name)
+        super().__init__(model, ref_model, args, *pos, **kwargs)
+        refuse_vision(self.model, self._name)
+        self._accel_setup(accel)
+        self._accel_finish_setup()
+
+    def _reference_note(self) -> str:
+        if self.precompute_ref_logps:
+            return "reference: log-probs precomputed by TRL before the patch (padded, stock attention)"
+        return super()._reference_note()
 
 
 def bind_packed_forward(model: torch.nn.Module, *, seam_reads_cu_seqlens: bool = True) -> Callable[[], None]:
@@ -251,9 +275,9 @@ def _unpack_output(out: Any, layout: _Layout, batch: int, seq: int, device: torc
     return out
 
 
-def _refuse_vision(model: Any) -> None:
+def refuse_vision(model: Any, name: str) -> None:
     config = getattr(model, "config", None)
     if config is not None and config.get_text_config() is not config:
         raise ConfigurationError(
-            f"hf_accel.DPOTrainer trains text-only causal LMs; got {type(model).__name__} ({config.model_type}), a "
-            "model with a vision (or other non-text) tower. Train it with trl.DPOTrainer.")
+            f"{name} trains text-only causal LMs; got {type(model).__name__} ({config.model_type}), a model with a "
+            f"vision (or other non-text) tower. Train it with TRL's own trainer.")
