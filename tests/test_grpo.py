@@ -124,3 +124,26 @@ def test_lazy_name():
     import hf_accel
 
     assert hf_accel.GRPOTrainer is GRPOTrainer
+
+
+def test_checkpoint_policy_survives_generation_and_the_reference(tmp_path):
+    """TRL turns checkpointing off and on again (its own arguments: every layer) around generation and the reference
+    forward: the policy's per-layer choice must hold at every training forward."""
+    peft = pytest.importorskip("peft")
+    from hf_accel.memory.checkpointing import decoder_layers
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
+    layers = decoder_layers(model.get_base_model())
+    seen: list[tuple[bool, ...]] = []
+
+    def record(module, args):
+        if torch.is_grad_enabled():
+            seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
+
+    layers[0].register_forward_pre_hook(record)
+    run(GRPOTrainer, model, config(tmp_path, beta=0.1, max_steps=3),
+        accel=AccelArguments(checkpointing="every_2", print_summary=False))
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * len(layers), seen

@@ -53,13 +53,16 @@ class PackedTRLMixin:
         self._accel_pack()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # TRL turns checkpointing off and on again (with its own arguments: every layer) around generation and the
+        # reference forward of a PEFT policy: put the policy's per-layer choice back before and after the step's
+        # forwards (DPO's reference call comes after the policy's, GRPO's generation before)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        reapply_checkpointing(unwrapped)
         try:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         finally:
-            # TRL turns checkpointing off and on (with its own arguments, every layer) around the reference forward
-            # of a PEFT policy: put the policy's per-layer choice back for the next forward
-            reapply_checkpointing(self.accelerator.unwrap_model(self.model))
+            reapply_checkpointing(unwrapped)
 
     def _accel_fused_ce(self) -> Any:
         return False  # TRL's fused LM head (add_fused_lm_head) answers every scoring forward: nothing for ours to bind
