@@ -101,6 +101,18 @@ def test_matches_trl_with_reference_model(tmp_path, packing):
     assert ours[0].patch_report is not None and ours[0].ref_patch_report is not None
 
 
+@pytest.mark.parametrize("family", ["qwen3-qk-norm", "gemma3-text", "falcon-rw-alibi", "gpt2"])
+def test_families_match_trl(tmp_path, family):
+    """Families beyond Llama through the generic seam or their own patch: q/k norms, sliding windows shorter than
+    the pairs (Gemma 3), ALiBi (Falcon), absolute positions and Conv1D linears (GPT-2)."""
+    policy, ref = _models(family)
+    ours = run(DPOTrainer, policy, config(tmp_path / "a", max_steps=2), ref_model=ref,
+               accel=AccelArguments(print_summary=False))
+    policy, ref = _models(family)
+    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", max_steps=2), ref_model=ref)
+    assert_same_training(ours, theirs)
+
+
 def test_packs_policy_and_reference_into_one_row(tmp_path):
     policy, ref = _models()
     seen_policy, seen_ref = RowShapes(policy), RowShapes(ref)
