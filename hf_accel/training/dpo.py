@@ -9,9 +9,10 @@ chunked LM head (``FusedCausalLMOutput``; no ``(tokens, vocab)`` logits). TRL's 
 switched off in 1.16 ("temporarily unavailable after a refactor").
 
 This trainer binds one more layer on that call (``bind_packed_forward``): the 2B padded rows become one packed row of
-their real tokens, ``position_ids`` restarting at each sequence and the ``cu_seq_lens`` the patched attention seam
-reads; the first token of each sequence gets no label (in a padded row it has none either); TRL's chunked head scores
-the packed row, and every per-token field comes back to its padded ``(2B, S - 1)`` place, zero elsewhere. TRL then
+their real tokens, each at the position the padded forward gives it (its column: restarting at 0 per sequence for
+right-padded rows), with the ``cu_seq_lens`` the patched attention seam reads; the first token of each sequence gets
+no label (in a padded row nothing predicts it either); TRL's chunked head scores the packed row, and every per-token
+field comes back to its padded ``(2B, S - 1)`` place, zero elsewhere. TRL then
 computes whatever it computes from them (every ``loss_type``, ``ld_alpha``, WPO weights, f-divergences, metrics) on
 the same numbers as for the padded batch: nothing of TRL's loss is replaced, so no loss variant is refused.
 
@@ -37,7 +38,6 @@ from .trainer import AccelArguments, AccelMixin
 logger = logging.getLogger("hf_accel")
 
 IGNORE_INDEX = -100
-_PACKED_FORWARD = "_hf_accel_packed_forward"  # marks a forward this module bound (the undo restores what was there)
 
 
 class PackedTRLMixin:
@@ -180,14 +180,12 @@ def bind_packed_forward(model: torch.nn.Module, *, seam_reads_cu_seqlens: bool =
 
     forward.__signature__ = getattr(inner, "__signature__", None) or _signature_of(inner)
     model.forward = types.MethodType(forward, model)
-    model.__dict__[_PACKED_FORWARD] = inner
 
     def undo() -> None:
         if own is missing:
             model.__dict__.pop("forward", None)
         else:
             model.__dict__["forward"] = own
-        model.__dict__.pop(_PACKED_FORWARD, None)
 
     return undo
 
