@@ -101,6 +101,7 @@ def test_matches_trl_with_reference_model(tmp_path, packing):
     assert ours[0].patch_report is not None and ours[0].ref_patch_report is not None
 
 
+@pytest.mark.slow  # ~2 s each; test_packed_forward_equals_padded_call holds the packed call on families in the fast suite
 @pytest.mark.parametrize("family", ["qwen3-qk-norm", "gemma3-text", "falcon-rw-alibi", "gpt2"])
 def test_families_match_trl(tmp_path, family):
     """Families beyond Llama through the generic seam or their own patch: q/k norms, sliding windows shorter than
@@ -121,8 +122,9 @@ def test_packs_policy_and_reference_into_one_row(tmp_path):
     assert all(rows == 1 for rows, _ in seen_policy.shapes + seen_ref.shapes)
 
 
-@pytest.mark.parametrize("loss_type", [["ipo"], ["hinge"], ["sigmoid_norm"], ["apo_zero"], ["sigmoid", "sft"]],
-                         ids=lambda t: "+".join(t))
+@pytest.mark.parametrize("loss_type", [["ipo"], ["sigmoid", "sft"], *(  # the others in the slow suite (~2 s each)
+    pytest.param(t, marks=pytest.mark.slow) for t in (["hinge"], ["sigmoid_norm"], ["apo_zero"]))],
+    ids=lambda t: "+".join(t))
 def test_loss_variants_match_trl(tmp_path, loss_type):
     kw = dict(loss_type=loss_type, max_steps=2)
     if len(loss_type) > 1:

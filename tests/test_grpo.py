@@ -92,7 +92,7 @@ def test_full_finetune_matches_trl(tmp_path, packing):
     assert_same_training(ours, theirs)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", *(pytest.param(t, marks=pytest.mark.slow) for t in ("dr_grpo", "bnpo"))])
 def test_loss_types_match_trl(tmp_path, loss_type):
     kw = dict(loss_type=loss_type, steps_per_generation=2, num_iterations=2)  # old log-probs computed, clipping
     ours = run(GRPOTrainer, make("llama-gqa", seed=0).train(), config(tmp_path / "a", **kw),
