@@ -114,12 +114,19 @@ def test_families_match_trl(tmp_path, family):
     assert_same_training(ours, theirs)
 
 
-def test_packs_policy_and_reference_into_one_row(tmp_path):
+def test_packs_policy_and_reference_into_one_row(tmp_path, monkeypatch):
+    """Both forwards of a step packed; the layout read from the device once a step (the reference's forward gets the
+    policy's attention mask)."""
+    from hf_accel.training import dpo
+
+    layouts, real = [], dpo._Layout
+    monkeypatch.setattr(dpo, "_Layout", lambda *a: layouts.append(a) or real(*a))
     policy, ref = _models()
     seen_policy, seen_ref = RowShapes(policy), RowShapes(ref)
-    run(DPOTrainer, policy, config(tmp_path, max_steps=1), ref_model=ref, accel=AccelArguments(print_summary=False))
-    assert seen_policy.shapes and seen_ref.shapes
+    run(DPOTrainer, policy, config(tmp_path, max_steps=2), ref_model=ref, accel=AccelArguments(print_summary=False))
+    assert len(seen_policy.shapes) == len(seen_ref.shapes) == 2
     assert all(rows == 1 for rows, _ in seen_policy.shapes + seen_ref.shapes)
+    assert len(layouts) == 2  # one per step, not one per forward
 
 
 @pytest.mark.parametrize("loss_type", [["ipo"], ["sigmoid", "sft"], *(  # the others in the slow suite (~2 s each)

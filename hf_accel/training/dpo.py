@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -220,26 +221,39 @@ def packed_fused_call(inner: Callable, *, input_ids: torch.Tensor, attention_mas
     must be one run (padding left and / or right of it; ``left_padding=False``: right only); other rows (a hole, an
     empty row) go to ``inner`` padded, as they came."""
     batch, seq = input_ids.shape
+    layout = _layout_of(attention_mask)
+    if layout is None or (not left_padding and layout.left_padded):
+        return inner(fused_lm_head=True, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+    device = input_ids.device
+    idx = layout.on(device)
+    labels_t = labels.reshape(-1).index_select(0, idx["take"]).index_fill(0, idx["starts"], IGNORE_INDEX)
+    out = inner(fused_lm_head=True, input_ids=input_ids.reshape(-1).index_select(0, idx["take"])[None],
+                position_ids=idx["position_ids"][None], labels=labels_t[None], cu_seq_lens_q=idx["cu"],
+                cu_seq_lens_k=idx["cu"], max_length_q=layout.max_length, max_length_k=layout.max_length, **kwargs)
+    return _unpack_output(out, idx, batch, seq)
+
+
+_LAST: dict[str, Any] = {}  # one slot: the last attention mask read and its layout
+
+
+def _layout_of(attention_mask: torch.Tensor) -> _Layout | None:
+    """The packing layout of these padded rows; None where a row is empty or its real tokens are not one run.
+    DPO's reference forward gets the very mask its policy forward got: its layout is the one already read."""
+    last = _LAST.get("mask")
+    if last is not None and last() is attention_mask and _LAST["version"] == attention_mask._version:
+        return _LAST["layout"]
+    batch, seq = attention_mask.shape
     real_bs = attention_mask != 0
     lengths_b = real_bs.sum(1)
     first_b = real_bs.int().argmax(1)  # the first real column (0 for an empty row)
     columns = torch.arange(seq, device=attention_mask.device)
     one_run = real_bs == ((columns >= first_b[:, None]) & (columns < (first_b + lengths_b)[:, None]))
-    # the one host read of this call: the layout (first columns, lengths) and whether each row is one run
+    # the one host read of this mask: the layout (first columns, lengths) and whether each row is one run
     host = torch.cat([first_b, lengths_b, one_run.all().reshape(1)]).tolist()
     firsts, lengths, ok = host[:batch], host[batch:2 * batch], bool(host[-1])
-    if not ok or min(lengths) < 1 or (not left_padding and max(firsts) > 0):
-        return inner(fused_lm_head=True, input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
-    layout = _Layout(firsts, lengths, seq)
-    device = input_ids.device
-    take_t = layout.take_t.to(device, non_blocking=True)
-    labels_t = labels.reshape(-1).index_select(0, take_t).index_fill(0, layout.starts_t.to(device), IGNORE_INDEX)
-    cu_t = layout.cu_t.to(device)
-    out = inner(fused_lm_head=True, input_ids=input_ids.reshape(-1).index_select(0, take_t)[None],
-                position_ids=layout.position_ids_t.to(device, non_blocking=True)[None], labels=labels_t[None],
-                cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=layout.max_length,
-                max_length_k=layout.max_length, **kwargs)
-    return _unpack_output(out, layout, batch, seq, device)
+    layout = _Layout(firsts, lengths, seq) if ok and min(lengths) >= 1 else None
+    _LAST.update(mask=weakref.ref(attention_mask), version=attention_mask._version, layout=layout)
+    return layout
 
 
 class _Layout:
@@ -252,6 +266,8 @@ class _Layout:
             starts.append(starts[-1] + n)
         spans = list(zip(range(len(lengths)), firsts, lengths, starts))
         self.max_length = max(lengths)
+        self.left_padded = max(firsts) > 0
+        self._on: dict[torch.device, dict[str, torch.Tensor]] = {}
         # packed position t <- padded flat position r * seq + column
         self.take_t = torch.cat([torch.arange(r * seq + f, r * seq + f + n) for r, f, n, _ in spans])
         self.position_ids_t = torch.cat([torch.arange(f, f + n) for _, f, n, _ in spans])  # each token's column
@@ -262,10 +278,19 @@ class _Layout:
         self.src_t = torch.cat([torch.arange(s, s + n - 1) for _, _, n, s in spans])
         self.dst_t = torch.cat([torch.arange(r * (seq - 1) + f, r * (seq - 1) + f + n - 1) for r, f, n, _ in spans])
 
+    def on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The indices on ``device``, copied once per layout (the policy's and the reference's forwards share them)."""
+        if device not in self._on:
+            self._on[device] = {
+                "take": self.take_t.to(device), "position_ids": self.position_ids_t.to(device),
+                "starts": self.starts_t.to(device), "cu": self.cu_t.to(device), "src": self.src_t.to(device),
+                "dst": self.dst_t.to(device)}
+        return self._on[device]
 
-def _unpack_output(out: Any, layout: _Layout, batch: int, seq: int, device: torch.device) -> Any:
+
+def _unpack_output(out: Any, idx: dict[str, torch.Tensor], batch: int, seq: int) -> Any:
     """Every ``(1, T - 1)`` per-token field of TRL's ``FusedCausalLMOutput`` at its ``(B, S - 1)`` place."""
-    src, dst = layout.src_t.to(device), layout.dst_t.to(device)
+    src, dst = idx["src"], idx["dst"]
     for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask"):
         packed = getattr(out, name, None)
         if packed is None:
