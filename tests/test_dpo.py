@@ -90,15 +90,17 @@ class RowShapes:
         model.get_input_embeddings().register_forward_hook(lambda m, args, out: self.shapes.append(tuple(args[0].shape)))
 
 
-@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_matches_trl_with_reference_model(tmp_path, packing):
+@pytest.mark.parametrize("packing,patched", [(True, True), (False, True), (True, False)],
+                         ids=["packed", "padded", "packed-unpatched"])
+def test_matches_trl_with_reference_model(tmp_path, packing, patched):
+    """Unpatched, stock attention tells the packed pairs apart by position_ids restarting at 0."""
     policy, ref = _models()
     ours = run(DPOTrainer, policy, config(tmp_path / "a"), ref_model=ref,
-               accel=AccelArguments(packing=packing, print_summary=False))
+               accel=AccelArguments(packing=packing, patch=patched, print_summary=False))
     policy, ref = _models()
     theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b"), ref_model=ref)
     assert_same_training(ours, theirs)
-    assert ours[0].patch_report is not None and ours[0].ref_patch_report is not None
+    assert (ours[0].patch_report is not None and ours[0].ref_patch_report is not None) == patched
 
 
 @pytest.mark.slow  # ~2 s each; test_packed_forward_equals_padded_call holds the packed call on families in the fast suite
