@@ -230,6 +230,18 @@ def test_refuses_what_it_does_not_serve(tmp_path, accel):
                    processing_class=build_tokenizer(), accel=accel)
 
 
+def test_refuses_a_trl_without_the_fused_head(tmp_path, monkeypatch):
+    from trl.trainer import utils as trl_utils
+
+    from hf_accel.errors import UnsupportedVersion
+
+    policy, ref = _models()
+    monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # (TRL's trainer module keeps its own reference to it)
+    with pytest.raises(UnsupportedVersion, match="packing=False"):
+        DPOTrainer(model=policy, ref_model=ref, args=config(tmp_path), train_dataset=pairs(),
+                   processing_class=build_tokenizer(), accel=AccelArguments(print_summary=False))
+
+
 def test_lazy_name():
     import hf_accel
 

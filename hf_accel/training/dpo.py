@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import trl
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, UnsupportedVersion
 from ..memory.checkpointing import reapply_checkpointing
 from ..patching import patch
 from .trainer import AccelArguments, AccelMixin
@@ -103,6 +103,12 @@ class PackedTRLMixin:
         if not self.accel.packing:
             self._accel_note(f"{self._rows}: TRL's padded rows (AccelArguments(packing=False))")
             return
+        from trl.trainer import utils as trl_utils
+
+        if not hasattr(trl_utils, "add_fused_lm_head"):  # the call this packs: TRL's fused LM head (TRL 1.16)
+            raise UnsupportedVersion(
+                f"{self._name} packs the scoring forwards TRL makes through its fused LM head (add_fused_lm_head, "
+                f"TRL 1.16); TRL {trl.__version__} has none. Install trl>=1.16, or pass AccelArguments(packing=False).")
         policy = self.accelerator.unwrap_model(self.model)
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         patched = self.accel.patch
