@@ -1,0 +1,271 @@
+"""hf_accel.DPOTrainer against plain trl.DPOTrainer on the same tiny fp32 models and preference pairs: every logged
+step's loss, rewards (chosen, rejected, margins, accuracies), log-probs and TRL's other metrics, and every gradient of
+the first optimizer step; packed and padded, a separate reference model and a PEFT adapter disabled as the reference,
+TRL's loss variants. The packed forward is also held to the padded one directly (bind_packed_forward)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from hf_accel.data.default_task import build_tokenizer, make_examples
+from hf_accel.errors import ConfigurationError
+from hf_accel.training.trainer import AccelArguments
+from tests.tiny_models import make
+
+trl = pytest.importorskip("trl")
+from hf_accel.training.dpo import DPOTrainer, bind_packed_forward  # noqa: E402
+
+LOSS_RTOL = 1e-5  # fp32 on both sides; packed vs padded attention: summation order only
+GRAD_RTOL = 1e-4  # of each gradient's largest entry
+METRIC_ATOL = 1e-5
+OPTIM = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0)  # no clipping; a rate that moves the rewards
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected", "entropy", "mean_token_accuracy", "logits/chosen", "logits/rejected")
+
+
+class FirstGrads(transformers.TrainerCallback):
+    def __init__(self):
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.grads:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=3,
+                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+                train_sampling_strategy="sequential", dataloader_num_workers=0, lr_scheduler_type="constant",
+                weight_decay=0.0, gradient_checkpointing=False, max_length=None, dataset_num_proc=None, bf16=False,
+                **OPTIM)
+    base.update(kw)
+    return trl.DPOConfig(**base)
+
+
+def pairs(n: int = 12):
+    """Prompt / chosen / rejected: the task's answer against another example's (lengths differ: padding)."""
+    from datasets import Dataset
+
+    ex = make_examples(n + 1, seed=0, max_len=8)
+    return Dataset.from_list([{"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}
+                              for a, b in zip(ex, ex[1:])])
+
+
+def run(trainer_cls, model, args, ref_model=None, **kw):
+    grads = FirstGrads()
+    trainer = trainer_cls(model=model, ref_model=ref_model, args=args, train_dataset=pairs(),
+                          processing_class=build_tokenizer(), callbacks=[grads], **kw)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, logs, grads.grads
+
+
+def assert_same_training(ours, ref, metrics=METRICS):
+    (_, ours_logs, ours_grads), (_, ref_logs, ref_grads) = ours, ref
+    assert len(ours_logs) == len(ref_logs) > 1
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins"} <= ref_logs[0].keys()
+    for mine, theirs in zip(ours_logs, ref_logs):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=LOSS_RTOL)
+        for key in metrics:
+            if key in theirs:
+                assert mine[key] == pytest.approx(theirs[key], rel=LOSS_RTOL, abs=METRIC_ATOL), key
+    assert ours_grads.keys() == ref_grads.keys() and ref_grads
+    for name, g in ref_grads.items():
+        err = ((ours_grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+        assert err < GRAD_RTOL, (name, err)
+
+
+def _models(name="llama-gqa"):
+    return make(name, seed=0).train(), make(name, seed=1)  # a reference unlike the policy: rewards non-zero at once
+
+
+class RowShapes:
+    """The (rows, length) of every input_ids the embedding sees during training."""
+
+    def __init__(self, model):
+        self.shapes: list[tuple[int, ...]] = []
+        model.get_input_embeddings().register_forward_hook(lambda m, args, out: self.shapes.append(tuple(args[0].shape)))
+
+
+@pytest.mark.parametrize("packing,patched", [(True, True), (False, True), (True, False)],
+                         ids=["packed", "padded", "packed-unpatched"])
+def test_matches_trl_with_reference_model(tmp_path, packing, patched):
+    """Unpatched, stock attention tells the packed pairs apart by position_ids restarting at 0."""
+    policy, ref = _models()
+    ours = run(DPOTrainer, policy, config(tmp_path / "a"), ref_model=ref,
+               accel=AccelArguments(packing=packing, patch=patched, print_summary=False))
+    policy, ref = _models()
+    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b"), ref_model=ref)
+    assert_same_training(ours, theirs)
+    assert (ours[0].patch_report is not None and ours[0].ref_patch_report is not None) == patched
+
+
+@pytest.mark.slow  # ~2 s each; test_packed_forward_equals_padded_call holds the packed call on families in the fast suite
+@pytest.mark.parametrize("family", ["qwen3-qk-norm", "gemma3-text", "falcon-rw-alibi", "gpt2"])
+def test_families_match_trl(tmp_path, family):
+    """Families beyond Llama through the generic seam or their own patch: q/k norms, sliding windows shorter than
+    the pairs (Gemma 3), ALiBi (Falcon), absolute positions and Conv1D linears (GPT-2)."""
+    policy, ref = _models(family)
+    ours = run(DPOTrainer, policy, config(tmp_path / "a", max_steps=2), ref_model=ref,
+               accel=AccelArguments(print_summary=False))
+    policy, ref = _models(family)
+    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", max_steps=2), ref_model=ref)
+    assert_same_training(ours, theirs)
+
+
+def test_packs_policy_and_reference_into_one_row(tmp_path, monkeypatch):
+    """Both forwards of a step packed; the layout read from the device once a step (the reference's forward gets the
+    policy's attention mask)."""
+    from hf_accel.training import dpo
+
+    layouts, real = [], dpo._Layout
+    monkeypatch.setattr(dpo, "_Layout", lambda *a: layouts.append(a) or real(*a))
+    policy, ref = _models()
+    seen_policy, seen_ref = RowShapes(policy), RowShapes(ref)
+    run(DPOTrainer, policy, config(tmp_path, max_steps=2), ref_model=ref, accel=AccelArguments(print_summary=False))
+    assert len(seen_policy.shapes) == len(seen_ref.shapes) == 2
+    assert all(rows == 1 for rows, _ in seen_policy.shapes + seen_ref.shapes)
+    assert len(layouts) == 2  # one per step, not one per forward
+
+
+@pytest.mark.parametrize("loss_type", [["ipo"], ["sigmoid", "sft"], *(  # the others in the slow suite (~2 s each)
+    pytest.param(t, marks=pytest.mark.slow) for t in (["hinge"], ["sigmoid_norm"], ["apo_zero"]))],
+    ids=lambda t: "+".join(t))
+def test_loss_variants_match_trl(tmp_path, loss_type):
+    kw = dict(loss_type=loss_type, max_steps=2)
+    if len(loss_type) > 1:
+        kw["loss_weights"] = [1.0, 0.5]
+    policy, ref = _models()
+    ours = run(DPOTrainer, policy, config(tmp_path / "a", **kw), ref_model=ref,
+               accel=AccelArguments(print_summary=False))
+    policy, ref = _models()
+    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", **kw), ref_model=ref)
+    assert_same_training(ours, theirs)
+
+
+def test_length_desensitised_and_weighted_match_trl(tmp_path):
+    """ld_alpha (shared vs tail tokens by position in the completion) and WPO weights (log_sum_sq_probs)."""
+    kw = dict(ld_alpha=0.5, use_weighting=True, max_steps=2)
+    policy, ref = _models()
+    ours = run(DPOTrainer, policy, config(tmp_path / "a", **kw), ref_model=ref,
+               accel=AccelArguments(print_summary=False))
+    policy, ref = _models()
+    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", **kw), ref_model=ref)
+    assert_same_training(ours, theirs)
+
+
+def test_lora_adapter_disabled_as_reference_matches_trl(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False)  # non-zero B: the policy differs from its reference at step 1
+
+    def policy():
+        torch.manual_seed(3)
+        return peft.get_peft_model(make("llama-gqa", seed=0), copy.deepcopy(lora)).train()
+
+    model = policy()
+    seen = RowShapes(model.get_base_model())
+    ours = run(DPOTrainer, model, config(tmp_path / "a"), accel=AccelArguments(print_summary=False))
+    theirs = run(trl.DPOTrainer, policy(), config(tmp_path / "b"))
+    assert_same_training(ours, theirs)
+    assert ours[0].ref_model is None and all(rows == 1 for rows, _ in seen.shapes)
+    assert any(n.startswith("reference: the policy with its PEFT adapter disabled") for n in ours[0].patch_report.notes)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-and-right-padded"])
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "stock"])
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2", "falcon-rw-alibi"])
+def test_packed_forward_equals_padded_call(family, patched, left):
+    """One fused call: log-probs and their gradients from the packed row against TRL's padded call (stock attention),
+    patched or stock, rotary, absolute (GPT-2) and ALiBi positions; rows padded right (DPO's) or on both sides
+    (GRPO's left-padded prompts): each token keeps its column as its position. Stock attention tells the packed
+    documents apart by position_ids restarting at 0: it packs right-padded rows only."""
+    import hf_accel
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    seq = 9
+    firsts = torch.tensor([0, 2, 1, 5] if left else [0, 0, 0, 0])
+    lengths = torch.tensor([9, 5, 7, 2]) - firsts * (torch.tensor([1, 0, 1, 0]))
+    columns = torch.arange(seq)
+    mask = ((columns >= firsts[:, None]) & (columns < (firsts + lengths)[:, None])).long()
+    ids = torch.randint(3, 90, (4, seq)) * mask
+    # right-padded row 2 has no prompt: its first token is a label no row scores (left-padded, the padded forward
+    # would score it from a padding position: a label there is no DPO or GRPO batch's)
+    prompt = (firsts + torch.tensor([2, 1, int(left), 1]))[:, None]
+    labels = ids.masked_fill(columns < prompt, -100).masked_fill(mask == 0, -100)
+    outs = []
+    for packed in (False, True):
+        model = make(family, seed=0).train()
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+        if packed:
+            if patched:
+                hf_accel.patch(model, fused_ce=False, compile=False)
+            bind_packed_forward(model, seam_reads_cu_seqlens=patched)
+            seen = RowShapes(model)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        (out.log_probs.sum(1) * torch.arange(1.0, 5.0)).sum().backward()
+        outs.append((out, {n: p.grad for n, p in model.named_parameters()}))
+    (ref, ref_grads), (ours, grads) = outs
+    assert seen.shapes == ([(4, seq)] if left and not patched else [(1, int(lengths.sum()))])
+    assert ours.log_probs.shape == ref.log_probs.shape == (4, seq - 1)
+    torch.testing.assert_close(ours.log_probs, ref.log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.loss, ref.loss, rtol=1e-5, atol=1e-6)  # TRL's mean over the scored labels
+    torch.testing.assert_close(ours.entropy * ref.label_mask, ref.entropy, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours.is_top1, ref.is_top1) and torch.equal(ours.label_mask, ref.label_mask)
+    for name, g in ref_grads.items():
+        err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+        assert err < GRAD_RTOL, (name, err)
+
+
+@pytest.mark.parametrize("accel", [AccelArguments(fused_ce=True), AccelArguments(max_tokens_per_batch=256)],
+                         ids=["fused_ce", "max_tokens_per_batch"])
+def test_refuses_what_it_does_not_serve(tmp_path, accel):
+    policy, ref = _models()
+    with pytest.raises(ConfigurationError, match="not served by hf_accel.DPOTrainer"):
+        DPOTrainer(model=policy, ref_model=ref, args=config(tmp_path), train_dataset=pairs(),
+                   processing_class=build_tokenizer(), accel=accel)
+
+
+def test_refuses_a_trl_without_the_fused_head(tmp_path, monkeypatch):
+    from trl.trainer import utils as trl_utils
+
+    from hf_accel.errors import UnsupportedVersion
+
+    policy, ref = _models()
+    monkeypatch.delattr(trl_utils, "add_fused_lm_head")  # (TRL's trainer module keeps its own reference to it)
+    with pytest.raises(UnsupportedVersion, match="packing=False"):
+        DPOTrainer(model=policy, ref_model=ref, args=config(tmp_path), train_dataset=pairs(),
+                   processing_class=build_tokenizer(), accel=AccelArguments(print_summary=False))
+
+
+def test_lazy_name():
+    import hf_accel
+
+    assert hf_accel.DPOTrainer is DPOTrainer
+
+
+def test_checkpoint_policy_survives_the_adapter_disabled_reference(tmp_path):
+    """TRL turns checkpointing off and on again (with its own arguments) around the reference forward of a PEFT
+    policy: the policy's per-layer choice must hold at every training forward, and the numbers stay TRL's."""
+    peft = pytest.importorskip("peft")
+    from hf_accel.memory.checkpointing import decoder_layers
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
+    layers = decoder_layers(model.get_base_model())
+    seen: list[tuple[bool, ...]] = []
+
+    def record(module, args):
+        if module is layers[0] and torch.is_grad_enabled():
+            seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
+
+    layers[0].register_forward_pre_hook(record)
+    trainer, _, _ = run(DPOTrainer, model, config(tmp_path, max_steps=3),
+                        accel=AccelArguments(checkpointing="every_2", print_summary=False))
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * len(layers), seen

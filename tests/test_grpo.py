@@ -1,0 +1,149 @@
+"""hf_accel.GRPOTrainer against plain trl.GRPOTrainer on the same tiny fp32 models, prompts and reward: TRL generates
+the same completions for both (generation is TRL's, untouched); every logged step's loss, KL, entropy, clip ratios
+and rewards, and every gradient of the first optimizer step, are TRL's, packed and padded, full fine-tuning and a
+PEFT adapter disabled as the reference, several of TRL's loss types."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hf_accel.data.default_task import build_tokenizer, make_examples
+from hf_accel.training.trainer import AccelArguments
+from tests.tiny_models import make
+
+trl = pytest.importorskip("trl")
+from hf_accel.training.grpo import GRPOTrainer  # noqa: E402
+
+LOSS_RTOL = 1e-5  # fp32 on both sides; packed vs padded attention: summation order only
+METRIC_ATOL = 1e-5
+GRAD_RTOL = 1e-4  # of each gradient's largest entry
+METRICS = ("kl", "entropy", "reward", "reward_std", "clip_ratio/region_mean", "completions/mean_length")
+
+
+class FirstGrads(transformers.TrainerCallback):
+    def __init__(self):
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.grads:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def digit_reward(completions, **kwargs):
+    """More digits, more reward: completions of one group differ, so advantages are not zero. (Two prompts of
+    different lengths per batch: TRL left-pads the shorter one.)"""
+    return [float(sum(ch.isdigit() for ch in c)) - 0.1 * len(c) for c in completions]
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+                gradient_accumulation_steps=1, max_steps=2, logging_steps=1, save_strategy="no", report_to="none",
+                use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="constant",
+                weight_decay=0.0, gradient_checkpointing=False, bf16=False, optim="sgd", learning_rate=0.5,
+                max_grad_norm=0.0, beta=0.0, temperature=1.0)
+    base.update(kw)
+    return trl.GRPOConfig(**base)
+
+
+def prompts(n: int = 8):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": ex["prompt"]} for ex in make_examples(n, seed=0, max_len=8)])
+
+
+def run(trainer_cls, model, args, **kw):
+    grads = FirstGrads()
+    trainer = trainer_cls(model=model, reward_funcs=digit_reward, args=args, train_dataset=prompts(),
+                          processing_class=build_tokenizer(), callbacks=[grads], **kw)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, logs, grads.grads
+
+
+def assert_same_training(ours, ref):
+    (_, ours_logs, ours_grads), (_, ref_logs, ref_grads) = ours, ref
+    assert len(ours_logs) == len(ref_logs) > 1
+    assert ref_logs[0]["reward_std"] > 0  # advantages not all zero: the gradients mean something
+    for mine, theirs in zip(ours_logs, ref_logs):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=LOSS_RTOL, abs=1e-7)
+        for key in METRICS:
+            if key in theirs:
+                assert mine[key] == pytest.approx(theirs[key], rel=LOSS_RTOL, abs=METRIC_ATOL), key
+    assert ours_grads.keys() == ref_grads.keys() and ref_grads
+    for name, g in ref_grads.items():
+        err = ((ours_grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+        assert err < GRAD_RTOL, (name, err)
+
+
+class RowShapes:
+    """The (rows, length) of every input_ids the embedding sees with fused_lm_head scoring (not generation)."""
+
+    def __init__(self, model):
+        self.shapes: list[tuple[int, ...]] = []
+        model.get_input_embeddings().register_forward_hook(lambda m, args, out: self.shapes.append(tuple(args[0].shape)))
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_full_finetune_matches_trl(tmp_path, packing):
+    ours = run(GRPOTrainer, make("llama-gqa", seed=0).train(), config(tmp_path / "a"),
+               accel=AccelArguments(packing=packing, print_summary=False))
+    theirs = run(trl.GRPOTrainer, make("llama-gqa", seed=0).train(), config(tmp_path / "b"))
+    assert_same_training(ours, theirs)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", *(pytest.param(t, marks=pytest.mark.slow) for t in ("dr_grpo", "bnpo"))])
+def test_loss_types_match_trl(tmp_path, loss_type):
+    kw = dict(loss_type=loss_type, steps_per_generation=2, num_iterations=2)  # old log-probs computed, clipping
+    ours = run(GRPOTrainer, make("llama-gqa", seed=0).train(), config(tmp_path / "a", **kw),
+               accel=AccelArguments(print_summary=False))
+    theirs = run(trl.GRPOTrainer, make("llama-gqa", seed=0).train(), config(tmp_path / "b", **kw))
+    assert_same_training(ours, theirs)
+
+
+def test_lora_with_kl_to_the_adapter_disabled_reference_matches_trl(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False)
+
+    def policy():
+        torch.manual_seed(3)
+        return peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
+
+    model = policy()
+    seen = RowShapes(model.get_base_model())
+    ours = run(GRPOTrainer, model, config(tmp_path / "a", beta=0.1), accel=AccelArguments(print_summary=False))
+    theirs = run(trl.GRPOTrainer, policy(), config(tmp_path / "b", beta=0.1))
+    assert_same_training(ours, theirs)
+    assert theirs[1][-1]["kl"] > 0  # the reference's log-probs differ from the policy's after a step
+    assert any(rows == 1 for rows, _ in seen.shapes)  # scoring forwards packed (generation's are (B, S))
+    assert any(n.startswith("reference: the policy with its PEFT adapter disabled") for n in ours[0].patch_report.notes)
+
+
+def test_lazy_name():
+    import hf_accel
+
+    assert hf_accel.GRPOTrainer is GRPOTrainer
+
+
+def test_checkpoint_policy_survives_generation_and_the_reference(tmp_path):
+    """TRL turns checkpointing off and on again (its own arguments: every layer) around generation and the reference
+    forward: the policy's per-layer choice must hold at every training forward."""
+    peft = pytest.importorskip("peft")
+    from hf_accel.memory.checkpointing import decoder_layers
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
+    layers = decoder_layers(model.get_base_model())
+    seen: list[tuple[bool, ...]] = []
+
+    def record(module, args):
+        if torch.is_grad_enabled():
+            seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
+
+    layers[0].register_forward_pre_hook(record)
+    run(GRPOTrainer, model, config(tmp_path, beta=0.1, max_steps=3),
+        accel=AccelArguments(checkpointing="every_2", print_summary=False))
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * len(layers), seen
