@@ -7,7 +7,8 @@ the stock and the patched run of one seed see the same tensors and a difference 
 Used by scripts/outside_suite.py to run transformers' own model tests with hf_accel in the loop. It wraps
 ``PreTrainedModel.post_init`` (the last step of every model's ``__init__``, from a config or from_pretrained): the
 model just built is patched when hf_accel has a family for it; a model built inside another (a CausalLM's body) is
-unpatched again when the outer one is patched, so only the outermost model carries the patch. Each attempt is
+unpatched again when the outer one is patched, so only the outermost model carries the patch; a model hf_accel builds
+itself while patching (the fake-tensor copy hf_accel.facts probes) is left alone. Each attempt is
 appended, one JSON object a line, to the file named by HF_ACCEL_PATCH_LOG (test id, class, patched or why not).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import zlib
 import pytest
 
 _current_test = {"id": None}
+_patching = {"depth": 0}  # > 0 while hf_accel.patch runs: the models it builds itself (its probe copies) stay stock
 
 
 def _record(entry: dict) -> None:
@@ -39,11 +41,14 @@ def _patch_outermost(model) -> None:
     for module in model.modules():  # an inner model patched by its own post_init a moment ago
         if module is not model and isinstance(module, PreTrainedModel) and STATE_ATTR in module.__dict__:
             hf_accel.unpatch(module)
+    _patching["depth"] += 1
     try:
         report = hf_accel.patch(model)
     except HFAccelError as error:
         _record({"model": type(model).__name__, "patched": False, "why": f"{type(error).__name__}: {error}"})
         return
+    finally:
+        _patching["depth"] -= 1
     _record({"model": type(model).__name__, "patched": True, "modules": len(report.patched_modules),
              "backend": report.backend})
 
@@ -58,7 +63,8 @@ def pytest_configure(config):
 
     def post_init(self, *args, **kwargs):
         out = stock_post_init(self, *args, **kwargs)
-        _patch_outermost(self)
+        if not _patching["depth"]:
+            _patch_outermost(self)
         return out
 
     PreTrainedModel.post_init = post_init
