@@ -571,3 +571,17 @@ def test_patch_runs_mixture_of_experts_layers_grouped_and_unpatch_restores_them(
         assert rel_err(grads[name], g) < GRAD_RTOL, name
     hf_accel.unpatch(ours)
     assert not any("forward" in m.__dict__ for _, m in experts.find_experts(ours))
+
+
+def test_a_gemma4_body_patched_on_its_own_takes_a_padding_mask():
+    """Gemma 4's text model (the body, called without logits_to_keep: its default int 0) slices its queries for the
+    KV-shared layers by that int, indexing the masks as 4D; the seam's 2D padding mask is handed a slice instead, so
+    the body computes the unpatched body's hidden states at real tokens (transformers' own
+    test_resize_tokens_embeddings hit this)."""
+    ref = make("gemma4-text").model.train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours)
+    ids, mask, _ = batch("left")
+    got = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+    want = ref(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert rel_err(got[mask.bool()], want[mask.bool()]) < LOGITS_RTOL

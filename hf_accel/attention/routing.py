@@ -24,6 +24,8 @@ implementation. ``set_attn_implementation`` after patching is honoured: the stoc
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import sys
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -160,6 +162,13 @@ def leaves_forward_to_stock(module: torch.nn.Module, mask, cache, use_cache) -> 
     return cache is not None or bool(use_cache) or not bool(mask.all())
 
 
+@functools.lru_cache(maxsize=None)
+def _default_logits_to_keep(body_cls: type):
+    """The default of the body's own ``logits_to_keep`` parameter (Gemma 4's text model: 0), None where it has none."""
+    parameter = inspect.signature(body_cls.forward).parameters.get("logits_to_keep")
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
 def routing_hooks(body: torch.nn.Module, patched_name: str) -> list[Callable[[], None]]:
     """Pre- and post-hooks on the model's body that switch its config to hf_accel's name (or to eager, for a call
     asking for probabilities) for each forward and back; returns their removers. ``patched_name``: the name the
@@ -186,7 +195,7 @@ def routing_hooks(body: torch.nn.Module, patched_name: str) -> list[Callable[[],
             undo.append(suspend_forward_record())
         config._attn_implementation_internal = PROBABILITIES if probabilities else ATTN_NAME  # both always exist
         calls.append((config, reported, undo))
-        keep = kwargs.get("logits_to_keep")
+        keep = kwargs.get("logits_to_keep", _default_logits_to_keep(type(module)))
         if isinstance(keep, int) and not isinstance(keep, bool):
             # A body that slices its queries to the kept positions before some layers (Gemma 4's KV-shared layers,
             # an inference shortcut for integer logits_to_keep) would slice the masks as 4D (B, 1, Q, K) tensors,
