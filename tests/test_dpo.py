@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.errors import ConfigurationError
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
+from tests.trl_runs import FirstGrads, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.dpo import DPOTrainer, bind_packed_forward  # noqa: E402
@@ -26,23 +26,10 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
            "logps/rejected", "entropy", "mean_token_accuracy", "logits/chosen", "logits/rejected")
 
 
-class FirstGrads(transformers.TrainerCallback):
-    def __init__(self):
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not self.grads:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def config(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=3,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
-                train_sampling_strategy="sequential", dataloader_num_workers=0, lr_scheduler_type="constant",
-                weight_decay=0.0, gradient_checkpointing=False, max_length=None, dataset_num_proc=None, bf16=False,
-                **OPTIM)
-    base.update(kw)
-    return trl.DPOConfig(**base)
+    return trl_config(trl.DPOConfig, tmp_path, dict(per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                      max_steps=3, train_sampling_strategy="sequential", max_length=None, dataset_num_proc=None,
+                      **OPTIM), **kw)
 
 
 def pairs(n: int = 12):

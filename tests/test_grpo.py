@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
+from tests.trl_runs import FirstGrads, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.grpo import GRPOTrainer  # noqa: E402
@@ -21,15 +21,6 @@ GRAD_RTOL = 1e-4  # of each gradient's largest entry
 METRICS = ("kl", "entropy", "reward", "reward_std", "clip_ratio/region_mean", "completions/mean_length")
 
 
-class FirstGrads(transformers.TrainerCallback):
-    def __init__(self):
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not self.grads:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def digit_reward(completions, **kwargs):
     """More digits, more reward: completions of one group differ, so advantages are not zero. (Two prompts of
     different lengths per batch: TRL left-pads the shorter one.)"""
@@ -37,13 +28,9 @@ def digit_reward(completions, **kwargs):
 
 
 def config(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
-                gradient_accumulation_steps=1, max_steps=2, logging_steps=1, save_strategy="no", report_to="none",
-                use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="constant",
-                weight_decay=0.0, gradient_checkpointing=False, bf16=False, optim="sgd", learning_rate=0.5,
-                max_grad_norm=0.0, beta=0.0, temperature=1.0)
-    base.update(kw)
-    return trl.GRPOConfig(**base)
+    return trl_config(trl.GRPOConfig, tmp_path, dict(per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, gradient_accumulation_steps=1, max_steps=2, optim="sgd",
+                      learning_rate=0.5, max_grad_norm=0.0, beta=0.0, temperature=1.0), **kw)
 
 
 def prompts(n: int = 8):

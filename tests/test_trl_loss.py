@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
-import hf_accel
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
+from tests.trl_runs import FirstGrads, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.trl_trainer import SFTTrainer  # noqa: E402
@@ -24,25 +23,10 @@ METRIC_RTOL = 1e-5
 OPTIM = dict(optim="sgd", learning_rate=0.05, max_grad_norm=0.0)  # no clipping: the gradients as computed
 
 
-class FirstGrads(transformers.TrainerCallback):
-    """Every parameter's gradient just before the first optimizer step."""
-
-    def __init__(self):
-        self.grads: dict[str, torch.Tensor] = {}
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not self.grads:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def config(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=1, max_steps=2,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
-                train_sampling_strategy="sequential", dataloader_num_workers=0, lr_scheduler_type="constant",
-                weight_decay=0.0, gradient_checkpointing=False, max_length=None, dataset_num_proc=None, bf16=False,
-                **OPTIM)  # TRL defaults to bf16 autocast, on the CPU too
-    base.update(kw)
-    return trl.SFTConfig(**base)
+    return trl_config(trl.SFTConfig, tmp_path, dict(per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                      max_steps=2, train_sampling_strategy="sequential", max_length=None, dataset_num_proc=None,
+                      **OPTIM), **kw)
 
 
 def prompt_completion(n: int = 12):

@@ -1,0 +1,28 @@
+"""What the tests comparing hf_accel's TRL trainers with TRL's own share: the first step's gradients, and TRL configs
+for a short, deterministic CPU run (fp32: TRL defaults to bf16 autocast, on the CPU too)."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+# every run: no checkpointing, no sampler shuffle, one process, constant learning rate, no weight decay
+CPU_RUN = dict(save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+               dataloader_num_workers=0, lr_scheduler_type="constant", weight_decay=0.0, gradient_checkpointing=False,
+               bf16=False, logging_steps=1)
+
+
+class FirstGrads(transformers.TrainerCallback):
+    """Every parameter's gradient just before the first optimizer step."""
+
+    def __init__(self):
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.grads:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def trl_config(config_cls, tmp_path, defaults: dict, **kw):
+    """``config_cls`` (SFTConfig, DPOConfig, GRPOConfig) for a short CPU run in ``tmp_path``: CPU_RUN, then the
+    test file's ``defaults``, then ``kw``."""
+    return config_cls(**{"output_dir": str(tmp_path), **CPU_RUN, **defaults, **kw})
