@@ -8,12 +8,14 @@ import copy
 
 import pytest
 import torch
+import transformers
 
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.errors import ConfigurationError
+from hf_accel.facts import stock_keeps_documents_apart
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
-from tests.trl_runs import FirstGrads, trl_config
+from tests.trl_runs import FirstGrads, in_backward, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.dpo import DPOTrainer, bind_packed_forward  # noqa: E402
@@ -70,11 +72,17 @@ def _models(name="llama-gqa"):
 
 
 class RowShapes:
-    """The (rows, length) of every input_ids the embedding sees during training."""
+    """The (rows, length) of every input_ids the embedding sees during training (``grad_only``: in forwards that
+    record gradients, not the no-grad checks and references)."""
 
-    def __init__(self, model):
+    def __init__(self, model, grad_only: bool = False):
         self.shapes: list[tuple[int, ...]] = []
-        model.get_input_embeddings().register_forward_hook(lambda m, args, out: self.shapes.append(tuple(args[0].shape)))
+
+        def record(module, args, out):
+            if torch.is_grad_enabled() or not grad_only:
+                self.shapes.append(tuple(args[0].shape))
+
+        model.get_input_embeddings().register_forward_hook(record)
 
 
 @pytest.mark.parametrize("packing,patched", [(True, True), (False, True), (True, False)],
@@ -88,6 +96,21 @@ def test_matches_trl_with_reference_model(tmp_path, packing, patched):
     theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b"), ref_model=ref)
     assert_same_training(ours, theirs)
     assert (ours[0].patch_report is not None and ours[0].ref_patch_report is not None) == patched
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "falcon-rw-alibi"])
+def test_unpatched_packs_only_where_stock_keeps_documents_apart(tmp_path, family):
+    """Unpatched, the pairs pack only where stock attention keeps packed documents apart (stock Falcon before
+    transformers 5.24 builds its mask without position_ids: its rows stay padded); training equals TRL's either way."""
+    policy, ref = _models(family)
+    apart = stock_keeps_documents_apart(policy)
+    seen = RowShapes(policy, grad_only=True)
+    ours = run(DPOTrainer, policy, config(tmp_path / "a", max_steps=2), ref_model=ref,
+               accel=AccelArguments(patch=False, print_summary=False))
+    policy, ref = _models(family)
+    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", max_steps=2), ref_model=ref)
+    assert_same_training(ours, theirs)
+    assert seen.shapes and all((rows == 1) == apart for rows, _ in seen.shapes), (apart, seen.shapes)
 
 
 @pytest.mark.slow  # ~2 s each; test_packed_forward_equals_padded_call holds the packed call on families in the fast suite
@@ -187,6 +210,10 @@ def test_packed_forward_equals_padded_call(family, patched, left):
     outs = []
     for packed in (False, True):
         model = make(family, seed=0).train()
+        if packed and not patched and not stock_keeps_documents_apart(model):
+            pytest.skip(f"stock {family} of transformers {transformers.__version__} lets packed documents attend to "
+                        "each other: the trainers keep its rows padded (test_unpatched_packs_only_where_stock_keeps_"
+                        "documents_apart)")
         add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
         if packed:
             if patched:
@@ -249,7 +276,7 @@ def test_checkpoint_policy_survives_the_adapter_disabled_reference(tmp_path):
     seen: list[tuple[bool, ...]] = []
 
     def record(module, args):
-        if module is layers[0] and torch.is_grad_enabled():
+        if module is layers[0] and torch.is_grad_enabled() and not in_backward():  # a forward, not a recompute
             seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
 
     layers[0].register_forward_pre_hook(record)

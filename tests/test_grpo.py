@@ -10,7 +10,7 @@ import torch
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
-from tests.trl_runs import FirstGrads, trl_config
+from tests.trl_runs import FirstGrads, in_backward, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.grpo import GRPOTrainer  # noqa: E402
@@ -127,7 +127,7 @@ def test_checkpoint_policy_survives_generation_and_the_reference(tmp_path):
     seen: list[tuple[bool, ...]] = []
 
     def record(module, args):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not in_backward():  # a forward, not a recompute
             seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
 
     layers[0].register_forward_pre_hook(record)

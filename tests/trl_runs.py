@@ -26,3 +26,8 @@ def trl_config(config_cls, tmp_path, defaults: dict, **kw):
     """``config_cls`` (SFTConfig, DPOConfig, GRPOConfig) for a short CPU run in ``tmp_path``: CPU_RUN, then the
     test file's ``defaults``, then ``kw``."""
     return config_cls(**{"output_dir": str(tmp_path), **CPU_RUN, **defaults, **kw})
+
+
+def in_backward() -> bool:
+    """Whether this runs inside autograd's backward (a checkpointed layer's recompute), not a forward of the step."""
+    return torch._C._current_graph_task_id() != -1

@@ -112,6 +112,12 @@ class PackedTRLMixin:
         policy = self.accelerator.unwrap_model(self.model)
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         patched = self.accel.patch
+        if not patched and not _stock_keeps_documents_apart(base):
+            # e.g. stock Falcon before transformers 5.24 builds its mask without position_ids: packed documents would
+            # attend to each other
+            self._accel_note(f"{self._rows}: TRL's padded rows (stock attention of this model does not keep packed "
+                             "documents apart; the patched model packs)")
+            return
         self._undo_packing = [bind_packed_forward(base, seam_reads_cu_seqlens=patched)]
         ref = self._unwrapped_ref()
         if ref is not None:
@@ -195,6 +201,14 @@ def bind_packed_forward(model: torch.nn.Module, *, seam_reads_cu_seqlens: bool =
             model.__dict__["forward"] = own
 
     return undo
+
+
+def _stock_keeps_documents_apart(model: torch.nn.Module) -> bool:
+    from ..facts import stock_keeps_documents_apart
+    from .data_loading import model_family
+
+    family = model_family(model)  # a family typed in patches/ may know better than the live check
+    return family.stock_keeps_documents_apart(model) if family is not None else stock_keeps_documents_apart(model)
 
 
 def _signature_of(fn: Callable) -> Any:
