@@ -51,7 +51,8 @@ def test_hf_accel_qlora_rows_train_on_a_4bit_base(config, workload):
 
 
 @pytest.mark.parametrize("config, workload", [("trl-qlora", "llama-70b-qlora"), ("trl-qlora-kbit", "llama-8b-qlora"),
-                                              ("hf_accel-qlora-sft", "llama-8b-qlora")])
+                                              ("hf_accel-qlora-sft", "llama-8b-qlora"),
+                                              ("hf_accel-qlora-sft-liger", "llama-8b-qlora")])
 def test_trl_qlora_rows_build_and_train_through_trl(monkeypatch, config, workload):
     """TRL's rows with sdpa for flash-attn-4 and without Liger (its Triton kernels need CUDA), and hf_accel's
     SFTTrainer row: the model each trains is the 4-bit base with the LoRA TRL added from peft_config (what each row

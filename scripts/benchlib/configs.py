@@ -172,9 +172,10 @@ def _liger_padded(settings: RunSettings, data: BenchData, options: Options, timi
     return model
 
 
-def _trl(name: str) -> Callable[..., nn.Module]:
+def _trl(name: str, ours: bool = False) -> Callable[..., nn.Module]:
     """Anchor `name`'s TRL configuration, from its recipe (anchors.ANCHORS): the base as the recipe loads it (bf16, or
-    NF4 with or without PEFT's kbit preparation), LoRA through TRL's peft_config, SFTConfig from the recipe."""
+    NF4 with or without PEFT's kbit preparation), LoRA through TRL's peft_config, SFTConfig from the recipe.
+    ``ours``: the same recipe through hf_accel.SFTTrainer (the TRL drop-in, no hf_accel flags: issue 69c)."""
     recipe: TrlRecipe = ANCHORS[name].trl
 
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
@@ -184,9 +185,12 @@ def _trl(name: str) -> Callable[..., nn.Module]:
         else:
             model = build_model(settings, attn)
         peft = lora_config(settings.workload) if settings.workload.lora else None
-        timing.notes.append(f"anchor {name}: {recipe}")
+        timing.notes.append(f"{'hf_accel.SFTTrainer on the recipe of ' if ours else ''}anchor {name}: {recipe}")
+        trainer_cls = None
+        if ours:
+            from hf_accel import SFTTrainer as trainer_cls
         return run_trl(model, data, settings, timing, liger=recipe.liger, peft_config=peft,
-                       packing_strategy=recipe.packing_strategy, loss_type=recipe.loss_type)
+                       packing_strategy=recipe.packing_strategy, loss_type=recipe.loss_type, trainer_cls=trainer_cls)
 
     return run
 
@@ -330,6 +334,14 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("trl-fa4-packed-liger", True, ("fa4", "trl", "cuda", "liger", "liger-family"),
                     _trl("trl-fa4-packed-liger"), "as trl-fa4-packed plus use_liger_kernel=True",
                     wrong_for=_PACKING_LEAKS, launched=_trl("trl-fa4-packed-liger")),
+        # issue 69c: the TRL route, TRL's own SFTConfig through hf_accel.SFTTrainer, with and without Liger
+        BenchConfig("hf_accel-trl", False, ("hf_accel", "trl"), _trl("trl-fa4-packed", ours=True),
+                    "hf_accel.SFTTrainer (no hf_accel flags) with trl-fa4-packed's SFTConfig and model: the TRL "
+                    "drop-in"),
+        BenchConfig("hf_accel-trl-liger", False, ("hf_accel", "trl", "cuda", "liger", "liger-family"),
+                    _trl("trl-fa4-packed-liger", ours=True),
+                    "as hf_accel-trl with use_liger_kernel=True (trl-fa4-packed-liger's SFTConfig): liger's modules "
+                    "bound before hf_accel patches"),
         BenchConfig("hf_accel", False, ("hf_accel",), _hf_accel(best=False),
                     "hf_accel.patch(model, fused_ce=False, fused_ops=False, compile=False, mlp_chunks=False) + "
                     "TokenBudgetBatchSampler "
@@ -457,6 +469,12 @@ CONFIGS.update({
         BenchConfig("hf_accel-qlora-sft", False, ("bitsandbytes", "hf_accel", "trl"), _hf_accel_sft,
                     "hf_accel.SFTTrainer(peft_config=...) on the NF4 base as loaded, TRL's packing (the TRL anchor's "
                     "SFTConfig without Liger): the drop-in path for TRL users", sites=BNB_SITES),
+        BenchConfig("hf_accel-qlora-sft-liger", False, ("bitsandbytes", "hf_accel", "trl", "cuda", "liger",
+                                                        "liger-family"),
+                    _trl("trl-qlora", ours=True),
+                    "hf_accel.SFTTrainer with TRL's QLoRA anchor's SFTConfig and base (peft_config, "
+                    "use_liger_kernel=True): the drop-in path for TRL users who follow TRL's speed advice",
+                    sites=BNB_SITES),
         BenchConfig("hf_accel-qlora-untrimmed", False, ("bitsandbytes", "hf_accel"),
                     _patched(functools.partial(qlora_base, kbit_preparation=True), untrimmed="OffloadedCheckpointing"),
                     "as hf_accel-qlora-kbit (PEFT's recipe), the recompute untrimmed (the defaults before "

@@ -163,6 +163,29 @@ PRESETS: dict[str, Preset] = {
             # recompile at a new token range; rows take ~100-120 s each: seven outgrow one 10-minute call (queue it)
             dict(steps=6, warmup=3, time_budget=1000, config_timeout=170),
         ),
+        # issue 69c: the TRL route (hf_accel.SFTTrainer on TRL's own SFTConfig, with and without use_liger_kernel)
+        # beside hf_accel.Trainer's defaults and TRL's anchors, same run: within 3% of the defaults' row, no more memory
+        Preset(
+            "trl-route-1b", "Llama-3.2-1B shapes, full FT: hf_accel.SFTTrainer with TRL's SFTConfig, with and "
+            "without use_liger_kernel, vs hf_accel defaults and TRL + flash-attn-4 with and without Liger",
+            "llama-1b", (*_TRL, "hf_accel-defaults", "hf_accel-trl", "hf_accel-trl-liger"),
+            dict(steps=30, warmup=6, time_budget=560, config_timeout=120),
+        ),
+        Preset(
+            "trl-route-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: hf_accel.SFTTrainer with TRL's "
+            "SFTConfig (peft_config), with and without use_liger_kernel, vs hf_accel defaults and TRL + flash-attn-4 "
+            "with and without Liger",
+            "llama-8b-lora", (*_TRL, "hf_accel-defaults", "hf_accel-trl", "hf_accel-trl-liger"),
+            dict(steps=6, warmup=2, time_budget=800, config_timeout=150),
+        ),
+        Preset(
+            "trl-route-8b-qlora", "Llama-3-8B shapes, QLoRA: hf_accel.SFTTrainer(peft_config=...) on the NF4 base, "
+            "with and without use_liger_kernel, vs hf_accel's QLoRA recipe and TRL's QLoRA path with and without "
+            "Liger and on PEFT's kbit preparation, where the bitsandbytes pack is installed",
+            "llama-8b-qlora", ("trl-qlora", "trl-qlora-noliger", "trl-qlora-kbit", "hf_accel-qlora",
+                               "hf_accel-qlora-sft", "hf_accel-qlora-sft-liger"),
+            dict(steps=6, warmup=3, time_budget=1100, config_timeout=170),
+        ),
         Preset(  # issue 38d: a 16k-token step is ~6 x 70B x 16k FLOPs (tens of seconds on one GPU): few steps
             "llama-70b-qlora", "Llama-3-70B shapes, QLoRA (NF4 base built layer by layer on the GPU, LoRA r=16, "
             "checkpointing): hf_accel defaults vs TRL's QLoRA path + flash-attn-4 + Liger; Unsloth loads from files, "
