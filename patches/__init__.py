@@ -37,7 +37,9 @@ def family_of(model: Any) -> Family:
     _refuse_multimodal(model, config)
     from hf_accel.facts import found_family
 
-    return found_family(model)
+    from .experts import prepare_probe_copy
+
+    return found_family(model, prepare_copy=prepare_probe_copy)
 
 
 def _refuse_multimodal(model, config) -> None:

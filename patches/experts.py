@@ -98,6 +98,12 @@ def apply(model: nn.Module) -> tuple[list[str], list[Undo]]:
     return names, undo
 
 
+def prepare_probe_copy(model: nn.Module) -> None:
+    """What ``patch()`` will do to a model, done to the fake-tensor copy ``hf_accel.facts`` probes (its per-layer
+    saved bytes are then the grouped path's, which ``patch()`` trains through, not stock's)."""
+    apply(model)
+
+
 def _bound_here(module: nn.Module, fn: Callable) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is fn
 
@@ -212,8 +218,55 @@ def _cuda_grouped_mm_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     return aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
+def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = offs.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+@torch.library.custom_op("hf_accel::experts_grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``'s contract for any dtype and device, as one op: what the facts probe runs on fake tensors
+    (whose group sizes it cannot read), saving for backward what ``torch._grouped_mm`` saves (the rows only where
+    the weight trains). Training calls take ``grouped_mm``'s own paths."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[-1])
+    return torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(_group_bounds(offs))])
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_op_fake(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def _grouped_mm_op_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, w, offs = inputs
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None, offs)
+
+
+def _grouped_mm_op_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    x, w, offs = ctx.saved_tensors
+    grad_x = _grouped_mm_op(grad, w.transpose(-2, -1).contiguous(), offs) if ctx.needs_input_grad[0] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = grad.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])
+        for i, (s, e) in enumerate(_group_bounds(offs)):
+            grad_w[i] = x[s:e].transpose(0, 1) @ grad[s:e]
+    return grad_x, grad_w, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_op_backward, setup_context=_grouped_mm_op_setup)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
     """Rows of ``x`` (S, K), sorted by expert, times their expert's ``w`` (E, K, N) -> (S, N)."""
+    if _is_fake(x):  # the facts probe: shapes only
+        return _grouped_mm_op(x, w, groups.offs)
     if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")  # grouped_mm is not autocast-aware; F.linear would cast
         x, w = x.to(dtype), w.to(dtype)

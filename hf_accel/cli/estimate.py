@@ -60,6 +60,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser.add_argument("--lora-r", "--lora-rank", dest="lora_rank", type=int, default=None, metavar="R",
                         help="LoRA rank (leave it out for full fine-tuning)")
     parser.add_argument("--lora-targets", default=None, help="comma-separated module names (default: the family's)")
+    parser.add_argument("--lora-experts", action="store_true",
+                        help="with --lora-r: LoRA on the MoE experts' 3-D projections too (PEFT's target_parameters)")
     parser.add_argument("--max-tokens-per-batch", "--batch-tokens", dest="batch_tokens", type=int, default=4096, metavar="N",
                         help="tokens per packed micro-batch (default 4096)")
     parser.add_argument("--checkpointing", default="none",
@@ -97,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.load_in_4bit and args.lora_rank is None:
         raise UsageError("--load-in-4bit: a 4-bit base is frozen and trains LoRA adapters (QLoRA): add --lora-r R "
                          "(e.g. 16)")
+    if args.lora_experts and args.lora_rank is None:
+        raise UsageError("--lora-experts puts LoRA adapters on the experts: add --lora-r R (e.g. 16)")
     for name in ("use_bnb_nested_quant", "keep_base_dtype"):
         if getattr(args, name) and not args.load_in_4bit:
             raise UsageError(f"--{name.replace('_', '-')} applies to a 4-bit base: add --load-in-4bit")
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         host_bytes=int(args.host_gib * 1024**3) if args.host_gib is not None else None,
         base_4bit=args.load_in_4bit, nested_quant=args.use_bnb_nested_quant, keep_base_dtype=args.keep_base_dtype,
         loss=args.loss,
-        mlp_chunks=args.mlp_chunks,
+        mlp_chunks=args.mlp_chunks, lora_experts=args.lora_experts,
     )
     print(estimate.table())
 

@@ -9,6 +9,7 @@ probe input (``fusable``). A family needing more than the seam (Falcon's own att
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,13 +46,15 @@ def _fingerprint(config) -> str:
 _PROBES: dict[tuple, Probed] = {}
 
 
-def probed(model_cls: type, config, dtype: torch.dtype = torch.bfloat16) -> Probed:
-    """``probe_config``, memoised per class, config and dtype (a config changed in place probes again)."""
-    key = (model_cls, _fingerprint(config), dtype)
+def probed(model_cls: type, config, dtype: torch.dtype = torch.bfloat16,
+           prepare_copy: Callable[[nn.Module], None] | None = None) -> Probed:
+    """``probe_config``, memoised per class, config, dtype and preparation (a config changed in place probes
+    again)."""
+    key = (model_cls, _fingerprint(config), dtype, prepare_copy)
     if key not in _PROBES:
         if len(_PROBES) > 64:
             _PROBES.clear()
-        _PROBES[key] = probe_config(model_cls, config, dtype)
+        _PROBES[key] = probe_config(model_cls, config, dtype, prepare_copy)
     return _PROBES[key]
 
 
@@ -81,22 +84,25 @@ def _needs_eager(model_cls: type, calls) -> bool:
     return any(c.asks.softcap or c.asks.sinks is not None or c.asks.unknown for c in calls)
 
 
-def found_family(model_or_config: Any) -> Family:
+def found_family(model_or_config: Any, prepare_copy: Callable[[nn.Module], None] | None = None) -> Family:
     """The generic Family of a transformers causal LM (or its config). UnsupportedModel where its attention does not
-    go through transformers' AttentionInterface."""
+    go through transformers' AttentionInterface. ``prepare_copy``: what patch() does beyond the attention seam (the
+    MoE experts' grouped path), done to the fake-tensor copy the facts are read from, so its saved bytes are the
+    patched model's."""
     get_base = getattr(model_or_config, "get_base_model", None)
     model = get_base() if callable(get_base) else model_or_config  # under PEFT, the transformers model
     config = getattr(model, "config", model)
     if isinstance(model, nn.Module):
-        return _found(type(model), config, model)
-    return _found(causal_lm_class(config), config)
+        return _found(type(model), config, model, prepare_copy)
+    return _found(causal_lm_class(config), config, prepare_copy=prepare_copy)
 
 
-def _found(model_cls: type, config, model: nn.Module | None = None) -> Family:
+def _found(model_cls: type, config, model: nn.Module | None = None,
+           prepare_copy: Callable[[nn.Module], None] | None = None) -> Family:
     model_type = config.model_type
     causal_lm_class(config)  # a causal LM (or its body): not a vision or audio tower, an encoder, ...
     try:
-        facts = probed(model_cls, config)
+        facts = probed(model_cls, config, prepare_copy=prepare_copy)
     except Exception as e:  # noqa: BLE001 - a forward fake tensors cannot run: the seam without found facts
         if model is None or not any(uses_attention_interface(m) for m in model.modules()):
             raise UnsupportedModel(
@@ -118,7 +124,7 @@ def _found(model_cls: type, config, model: nn.Module | None = None) -> Family:
                   for i in stock_layers)
 
     def layer_bytes(config_: Any, b: int) -> LayerBytes:
-        saves = probed(model_cls, config_, _DTYPES.get(b, torch.bfloat16)).layers
+        saves = probed(model_cls, config_, _DTYPES.get(b, torch.bfloat16), prepare_copy).layers
         return LayerBytes(*(_mean([getattr(s, f) for s in saves]) for f in ("none", "op", "full", "mlp")))
 
     def apply(model: nn.Module, backend: str):

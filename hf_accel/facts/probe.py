@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -360,11 +360,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16) -> Probed:
-    """The facts of ``model_cls`` built from ``config`` with weights (and activations) in ``dtype``."""
+def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16,
+                 prepare_copy: Callable[[nn.Module], None] | None = None) -> Probed:
+    """The facts of ``model_cls`` built from ``config`` with weights (and activations) in ``dtype``; ``prepare_copy``
+    runs on the fake-tensor copy first (what patch() does to it beyond the attention seam)."""
     from ..memory.targets import default_save_ops
 
     model, mode = fake_model(model_cls, config, dtype)
+    if prepare_copy is not None:
+        with mode:
+            prepare_copy(model)
     layers = decoder_layers(model)
     names = {id(m): n for n, m in model.named_modules()}
     index_of = {id(layer): i for i, layer in enumerate(layers)}

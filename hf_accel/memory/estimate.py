@@ -105,20 +105,41 @@ def _family(config):
     return family_of(config)
 
 
-def _layer_bytes(config, b: int, lora_rank: int | None, adapted) -> tuple[LayerActivation, int]:
+def _layer_bytes(config, b: int, lora_rank: int | None, adapted, experts: tuple = (),
+                 lora_experts: bool = False) -> tuple[LayerActivation, int]:
     """Per-token bytes one decoder layer keeps (flash-style attention: no seq x seq tensor; GQA not repeated), as the
     family counts what autograd saves in its layers (``Family.layer_bytes``), with what each LoRA-adapted linear
     saves (its input cast to fp32 under a half dtype, the rank-r A output); and of the 'none' figure, the part
-    inside the MLP (its intermediates, the adapted MLP linears' saves), which a chunked MLP holds for one chunk."""
+    inside the MLP (its intermediates, the adapted MLP linears' saves), which a chunked MLP holds for one chunk.
+    ``experts``: the layer's MoE experts modules (``ExpertsShape``), whose share the family measured with trainable
+    weights: under LoRA they are frozen (no weight inputs kept) unless ``lora_experts`` puts adapters on them."""
     per_token = _family(config).layer_bytes(config, b)
 
-    def lora_saves(count: int, in_features: int) -> int:
+    def lora_saves(count: int, in_features: int, out_features: int) -> int:
         return in_features * (4 if b < 4 else 0) + count * (lora_rank or 0) * 4
 
     outside, inside = (lora_saves(*counts) for counts in adapted)
+    # op-level checkpointing also keeps each adapter's B output (a matmul's, fp32 as PEFT's adapters compute)
+    b_outputs = sum(out_features for _, _, out_features in adapted) * 4
+    none_extra, op_extra = _experts_extra(experts, b, lora_rank, lora_experts)
     extra = outside + inside
-    return (LayerActivation(per_token.none + extra, per_token.op + extra, per_token.full),
+    return (LayerActivation(per_token.none + extra + none_extra, per_token.op + extra + b_outputs + op_extra,
+                            per_token.full),
             per_token.mlp + inside)
+
+
+def _experts_extra(experts: tuple, b: int, lora_rank: int | None, lora_experts: bool) -> tuple[int, int]:
+    """(none, op) bytes per token the experts keep beyond what the family measured (trainable experts, no LoRA):
+    frozen experts keep no weight inputs; LoRA on them keeps the rank-r products, and op-level checkpointing their
+    outputs (the low-rank path's two grouped GEMMs per projection)."""
+    none = op = 0
+    for shape in experts:
+        ours = shape.saved_bytes_per_token(b, lora_rank=(lora_rank or 0) if lora_experts else 0,
+                                           trainable=not lora_rank)
+        none += ours - shape.saved_bytes_per_token(b, trainable=True)
+        if lora_experts:
+            op += shape.top_k * (2 * lora_rank + shape.up_width + shape.hidden) * b
+    return none, op
 
 
 def _layer_at(per_token: LayerActivation, mlp_per_token: int, grads_per_token: int, chunking,
@@ -177,12 +198,18 @@ class _Parameters:
     total: int
     lora: int
     linear_weights: tuple[int, ...]  # numel of each quantizable linear weight
-    # one decoder layer's adapted linears (LoRA): (count, sum of in_features) outside its MLP and inside it
-    adapted: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
+    # one decoder layer's adapted linears (LoRA): (count, sum of in_features, sum of out_features) outside its MLP
+    # and inside it
+    adapted: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 0, 0), (0, 0, 0))
+    experts: tuple = ()  # the first decoder layer's MoE experts modules (hf_accel.patches.experts.ExpertsShape)
 
 
-def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]) -> _Parameters:
-    """The parameters of the model `config` describes, built on the meta device."""
+def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str],
+                      lora_experts: bool = False) -> _Parameters:
+    """The parameters of the model `config` describes, built on the meta device; ``lora_experts``: LoRA on every
+    MoE experts module's 3-D projections too (PEFT's ``target_parameters``: rank r per expert)."""
+    from ..patches.experts import experts_shapes
+
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -198,29 +225,44 @@ def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]
         for name, module in model.named_modules():
             if _adapted(name, module, lora_targets):
                 lora += lora_rank * (module.in_features + module.out_features)
+    shapes = experts_shapes(model)
+    if lora_experts and not shapes:
+        raise ConfigurationError(f"lora_experts: {config.model_type} has no mixture-of-experts experts modules; leave "
+                                 "it out (--lora-experts).")
+    if lora_rank and lora_experts:
+        lora += sum(s.num_experts * lora_rank * (s.hidden + s.up_width + s.intermediate + s.hidden) for s in shapes)
+    from .targets import decoder_layers
+
+    layers = decoder_layers(model)
+    first = {id(m) for m in layers[0].modules()} if layers else set()
+    named = dict(model.named_modules())
     return _Parameters(params, lora, tuple(m.weight.numel() for m in linears),
-                       _adapted_in_first_layer(model, lora_targets) if lora_rank else ((0, 0), (0, 0)))
+                       _adapted_in_first_layer(model, lora_targets) if lora_rank else ((0, 0, 0), (0, 0, 0)),
+                       tuple(s for s in shapes if id(named[s.path]) in first))
 
 
 def _adapted(name: str, module: nn.Module, lora_targets: Sequence[str]) -> bool:
     return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets
 
 
-def _adapted_in_first_layer(model: nn.Module, lora_targets: Sequence[str]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(count, sum of in_features) of the first decoder layer's adapted linears outside its MLP and inside it."""
+def _adapted_in_first_layer(model: nn.Module, lora_targets: Sequence[str]
+                            ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(count, sum of in_features, sum of out_features) of the first decoder layer's adapted linears outside its MLP
+    and inside it."""
     from .targets import decoder_layers
 
     layers = decoder_layers(model)
     if not layers:
-        return (0, 0), (0, 0)
+        return (0, 0, 0), (0, 0, 0)
     mlp = getattr(layers[0], "mlp", None)
     inside = {id(m) for m in mlp.modules()} if isinstance(mlp, nn.Module) else set()
-    found = [[0, 0], [0, 0]]
+    found = [[0, 0, 0], [0, 0, 0]]
     for name, module in layers[0].named_modules():
         if _adapted(name, module, lora_targets):
             where = found[id(module) in inside]
             where[0] += 1
             where[1] += module.in_features
+            where[2] += module.out_features
     return tuple(map(tuple, found))
 
 
@@ -238,7 +280,7 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
                              batch_tokens: int = 4096, checkpointing="none",
                              device_bytes: int | None = None, host_bytes: int | None = None,
                              base_4bit: bool = False, nested_quant: bool = False, keep_base_dtype: bool = False,
-                             loss: str = "fused", mlp_chunks="auto") -> MemoryEstimate:
+                             loss: str = "fused", mlp_chunks="auto", lora_experts: bool = False) -> MemoryEstimate:
     """Predict weights, gradients, optimizer states, activations and the peak of one training step, offline.
 
     dtype: weights and activations ("bf16", "fp16", "fp32"); LoRA adapters are fp32 (PEFT's default).
@@ -255,19 +297,24 @@ def estimate_training_memory(config_or_path, dtype: str = "bf16", optimizer: str
     whole (tokens, vocab) logits, their fp32 copy and log-softmax).
     mlp_chunks: patch()'s setting ("auto", a chunk size in tokens, or False): where it runs a length's MLPs in
     chunks, a layer holds one chunk's MLP intermediates.
+    lora_experts: with lora_rank, LoRA on the MoE experts' 3-D projections too (PEFT's ``target_parameters``); MoE
+    layers are counted as hf_accel's grouped experts path keeps them (total parameters in the weights, each token's
+    top-k experts in the activations).
     """
     config = load_config(config_or_path)
     _check_arguments(dtype, lora_rank, base_4bit, nested_quant, keep_base_dtype, loss)
     # the kbit preparation: fp32 outside the 4-bit linears (unless they are kept in the run's dtype)
     b = 4 if base_4bit and not keep_base_dtype else DTYPE_BYTES[dtype]
     targets = tuple(lora_targets or _family(config).lora_targets)
-    counted = _count_parameters(config, lora_rank, targets)
+    if lora_experts and not lora_rank:
+        raise ConfigurationError("lora_experts puts LoRA adapters on the experts: pass lora_rank too (--lora-r 16).")
+    counted = _count_parameters(config, lora_rank, targets, lora_experts)
     params, lora = counted.total, counted.lora
     quantized = sum(counted.linear_weights) if base_4bit else 0
     weight_bytes = params * b if not base_4bit else (
         (params - quantized) * b + sum(four_bit_bytes(n, nested_quant) for n in counted.linear_weights))
     trainable, train_bytes = (lora, 4) if lora_rank else (params, b)
-    per_token, mlp_per_token = _layer_bytes(config, b, lora_rank, counted.adapted)
+    per_token, mlp_per_token = _layer_bytes(config, b, lora_rank, counted.adapted, counted.experts, lora_experts)
     state = trainable * train_bytes + _optimizer_state_bytes(trainable, train_bytes, optimizer)  # gradients, optimizer
     fixed = weight_bytes + lora * 4 + state
     compute_bytes = DTYPE_BYTES[dtype]  # what the forward computes in (autocast's dtype for a 4-bit base)

@@ -19,6 +19,8 @@ from ..errors import ConfigurationError
 _DEFAULT_SAVE_OP_NAMES = (
     # matmuls (nn.Linear decomposes to mm / addmm under the dispatcher)
     "mm", "addmm", "bmm", "baddbmm", "linear", "_addmm_activation",
+    # the MoE experts' grouped GEMMs (hf_accel.patches.experts on CUDA)
+    "_grouped_mm",
     # attention kernels: their outputs are the most expensive thing in a layer to recompute
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -30,6 +32,8 @@ def default_save_ops() -> frozenset:
     """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels,
     hf_accel.attention.kernels.SAVEABLE_OPS."""
     packets = {getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
+    # the grouped GEMM's stand-in the facts probe runs on fake tensors (registered by hf_accel.patches.experts)
+    packets |= {getattr(torch.ops.hf_accel, name) for name in ("experts_grouped_mm",) if hasattr(torch.ops.hf_accel, name)}
     try:  # read at apply time: the flash-attn-4 custom op registers itself when its backend module is imported
         from ..attention import kernels
 
