@@ -182,7 +182,7 @@ def peft_experts_forward(self: nn.Module, hidden_states: torch.Tensor, *args: An
     while isinstance(base, type(self)):
         chain.append(base)
         base = base.base_layer
-    factors = None if kwargs else _lora_factors(chain)
+    factors = None if kwargs or not self.training else _lora_factors(chain)
     if factors is None:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     return grouped_experts_forward(base, hidden_states, *args, lora=factors)
@@ -321,7 +321,11 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
                             top_k_weights: torch.Tensor, lora: dict[str, Factors] | None = None) -> torch.Tensor:
     """The experts of ``self`` on ``hidden_states`` (T, H), each token through its ``top_k_index`` (T, k) experts,
     summed with ``top_k_weights`` (T, k): what stock's eager loop computes, on rows grouped by expert. ``lora``:
-    {parameter name: (lhs, rhs, scaling)} of PEFT's adapters on the 3-D parameters (``peft_experts_forward``)."""
+    {parameter name: (lhs, rhs, scaling)} of PEFT's adapters on the 3-D parameters (``peft_experts_forward``).
+    Outside training (eval mode: evaluation, generation, compiled decode) the class's own forward runs, with the
+    experts implementation the model was given, exactly as unpatched."""
+    if not self.training:
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     lora = lora or {}
     num_tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]

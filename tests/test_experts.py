@@ -399,3 +399,27 @@ def test_memory_estimate_counts_the_grouped_path(model_type, setting, one_torch_
         alone = estimate(False)
         added = [ours.layer.retained(c) - alone.layer.retained(c) for c in ("none", "op")]
         assert added == [measured[0] - without[0], measured[1] - without[1]], (added, measured, without)
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+def test_eval_runs_the_models_own_experts(model_type, monkeypatch, one_torch_thread):
+    """Evaluation and generation behave as unpatched: in eval mode the experts run the class's own forward with the
+    experts implementation the model was given (the same logits bit for bit, the grouped path never called), and a
+    fullgraph compile of the forward (compiled decode) traces; training calls take the grouped path."""
+    ref = make(model_type).eval()
+    ref.set_experts_implementation("grouped_mm")  # transformers' own, which a fullgraph compile traces
+    ours = copy.deepcopy(ref)
+    experts.apply(ours)
+    calls = []
+    real = experts.grouped_mm
+    monkeypatch.setattr(experts, "grouped_mm", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, ref(input_ids=ids).logits)
+        torch._dynamo.reset()
+        compiled = torch.compile(ours, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(input_ids=ids).logits, ref(input_ids=ids).logits)
+        torch._dynamo.reset()
+    assert not calls
+    ours.train()(input_ids=ids)
+    assert calls

@@ -28,12 +28,19 @@ _DEFAULT_SAVE_OP_NAMES = (
 )
 
 
+_GROUPED_GEMM_OPS = (("hf_accel", "experts_grouped_mm"), ("transformers", "grouped_mm_fallback"))
+
+
 def default_save_ops() -> frozenset:
     """Ops whose outputs op-level checkpointing keeps: matmuls, attention kernels,
     hf_accel.attention.kernels.SAVEABLE_OPS."""
     packets = {getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
-    # the grouped GEMM's stand-in the facts probe runs on fake tensors (registered by hf_accel.patches.experts)
-    packets |= {getattr(torch.ops.hf_accel, name) for name in ("experts_grouped_mm",) if hasattr(torch.ops.hf_accel, name)}
+    # grouped GEMMs that are custom ops: the stand-in the facts probe runs on fake tensors (hf_accel.patches.experts)
+    # and transformers' fallback where torch's grouped GEMM does not serve
+    for namespace, name in _GROUPED_GEMM_OPS:
+        ops = getattr(torch.ops, namespace)
+        if hasattr(ops, name):
+            packets.add(getattr(ops, name))
     try:  # read at apply time: the flash-attn-4 custom op registers itself when its backend module is imported
         from ..attention import kernels
 
