@@ -145,10 +145,18 @@ def _is_conv_mixer(module: nn.Module) -> bool:
 
 # ---- the documents of a forward ----
 
+def _hand_documents(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Decoder-layer pre-hook: in training, add the forward's documents to the keyword arguments the layer passes on
+    (from 5.25 on a checkpointed layer's recompute gets these very keyword arguments again). Outside training
+    (evaluation, generation) nothing: the modules read the model forward's record themselves, and a compiled decode
+    (``torch.compile(fullgraph=True)``) traces through this hook without a break."""
+    if not layer.training:
+        return None
+    return _with_documents(args, kwargs)
+
+
 @torch.compiler.disable  # reads the forward's record (a context variable)
-def _hand_documents(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Decoder-layer pre-hook: add the forward's documents to the keyword arguments the layer passes on (from 5.25 on
-    a checkpointed layer's recompute gets these very keyword arguments again)."""
+def _with_documents(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     kwargs[DOCUMENTS_KWARG] = _documents(kwargs, kwargs.get("position_ids", _MISSING), current_forward_batch())
     return args, kwargs
 

@@ -432,3 +432,18 @@ def test_backend_choice_names_each_refusal(monkeypatch):
     assert la.choose_backend(model.model.layers[2].linear_attn, hidden, "per_document") == "per_document"
     with pytest.raises(ConfigurationError, match="allowed: 'auto'"):
         la.apply(model, backend="triton")
+
+
+def test_compiled_decode_traces_in_one_graph(one_torch_thread):
+    """A fullgraph compile of the eval-mode forward with a cache (transformers' compiled decode) traces the patched
+    model as it traces the unpatched one: the decoder layers' pre-hook adds no graph break outside training."""
+    model = tiny("qwen3_5_text").eval()
+    reference = copy.deepcopy(model)
+    patch_linear(model)
+    ids = documents((6,), seed=3)[0][None]
+    with torch.no_grad():
+        want = reference(ids, use_cache=True).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True, backend="eager")(ids, use_cache=True).logits
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
