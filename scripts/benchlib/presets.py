@@ -165,19 +165,15 @@ PRESETS: dict[str, Preset] = {
         ),
         # issue 69c: the TRL route (hf_accel.SFTTrainer on TRL's own SFTConfig, with and without use_liger_kernel)
         # beside hf_accel.Trainer's defaults and TRL's anchors, same run: within 3% of the defaults' row, no more memory
-        Preset(
-            "trl-route-1b", "Llama-3.2-1B shapes, full FT: hf_accel.SFTTrainer with TRL's SFTConfig, with and "
-            "without use_liger_kernel, vs hf_accel defaults and TRL + flash-attn-4 with and without Liger",
-            "llama-1b", (*_TRL, "hf_accel-defaults", "hf_accel-trl", "hf_accel-trl-liger"),
-            dict(steps=30, warmup=6, time_budget=560, config_timeout=120),
-        ),
-        Preset(
-            "trl-route-8b-lora", "Llama-3-8B shapes, LoRA r=16 + checkpointing: hf_accel.SFTTrainer with TRL's "
-            "SFTConfig (peft_config), with and without use_liger_kernel, vs hf_accel defaults and TRL + flash-attn-4 "
-            "with and without Liger",
-            "llama-8b-lora", (*_TRL, "hf_accel-defaults", "hf_accel-trl", "hf_accel-trl-liger"),
-            dict(steps=6, warmup=2, time_budget=800, config_timeout=150),
-        ),
+        *[Preset(
+            name, f"{shape}: hf_accel.SFTTrainer with TRL's SFTConfig, with and without use_liger_kernel, vs hf_accel "
+            "defaults and TRL + flash-attn-4 with and without Liger",
+            workload, (*_TRL, "hf_accel-defaults", "hf_accel-trl", "hf_accel-trl-liger"), settings,
+        ) for name, workload, shape, settings in (
+            ("trl-route-1b", "llama-1b", "Llama-3.2-1B shapes, full FT",
+             dict(steps=30, warmup=6, time_budget=560, config_timeout=120)),
+            ("trl-route-8b-lora", "llama-8b-lora", "Llama-3-8B shapes, LoRA r=16 (peft_config) + checkpointing",
+             dict(steps=6, warmup=2, time_budget=800, config_timeout=150)))],
         Preset(
             "trl-route-8b-qlora", "Llama-3-8B shapes, QLoRA: hf_accel.SFTTrainer(peft_config=...) on the NF4 base, "
             "with and without use_liger_kernel, vs hf_accel's QLoRA recipe and TRL's QLoRA path with and without "
