@@ -385,7 +385,9 @@ def test_memory_estimate_counts_the_grouped_path(model_type, setting, one_torch_
     ours = estimate(setting == "lora-experts")
     assert ours.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
     predicted = [ours.layer.retained(c) for c in ("none", "op", "full")]
-    op_tolerance = 0.25 * measured[1]  # gpt-oss's stand-in attention keeps a little more than its eager one
+    # gpt-oss's stand-in attention keeps a little more than its eager one; under op-level checkpointing LoRA's B
+    # outputs (matmul outputs) are kept too, which the estimate leaves out
+    op_tolerance = 0.25 * measured[1]
     assert abs(predicted[1] - measured[1]) <= op_tolerance and predicted[2] == measured[2], (predicted, measured)
     if setting == "full":
         assert predicted[0] == measured[0], (predicted, measured)

@@ -524,3 +524,29 @@ def test_keep_base_dtype_trains_a_bf16_residual_stream_as_stock(tmp_path, sft_mo
               ["losses"] for name, extra in {"patched": [], "stock": ["--no-patch"]}.items()}
     assert len(losses["patched"]) == 3
     torch.testing.assert_close(losses["patched"], losses["stock"], rtol=1e-4, atol=0)
+
+
+def test_lora_experts_puts_peft_adapters_on_the_experts_and_is_refused_without_them(tmp_path, sft_module):
+    """--lora-experts: PEFT's target_parameters on every experts module's 3-D projections beside the attention
+    adapters (the trainable count PEFT gives that config itself); refused with --lora-r missing, and on a model
+    without experts."""
+    import peft
+
+    from hf_accel.errors import ConfigurationError, UsageError
+    from hf_accel.patches import experts, family_of
+    from tests.tiny_models import make
+
+    base = ["--model", "unused", "--output-dir", str(tmp_path / "out")]
+    args = sft_module.parse_args([*base, "--lora-r", "4", "--lora-experts"])
+    model = sft_module.add_lora(make("qwen3-moe", seed=0), args)
+    reference = make("qwen3-moe", seed=0)
+    reference = peft.get_peft_model(reference, peft.LoraConfig(
+        r=4, target_modules=list(family_of(reference).lora_targets),
+        target_parameters=list(experts.lora_target_parameters(reference))))
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert count == sum(p.numel() for p in reference.parameters() if p.requires_grad)
+    assert any(".experts." in n and "lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(UsageError, match="--lora-experts applies to LoRA"):
+        sft_module.parse_args([*base, "--lora-experts"])
+    with pytest.raises(ConfigurationError, match="no mixture-of-experts experts"):
+        sft_module.add_lora(make("llama-gqa", seed=0), args)

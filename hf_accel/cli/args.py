@@ -130,6 +130,8 @@ class LoraOptions:
     lora_alpha: int | None = field(default=None, metadata=_help("default: 2 * r"))
     lora_targets: str | None = field(default=None, metadata=_help(
         "comma-separated module names (default: the family's)"))
+    lora_experts: bool = field(default=False, metadata=_help(
+        "LoRA on a mixture-of-experts model's experts too (their 3-D projections, PEFT's target_parameters)"))
     load_in_4bit: bool = field(default=False, metadata=_help(
         "QLoRA: the base model's linear layers in 4 bits (bitsandbytes; computed in the run's dtype, so add --bf16 "
         "on a GPU), frozen, with LoRA adapters from --lora-r; needs pip install 'hf_accel[qlora]'"))

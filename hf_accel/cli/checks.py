@@ -72,8 +72,8 @@ def _check_lora(args: argparse.Namespace) -> None:
     if args.lora_r is not None and args.lora_r < 1:
         raise UsageError(f"--lora-r {args.lora_r}: a LoRA rank is at least 1 (leave --lora-r out for full "
                          "fine-tuning)")
-    for name in ("lora_alpha", "lora_targets"):
-        if getattr(args, name) is not None and args.lora_r is None:
+    for name in ("lora_alpha", "lora_targets", "lora_experts"):
+        if getattr(args, name) not in (None, False) and args.lora_r is None:
             raise UsageError(f"{flag(name)} applies to LoRA: add --lora-r R (e.g. 16), or leave {flag(name)} out")
     _check_4bit(args)
     if args.lora_targets is not None:

@@ -153,8 +153,16 @@ def add_lora(model, args: argparse.Namespace):
                                      f"{', '.join(sorted(_linear_names(model)))}.")
     else:  # the family's projection names, as its patch module declares them
         targets = list(family_of(model).lora_targets)
+    parameters = []
+    if getattr(args, "lora_experts", False):
+        from ..patches.experts import lora_target_parameters
+
+        parameters = list(lora_target_parameters(model))
+        if not parameters:
+            raise ConfigurationError(f"--lora-experts: {type(model).__name__} has no mixture-of-experts experts "
+                                     "modules; leave --lora-experts out.")
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets,
-                        lora_dropout=0.0, task_type="CAUSAL_LM")
+                        target_parameters=parameters or None, lora_dropout=0.0, task_type="CAUSAL_LM")
     set_seed(args.seed)  # the adapters' random A matrices follow --seed, whatever ran before (loading, quantizing)
     with warnings.catch_warnings():  # PEFT reads a property transformers 5.2x deprecated: nothing a user can change
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)

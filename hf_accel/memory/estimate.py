@@ -115,16 +115,13 @@ def _layer_bytes(config, b: int, lora_rank: int | None, adapted, experts: tuple 
     weights: under LoRA they are frozen (no weight inputs kept) unless ``lora_experts`` puts adapters on them."""
     per_token = _family(config).layer_bytes(config, b)
 
-    def lora_saves(count: int, in_features: int, out_features: int) -> int:
+    def lora_saves(count: int, in_features: int) -> int:
         return in_features * (4 if b < 4 else 0) + count * (lora_rank or 0) * 4
 
     outside, inside = (lora_saves(*counts) for counts in adapted)
-    # op-level checkpointing also keeps each adapter's B output (a matmul's, fp32 as PEFT's adapters compute)
-    b_outputs = sum(out_features for _, _, out_features in adapted) * 4
     none_extra, op_extra = _experts_extra(experts, b, lora_rank, lora_experts)
     extra = outside + inside
-    return (LayerActivation(per_token.none + extra + none_extra, per_token.op + extra + b_outputs + op_extra,
-                            per_token.full),
+    return (LayerActivation(per_token.none + extra + none_extra, per_token.op + extra + op_extra, per_token.full),
             per_token.mlp + inside)
 
 
@@ -198,9 +195,8 @@ class _Parameters:
     total: int
     lora: int
     linear_weights: tuple[int, ...]  # numel of each quantizable linear weight
-    # one decoder layer's adapted linears (LoRA): (count, sum of in_features, sum of out_features) outside its MLP
-    # and inside it
-    adapted: tuple[tuple[int, int, int], tuple[int, int, int]] = ((0, 0, 0), (0, 0, 0))
+    # one decoder layer's adapted linears (LoRA): (count, sum of in_features) outside its MLP and inside it
+    adapted: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
     experts: tuple = ()  # the first decoder layer's MoE experts modules (hf_accel.patches.experts.ExpertsShape)
 
 
@@ -237,7 +233,7 @@ def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]
     first = {id(m) for m in layers[0].modules()} if layers else set()
     named = dict(model.named_modules())
     return _Parameters(params, lora, tuple(m.weight.numel() for m in linears),
-                       _adapted_in_first_layer(model, lora_targets) if lora_rank else ((0, 0, 0), (0, 0, 0)),
+                       _adapted_in_first_layer(model, lora_targets) if lora_rank else ((0, 0), (0, 0)),
                        tuple(s for s in shapes if id(named[s.path]) in first))
 
 
@@ -245,24 +241,21 @@ def _adapted(name: str, module: nn.Module, lora_targets: Sequence[str]) -> bool:
     return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets
 
 
-def _adapted_in_first_layer(model: nn.Module, lora_targets: Sequence[str]
-                            ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(count, sum of in_features, sum of out_features) of the first decoder layer's adapted linears outside its MLP
-    and inside it."""
+def _adapted_in_first_layer(model: nn.Module, lora_targets: Sequence[str]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(count, sum of in_features) of the first decoder layer's adapted linears outside its MLP and inside it."""
     from .targets import decoder_layers
 
     layers = decoder_layers(model)
     if not layers:
-        return (0, 0, 0), (0, 0, 0)
+        return (0, 0), (0, 0)
     mlp = getattr(layers[0], "mlp", None)
     inside = {id(m) for m in mlp.modules()} if isinstance(mlp, nn.Module) else set()
-    found = [[0, 0, 0], [0, 0, 0]]
+    found = [[0, 0], [0, 0]]
     for name, module in layers[0].named_modules():
         if _adapted(name, module, lora_targets):
             where = found[id(module) in inside]
             where[0] += 1
             where[1] += module.in_features
-            where[2] += module.out_features
     return tuple(map(tuple, found))
 
 
