@@ -181,6 +181,139 @@ def test_script_tiny_cpu_runs_the_new_families(tmp_path, workload, configs):
         assert results["hf-sdpa-padded"]["loss"] == pytest.approx(results["hf-sdpa-packed"]["loss"], rel=1e-4)
 
 
+# issue 67f: the 2026 families' workloads (hf_accel.cli.shapes, benchlib.workloads / presets)
+NEW_FAMILY_WORKLOADS = ("qwen3.5-9b-lora", "gpt-oss-20b-lora", "qwen3-30b-a3b-lora", "gemma4-12b-lora")
+PARAMS_RTOL = 0.01  # published parameter counts are rounded (to 3-4 figures): the shape must land within 1%
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", NEW_FAMILY_WORKLOADS)
+def test_script_tiny_cpu_runs_the_2026_families(tmp_path, workload):
+    """Each 2026 family's workload at its tiny shape (LoRA, checkpointing): TRL's path (attention substituted) and
+    hf_accel best train with finite losses. Qwen3.5's TRL row can only fail on CPU: transformers 5.25 refuses a packed
+    row in its Gated DeltaNet layers without causal-conv1d / fla-core on CUDA (docs/hybrid.md), and the row must say
+    so; stock's padded path (what its preset compares besides TRL) must train."""
+    hybrid = workload.startswith("qwen3.5")
+    configs = "trl-fa4-packed,hf-sdpa-padded,hf_accel-best" if hybrid else "trl-fa4-packed,hf_accel-best"
+    stdout, record = _run_bench(tmp_path, "--workload", workload, "--configs", configs, "--substitute-attn", "sdpa")
+    results = {r["config"]: r for r in record["results"]}
+    for name in configs.split(","):
+        status = results[name]["status"]
+        if hybrid and name == "trl-fa4-packed" and not status.startswith("ok"):
+            assert "can't keep packed sequences apart" in status and "causal_conv1d" in status, results[name]
+            continue
+        assert status.startswith("ok"), results[name]
+        assert results[name]["tokens_per_s"] > 0 and results[name]["loss_finite"], results[name]
+        assert math.isfinite(results[name]["loss"]), results[name]
+
+
+# Each shape's parameter count (its text model, bf16 weights, built on the meta device) against the published one.
+_PUBLISHED_PARAMS = {
+    # Qwen/Qwen3.5-9B: the checkpoint's model.safetensors.index.json total_size, 19,306,216,416 bytes of bf16 =
+    # 9,653,108,208 parameters (the figure a fixture of the checkpoint pins; the hub rounds it to 9.65B), less what
+    # the text model leaves out: the vision tower (Qwen3_5VisionModel from the checkpoint's vision_config, depth 27,
+    # width 1152, built on the meta device: 456,010,480) and the MTP head (mtp_num_hidden_layers 1: a full-attention
+    # decoder layer at these widths, its 2*4096 -> 4096 fc and three norms: 243,290,624)
+    "qwen3.5-9b": 9_653_108_208 - 456_010_480 - 243_290_624,
+    # openai/gpt-oss-20b: 20.91B total parameters (OpenAI's gpt-oss model card, arXiv 2508.10925, table 1; the bf16
+    # model, experts dequantized from their MXFP4 storage)
+    "gpt-oss-20b": 20.91e9,
+    # Qwen/Qwen3-30B-A3B: "30.5B in total and 3.3B activated" (its model card; 29.9B non-embedding)
+    "qwen3-30b-a3b": 30.5e9,
+    # google/gemma-4-12B: 11.95B (its model card), less its ~35M encoder-free vision embedder (a 6912 -> 3840
+    # projection and 1120 x 2 x 3840 positions); its audio projection (640 -> 3840, 2.5M) is below the rounding
+    "gemma4-12b": 11.95e9 - 35e6,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED_PARAMS))
+def test_2026_shapes_build_on_meta_with_their_published_parameter_counts(name):
+    from transformers import AutoModelForCausalLM
+
+    from hf_accel.cli.shapes import model_shape_config
+
+    config = model_shape_config(name)  # constructs (transformers' config class checks the fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(_PUBLISHED_PARAMS[name], rel=PARAMS_RTOL)
+
+
+def test_gemma4_12b_as_gemma4_text_computes_the_published_unified_text_model():
+    """The 12B checkpoint's text_config says gemma4_unified_text; the shape builds gemma4_text without per-layer
+    embeddings (the type hf_accel verifies and liger has kernels for). Same parameters, and the same logits from the
+    same weights, on a tiny config with the 12B's features (K=V global layer with one KV head, wider global heads)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from benchlib.workloads import WORKLOADS
+
+    if "gemma4_unified_text" not in CONFIG_MAPPING:
+        pytest.skip("transformers has no gemma4_unified_text (added in 5.10)")
+    tiny = {k: v for k, v in WORKLOADS["gemma4-12b-lora"].tiny_kwargs.items() if k != "hidden_size_per_layer_input"}
+    tiny.update(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.2)
+    torch.manual_seed(0)
+    unified = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma4_unified_text", **tiny),
+                                               attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma4_text", hidden_size_per_layer_input=0, **tiny),
+                                            attn_implementation="eager")
+    ours.load_state_dict(unified.state_dict(), strict=True)  # the same parameter names and shapes
+    ids = torch.randint(1, tiny["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, unified(ids).logits, rtol=0, atol=0)
+
+
+def test_2026_family_workloads_and_presets():
+    """Each workload: its published shape's family, LoRA on the family's own targets with checkpointing, a tiny shape
+    keeping the family's feature; each preset (named after it) compares TRL's two anchors with hf_accel defaults /
+    best at the family LoRA settings."""
+    from benchlib.presets import _FAMILY_LORA_SETTINGS, PRESETS
+    from benchlib.workloads import WORKLOADS, build_config
+
+    families = {"qwen3.5-9b-lora": "qwen3_5_text", "gpt-oss-20b-lora": "gpt_oss", "qwen3-30b-a3b-lora": "qwen3_moe",
+                "gemma4-12b-lora": "gemma4_text"}
+    for name, family in families.items():
+        w = WORKLOADS[name]
+        assert (w.family, w.lora, w.checkpointing) == (family, True, True), name
+        assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(w.lora_targets), name
+        tiny = build_config(w, tiny=True)
+        assert tiny.model_type == family and tiny.hidden_size == 64, name
+        preset = PRESETS[name]
+        assert preset.workload == name and preset.pending is None and preset.settings == _FAMILY_LORA_SETTINGS
+        assert {"trl-fa4-packed-liger", "trl-fa4-packed", "hf_accel-defaults", "hf_accel-best"} <= set(preset.configs)
+    # MoE: attention only (experts are 3-D parameters: PEFT's target_parameters, not in the harness yet)
+    assert WORKLOADS["gpt-oss-20b-lora"].lora_targets == WORKLOADS["qwen3-30b-a3b-lora"].lora_targets == (
+        "q_proj", "k_proj", "v_proj", "o_proj")
+    assert {"in_proj_qkv", "in_proj_z", "out_proj", "gate_proj"} <= set(WORKLOADS["qwen3.5-9b-lora"].lora_targets)
+    assert "hf-sdpa-padded" in PRESETS["qwen3.5-9b-lora"].configs  # stock's right path without causal-conv1d
+    # the tiny shapes keep each family's feature
+    qwen35, oss, moe, gemma = (build_config(WORKLOADS[n], tiny=True) for n in families)
+    assert set(qwen35.layer_types) == {"linear_attention", "full_attention"}
+    assert set(oss.layer_types) == {"sliding_attention", "full_attention"} and oss.num_local_experts > 1
+    assert moe.num_experts > moe.num_experts_per_tok > 1
+    per_layer = getattr(gemma, "per_layer_config", None)  # transformers 5.25; 5.17 keeps global_head_dim
+    dims = ({per_layer[i].head_dim for i in range(gemma.num_hidden_layers)} if per_layer is not None
+            else {gemma.head_dim, gemma.global_head_dim})
+    assert dims == {16, 32}
+    from hf_accel.training.flops import query_widths  # MFU's attention width per layer (config.head_dim raises)
+
+    assert set(query_widths(gemma)) == {4 * 16, 4 * 32}
+    assert gemma.attention_k_eq_v and gemma.hidden_size_per_layer_input == 0
+
+
+def test_liger_rows_run_for_the_2026_families_where_liger_has_kernels():
+    """TRL's Liger row skips itself only where liger-kernel has no apply function for the model type: liger-kernel
+    0.8.5 has them for all four 2026 families (it imports triton: skipped where it cannot be imported)."""
+    from benchlib.configs import REQUIREMENTS, _liger_families
+    from benchlib.workloads import WORKLOADS
+
+    if not _liger_families():
+        pytest.skip("liger-kernel (with triton) is not importable here")
+    for name in NEW_FAMILY_WORKLOADS:
+        family = WORKLOADS[name].family
+        assert family in _liger_families() and REQUIREMENTS["liger-family"]("cuda", family) is None, family
+    assert "no kernels for model_type 'gpt_neox'" in REQUIREMENTS["liger-family"]("cuda", "gpt_neox")
+
+
 def test_steady_rate_is_the_median_steps_and_ignores_one_stall():
     from benchlib.train import Timing, summarize
 

@@ -23,7 +23,8 @@ from .checks import RUNS_ROOT, check_sft_args, flag
 # --model-shape presets (hf_accel.cli.shapes builds them); names only here, so they are checked without torch
 MODEL_SHAPE_NAMES = ("llama-1b", "llama-8b", "neox-1.4b", "falcon-1b", "llama-8b-long", "llama-1b-long",
                      "llama-small", "neox-small", "falcon-small", "qwen3-8b", "mistral-7b", "gemma2-9b", "qwen3-small",
-                     "mistral-small", "gemma2-small")
+                     "mistral-small", "gemma2-small", "qwen3.5-9b", "gpt-oss-20b", "qwen3-30b-a3b", "gemma4-12b",
+                     "qwen3.5-small", "gpt-oss-small", "qwen3-moe-small", "gemma4-small")
 # attention backends (hf_accel.attention.kernels.BACKENDS; tests/test_cli.py keeps the two lists equal)
 BACKEND_NAMES = ("auto", "fa4", "fa3", "fa2", "torch-fa2", "flex", "sdpa", "reference")
 

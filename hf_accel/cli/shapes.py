@@ -32,6 +32,63 @@ _LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, 
                   num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False, rms_norm_eps=1e-5)
 _LLAMA3 = dict(rope_theta=500000.0, max_position_embeddings=8192)
 
+# Qwen/Qwen3.5-9B text_config (model_type qwen3_5_text): 3 Gated DeltaNet layers then 1 full-attention layer (head_dim
+# 256, gated output), x8. Read from a copy of the checkpoint's config.json (a test fixture of revision c2022362) and
+# cross-checked: slime's scripts/models/qwen3.5-9B.sh (16 heads, 4 KV groups, kv-channels 256, 32 layers, hidden 4096,
+# ffn 12288, vocab 248320, rotary base 1e7, rotary-percent 0.25, untied, output gate) and transformers'
+# Qwen3_5TextConfig defaults (its "Qwen3.5-9B style" config: the same linear_* fields). The checkpoint's total
+# (9,653,108,208 parameters) is exactly this text model + its vision tower + one MTP layer (tests/test_bench.py).
+# max_position_embeddings 262144: the model card's native context and every other published Qwen3.5 config; the 9B's
+# own value was not seen. The MTP layer (mtp_num_hidden_layers 1) is not built by transformers and not trained here.
+QWEN3_5_9B = dict(
+    vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=256, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
+    max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                         mrope_interleaved=True, mrope_section=[11, 11, 10]))
+# openai/gpt-oss-20b: 24 layers alternating sliding (128) / full attention, learned sinks per head, 32 experts top-4
+# (clamped SwiGLU, limit 7), attention biases, YaRN x32 over 4096. Sources: a summary of the checkpoint's config.json
+# (EchoCog/gpt-oss-20b docs/gpt-oss-20b-architecture.md), transformers' GptOssConfig defaults (its 120B differs only in
+# layers and experts) and Megatron/slime gpt-oss-20b model scripts (24 layers, hidden 2880, 64 heads, 8 KV groups,
+# kv-channels 64, ffn 2880, vocab 201088, 32 experts top-4, rotary base 150000, untied). The checkpoint stores the
+# experts in MXFP4; this shape is the bf16 model (dequantized, as the bf16 LoRA recipes train it).
+GPT_OSS_20B = dict(
+    vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 12, attention_bias=True, rms_norm_eps=1e-5,
+    swiglu_limit=7.0, router_aux_loss_coef=0.9, tie_word_embeddings=False, max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                         truncate=False, original_max_position_embeddings=4096))
+# Qwen/Qwen3-30B-A3B: 48 layers, 128 experts top-8 (moe_intermediate_size 768, every layer sparse), per-head q/k norm.
+# Sources: a copy of the checkpoint's config.json (a Qwen3 config collection's "Qwen3-30B-A3B" entry) and slime's
+# scripts/models/qwen3-30B-A3B.sh (the same widths, heads, experts and rotary base).
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+# google/gemma-4-12B (released 2026-06, the published Gemma 4 size closest to 12B; the others are E2B, E4B, 26B-A4B,
+# 31B): 48 layers, 5 sliding (1024, head_dim 256, 8 KV heads) : 1 global (head_dim 512, one KV head whose values are
+# its keys: attention_k_eq_v), no KV-shared layers, no per-layer embeddings. Its checkpoint's text_config says
+# model_type gemma4_unified_text, whose decoder is gemma4_text's without per-layer embeddings: built here as
+# gemma4_text with hidden_size_per_layer_input=0 (the same parameters and logits, tests/test_bench.py). Sources: copies
+# of its text_config in three projects' tests (mogemma, ltx-core-mlx, a GGUF converter's) and the config.json of
+# deepseek-ai/dspark_gemma4_12b_block7 (a drafter at the same widths); model card: 11.95B parameters, 256K context.
+# Not seen in the 12B's own config.json: final_logit_softcapping (30.0: the drafter's, E4B's and 31B's) and
+# tie_word_embeddings (true: Gemma's, and the only value that gives the model card's 11.95B).
+GEMMA4_12B = dict(
+    vocab_size=262144, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+    num_kv_shared_layers=0, hidden_size_per_layer_input=0, sliding_window=1024,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8, final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=262144,
+    rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                     "full_attention": dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                            rope_theta=1000000.0)})
+
 BASES: dict[str, ModelShape] = {
     "llama-1b": ModelShape("llama", dict(_LLAMA_1B, rope_theta=500000.0, max_position_embeddings=131072)),
     "llama-8b": ModelShape("llama", dict(_LLAMA_8B, **_LLAMA3)),
@@ -64,6 +121,12 @@ BASES: dict[str, ModelShape] = {
         vocab_size=50304, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
         new_decoder_architecture=False, multi_query=False, alibi=True, parallel_attn=False, bias=True,
         tie_word_embeddings=True, max_position_embeddings=4096)),
+    # issue 67f: the 2026 families people LoRA-tune on one GPU, text models at their checkpoints' config.json values
+    # (sources and what could not be confirmed: the comment above each; parameter counts: tests/test_bench.py)
+    "qwen3.5-9b": ModelShape("qwen3_5_text", QWEN3_5_9B),
+    "gpt-oss-20b": ModelShape("gpt_oss", GPT_OSS_20B),
+    "qwen3-30b-a3b": ModelShape("qwen3_moe", QWEN3_30B_A3B),
+    "gemma4-12b": ModelShape("gemma4_text", GEMMA4_12B),
 }
 
 _SMALL = dict(hidden_size=1024, num_hidden_layers=4, vocab_size=32000)
@@ -92,6 +155,23 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2-small": ("gemma2-9b", dict(_SMALL, intermediate_size=4096, num_attention_heads=8,
                                        num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128,
                                        sliding_window=512)),
+    # issue 67f: the 2026 families' shapes and their "-small" cuts (Gated DeltaNet beside gated full attention;
+    # sinks with sliding / full layers and a few experts; 8 of 128 experts' routing; both Gemma 4 head dims)
+    "qwen3.5-9b": ("qwen3.5-9b", {}),
+    "gpt-oss-20b": ("gpt-oss-20b", {}),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b", {}),
+    "gemma4-12b": ("gemma4-12b", {}),
+    "qwen3.5-small": ("qwen3.5-9b", dict(_SMALL, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
+                                         head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
+                                         layer_types=["linear_attention"] * 3 + ["full_attention"])),
+    "gpt-oss-small": ("gpt-oss-20b", dict(_SMALL, intermediate_size=1024, num_attention_heads=16,
+                                          num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                                          layer_types=["sliding_attention", "full_attention"] * 2)),
+    "qwen3-moe-small": ("qwen3-30b-a3b", dict(_SMALL, moe_intermediate_size=512, num_attention_heads=16,
+                                              num_key_value_heads=4, head_dim=64, num_experts=16)),
+    "gemma4-small": ("gemma4-12b", dict(_SMALL, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=4,
+                                        sliding_window=512,
+                                        layer_types=["sliding_attention"] * 3 + ["full_attention"])),
 }
 
 

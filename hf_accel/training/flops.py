@@ -11,7 +11,8 @@ is not -100 after the causal shift):
   only: a masked position (a prompt token, a document's first token) needs no logits, so its head work is not model
   work, whatever a configuration spends on it. Without masks (T_target = T) this is the plain formula.
 - attention: per layer, causal QK^T and PV cost 2 * 2 * d_attn * n^2 / 2 forward, x3 for forward+backward.
-  d_attn = num_attention_heads * head_dim (query width; GQA does not reduce score FLOPs).
+  d_attn = num_attention_heads * head_dim (query width; GQA does not reduce score FLOPs), averaged over the layers
+  where it varies (Gemma 4's global layers have heads twice as wide as its sliding ones).
 Recomputation by gradient checkpointing is not counted (MFU, not hardware FLOPs utilisation); padding is not
 counted either, so padded configurations are charged only for useful work.
 """
@@ -32,7 +33,7 @@ class FlopModel:
     trainable_matmul_params: int
     frozen_matmul_params: int
     num_layers: int
-    attn_width: int  # num_attention_heads * head_dim
+    attn_width: float  # num_attention_heads * head_dim, the mean over the decoder layers
     head_trainable_params: int = 0  # of the above, the LM head's (counted on target tokens only)
     head_frozen_params: int = 0
 
@@ -50,9 +51,8 @@ class FlopModel:
                 count[0] += weights
                 count[1] += weights if id(module) in in_head else 0
         config = model.config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(counts[True][0], counts[False][0], config.num_hidden_layers, heads * head_dim,
+        widths = query_widths(config)
+        return cls(counts[True][0], counts[False][0], config.num_hidden_layers, sum(widths) / len(widths),
                    counts[True][1], counts[False][1])
 
     def step_flops(self, doc_lengths: Iterable[int], targets: int | None = None) -> float:
@@ -68,6 +68,16 @@ class FlopModel:
         if targets is not None:  # no LM-head work for a token without a target
             dense = dense - (6 * self.head_trainable_params + 4 * self.head_frozen_params) * (tokens - targets)
         return dense + 6 * self.num_layers * self.attn_width * squared_lengths
+
+
+def query_widths(config) -> list[int]:
+    """Each decoder layer's query width (heads x head_dim). transformers 5.25 keeps what varies by layer in
+    ``config.per_layer_config`` (Gemma 4: reading ``config.head_dim`` there raises); 5.17 has one global value."""
+    per_layer = getattr(config, "per_layer_config", None)
+    layers = ([per_layer[i] for i in range(config.num_hidden_layers)] if per_layer is not None
+              else [config] * config.num_hidden_layers)
+    return [c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+            for c in layers]
 
 
 def peak_flops(device_name: str | None) -> float | None:

@@ -151,6 +151,34 @@ PRESETS: dict[str, Preset] = {
             ("qwen3-8b-lora", "Qwen3-8B", ("unsloth",)), ("mistral-7b-lora", "Mistral-7B-v0.1", ("unsloth",)),
             # Unsloth's compiled Gemma-2 layers failed in inductor on torch 2.11 (12-02): its eager row as well
             ("gemma2-9b-lora", "Gemma-2-9B (soft-capping, sliding / global layers)", ("unsloth", "unsloth-eager")))],
+        # issue 67f: the 2026 families people LoRA-tune on one GPU, text models at their published shapes, LoRA r=16
+        # + checkpointing: TRL + flash-attn-4 with and without Liger (liger-kernel 0.8.5 has kernels for all four
+        # model types) vs hf_accel defaults / best (budget:0.8). Not yet measured on a GPU.
+        Preset(
+            "qwen3.5-9b-lora", "Qwen3.5-9B text model shapes (24 Gated DeltaNet + 8 gated attention layers), LoRA r=16 "
+            "on all decoder linears + checkpointing: TRL + flash-attn-4 with and without Liger (stock packing of the "
+            "Gated DeltaNet layers needs fla-core and causal-conv1d on CUDA: transformers refuses the packed rows "
+            "otherwise, and those rows say so) and HF SDPA padded (stock's path that is right without them) vs "
+            "hf_accel defaults / best (checkpointing budget:0.8)",
+            "qwen3.5-9b-lora", (*_TRL, "hf-sdpa-padded", *_DEFAULTS_AND_BEST), _FAMILY_LORA_SETTINGS,
+        ),
+        *[Preset(
+            name, f"{shape}, LoRA r=16 on the attention projections (experts not adapted: PEFT's target_parameters "
+            "is not in the harness yet) + checkpointing: TRL + flash-attn-4 with and without Liger (full "
+            "checkpointing) vs hf_accel defaults / best (checkpointing budget:0.8)",
+            name, (*_TRL, *_DEFAULTS_AND_BEST), _FAMILY_LORA_SETTINGS,
+        ) for name, shape in (
+            ("gpt-oss-20b-lora", "gpt-oss-20b shapes in bf16 (attention sinks, sliding 128 / full layers, 32 experts "
+             "top-4)"),
+            ("qwen3-30b-a3b-lora", "Qwen3-30B-A3B shapes (128 experts top-8)"))],
+        Preset(
+            "gemma4-12b-lora", "Gemma 4 12B text model shapes (sliding 1024 / global layers with head_dim 256 / 512, "
+            "the global layers' values are their keys, final soft-cap), LoRA r=16 on attention and MLP + "
+            "checkpointing: TRL + flash-attn-4 with and without Liger (flash-attn-4 takes head_dim up to 256: where "
+            "transformers refuses it for the 512-wide global layers, those rows say so) and HF SDPA padded (a stock "
+            "path that serves both head dims) vs hf_accel defaults / best (checkpointing budget:0.8)",
+            "gemma4-12b-lora", (*_TRL, "hf-sdpa-padded", *_DEFAULTS_AND_BEST), _FAMILY_LORA_SETTINGS,
+        ),
         Preset(
             "llama-8b-qlora", "Llama-3-8B shapes, QLoRA (bitsandbytes NF4 base, LoRA r=16, checkpointing): TRL's "
             "QLoRA path (peft_config on the base as loaded, flash-attn-4) with and without Liger and on PEFT's kbit "

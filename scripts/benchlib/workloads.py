@@ -23,7 +23,7 @@ class Workload:
     """One model shape to benchmark. `config_kwargs` builds the real shape; `tiny_kwargs` the CPU smoke shape."""
 
     name: str
-    family: str  # transformers model_type: llama, gpt_neox, falcon, qwen3, mistral, gemma2
+    family: str  # transformers model_type: llama, gpt_neox, falcon, qwen3, mistral, gemma2, qwen3_5_text, ...
     config_kwargs: dict[str, Any]
     tiny_kwargs: dict[str, Any]
     lora: bool = False  # LoRA r=16 on every linear layer of the decoder (peft)
@@ -46,6 +46,29 @@ PROMPT_SHARE = (0.4, 0.6)  # the completion workloads: a document's prompt share
 # documents, soft-capping with sliding and global layers)
 _GQA_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
 _LONG_ROPE_TINY = dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64))
+# issue 67f: the 2026 families. LoRA on the family's own targets: Qwen3.5 every decoder linear (its Gated DeltaNet's
+# projections besides attention and MLP, what PEFT's "all-linear" adapts); the MoE families attention only (their
+# experts are 3-D parameters, which LoRA reaches through PEFT's target_parameters: not in the harness yet); Gemma 4
+# attention and MLP (its global layers have no v_proj: their values are their keys).
+_QWEN3_5_TARGETS = (*_LLAMA_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# their CPU smoke shapes, each keeping its family's features: both Qwen3.5 layer kinds (Gated DeltaNet, gated
+# attention with partial rotary); gpt-oss's sinks (every attention layer has them) on a sliding and a full layer, 4
+# experts top-2; Qwen3-MoE's q/k norm and 4 experts top-2; Gemma 4's head_dim 16 / 32 on sliding / global layers,
+# the global layer's one KV head whose values are its keys, the final soft-cap
+_QWEN3_5_TINY = dict(_GQA_TINY, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                     linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                     linear_num_value_heads=4,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                          mrope_interleaved=True, mrope_section=[1, 1, 0]))
+_GPT_OSS_TINY = dict(_GQA_TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                     layer_types=["sliding_attention", "full_attention"], attention_bias=True)
+_QWEN3_MOE_TINY = dict(_GQA_TINY, head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                       norm_topk_prob=True, mlp_only_layers=[])
+_GEMMA4_TINY = dict(_GQA_TINY, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                    num_kv_shared_layers=0, hidden_size_per_layer_input=0, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0,
+                    tie_word_embeddings=True)
 
 
 def _base(name: str) -> tuple[str, dict[str, Any]]:
@@ -114,6 +137,34 @@ WORKLOADS: dict[str, Workload] = {
             notes="Gemma-2-9B shapes (attention soft-cap 50, final logit soft-cap 30, sliding 4096 / global layers "
                   "alternating, head_dim 256, vocabulary 256000, tied), LoRA r=16 alpha=32 on all decoder linears, "
                   "gradient checkpointing on",
+        ),
+        # issue 67f: the 2026 families people LoRA-tune on one GPU (not yet measured on a GPU)
+        Workload(
+            "qwen3.5-9b-lora", *_base("qwen3.5-9b"), dict(_QWEN3_5_TINY),
+            lora=True, checkpointing=True, lora_targets=_QWEN3_5_TARGETS,
+            notes="Qwen3.5-9B text model shapes (24 Gated DeltaNet + 8 gated full-attention layers, head_dim 256, "
+                  "vocabulary 248320), LoRA r=16 alpha=32 on all decoder linears (attention, Gated DeltaNet, MLP), "
+                  "gradient checkpointing on",
+        ),
+        Workload(
+            "gpt-oss-20b-lora", *_base("gpt-oss-20b"), dict(_GPT_OSS_TINY),
+            lora=True, checkpointing=True, lora_targets=_ATTENTION_TARGETS,
+            notes="gpt-oss-20b shapes in bf16 (attention sinks, sliding 128 / full layers alternating, 32 experts "
+                  "top-4), LoRA r=16 alpha=32 on the attention projections (experts not adapted), gradient "
+                  "checkpointing on",
+        ),
+        Workload(
+            "qwen3-30b-a3b-lora", *_base("qwen3-30b-a3b"), dict(_QWEN3_MOE_TINY),
+            lora=True, checkpointing=True, lora_targets=_ATTENTION_TARGETS,
+            notes="Qwen3-30B-A3B shapes (48 layers, 128 experts top-8 of width 768), LoRA r=16 alpha=32 on the "
+                  "attention projections (experts not adapted), gradient checkpointing on",
+        ),
+        Workload(
+            "gemma4-12b-lora", *_base("gemma4-12b"), dict(_GEMMA4_TINY),
+            lora=True, checkpointing=True, lora_targets=_LLAMA_TARGETS,
+            notes="Gemma 4 12B text model shapes (5 sliding 1024 / 1 global layers, head_dim 256 / 512, the global "
+                  "layers' values are their keys, final soft-cap 30, vocabulary 262144, tied), LoRA r=16 alpha=32 on "
+                  "attention and MLP, gradient checkpointing on",
         ),
         Workload(
             "neox-1.4b", *_base("neox-1.4b"),
