@@ -223,6 +223,43 @@ def test_a_model_outside_the_attention_interface_is_refused_saying_so():
     assert {n: type(m) for n, m in model.named_modules()} == before and hf_accel.patch_report(model) is None
 
 
+def test_a_vision_tower_is_refused_as_not_a_causal_lm():
+    """A multimodal model's vision tower (Gemma 3's Siglip) is not a causal LM: patch() refuses it with
+    UnsupportedModel before building anything (transformers' own tests patch every model they build, towers too)."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    tower = SiglipVisionModel(SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14))
+    with pytest.raises(UnsupportedModel, match="not encoders or vision / audio towers"):
+        hf_accel.patch(tower)
+    assert hf_accel.patch_report(tower) is None
+
+
+def test_dynamic_rope_scaling_patches_and_trains_as_unpatched():
+    """Dynamic RoPE reads the longest position of each forward back to the host, which the facts probe's fake
+    tensors cannot give: its copy takes the default RoPE (same shapes); the patched model computes the unpatched
+    one's dynamic frequencies."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    ref_model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=8, use_cache=False,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}))
+    model = copy.deepcopy(ref_model)
+    hf_accel.patch(model, backend="sdpa")
+    ids, mask, labels = batch("right")  # 11 tokens: past max_position_embeddings, where dynamic scaling acts
+    ref_logits, ref_grads = loss_and_grads(ref_model, ids, mask, labels)
+    logits, grads = loss_and_grads(model, ids, mask, labels)
+    real = mask.bool()
+    assert rel_err(logits[real], ref_logits[real]) < LOGITS_RTOL
+    assert all(rel_err(grads[n], g) < GRAD_RTOL for n, g in ref_grads.items())
+    # the probe ran (not the fallback for a probe that failed): the memory estimate, which needs it, answers
+    from hf_accel.memory.estimate import estimate_training_memory
+
+    assert estimate_training_memory(ref_model.config, dtype="fp32", batch_tokens=64).layer.none_bytes > 0
+
+
 def _tiny_gemma3_multimodal():
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
