@@ -314,15 +314,17 @@ def test_a_short_run_logs_its_first_and_last_step_and_draws_its_plot(tmp_path, m
 def test_a_run_is_quiet_and_does_not_import_deepspeed(tmp_path):
     """With the dev extra installed (DeepSpeed, bitsandbytes), a plain run neither imports DeepSpeed (3 s of start-up
     and a GPU-detection warning, for an engine that cannot exist outside a DeepSpeed launch) nor prints messages a
-    user cannot act on, and a log that is not a terminal gets no progress-bar carriage returns."""
+    user cannot act on (a LoRA run, which imports PEFT and bitsandbytes, too), and a log that is not a terminal gets
+    no progress-bar carriage returns."""
     pytest.importorskip("deepspeed")
     script = ("import sys\nfrom hf_accel.cli import sft\n"
               "sft.main(['--max-steps', '3', '--eval-examples', '0', '--output-dir', 'out'])\n"
-              "print('deepspeed imported:', 'deepspeed' in sys.modules)\n")
+              "print('deepspeed imported:', 'deepspeed' in sys.modules)\n"
+              "sft.main(['--max-steps', '2', '--eval-examples', '0', '--output-dir', 'lora', '--lora-r', '4'])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("ACCELERATE_USE_DEEPSPEED", "DS_ACCELERATOR")}
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "deepspeed imported: False" in proc.stdout
-    for noise in ("Setting accelerator", "gemm_4bit_forward", "is deprecated", "\r"):
+    for noise in ("Setting accelerator", "gemm_4bit_forward", "publisher trust check", "is deprecated", "\r"):
         assert noise not in proc.stderr and noise not in proc.stdout, (noise, proc.stderr[-2000:])

@@ -5,7 +5,8 @@ engine class): 3 s of start-up and a warning that it "was unable to detect" a GP
 engine can exist, so the command tells accelerate's unwrap that DeepSpeed is absent there; inside one, where torch sees
 no CUDA device, DeepSpeed is told the CPU up front (``DS_ACCELERATOR=cpu``, what its own detection falls back to).
 bitsandbytes' CPU backend (installed for QLoRA) logs on import that an optional inference kernel from the hub is
-missing: nothing a training run uses, so that one message is dropped. torchao (installed for ``precision="fp8"``)
+missing, and offline the hub ``kernels`` package that looks it up that it skips a publisher check: nothing a training
+run uses, so those two messages are dropped. torchao (installed for ``precision="fp8"``)
 is imported by transformers' quantizer registry in every run; on a machine without CUDA it logs that its CUDA kernel
 libraries fail to load (nothing a CPU run can use), and it registers enums with torch's pytree in a way torch now
 calls deprecated: neither is for the user, so both are dropped (the load failure only where there is no CUDA).
@@ -45,6 +46,8 @@ def quiet_libraries() -> None:
     missing-inference-kernel message dropped; datasets' and transformers' progress bars off unless stderr is a
     terminal."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessage("gemm_4bit_forward from kernels"))
+    # the same lookup's first step, offline (the hub ``kernels`` package that bitsandbytes asks for that kernel)
+    logging.getLogger("kernels._internals.hf_hub").addFilter(_DropMessage("Skipping publisher trust check"))
     logging.getLogger("torch.utils._pytree").addFilter(_DropMessage("is an Enum subclass and is now natively"))
     if importlib.util.find_spec("torchao") is not None:
         import torch
