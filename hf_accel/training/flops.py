@@ -5,7 +5,8 @@ is not -100 after the causal shift):
     FLOPs = (6 * P_trainable + 4 * P_frozen) * T  -  (6 * H_trainable + 4 * H_frozen) * (T - T_target)
             +  6 * L * d_attn * sum_d n_d^2
 - P_*: weights of every matmul (each nn.Linear, so LoRA A/B and a tied lm_head count; embeddings lookups do not;
-  a 4-bit Linear4bit counts its in x out weights, not its packed storage).
+  a 4-bit Linear4bit counts its in x out weights, not its packed storage). MoE experts count their active weights
+  (top_k of E experts a token; their PEFT adapters likewise): MFU on active parameters.
   A weight costs 2 FLOPs/token forward, 2 for the input gradient, and 2 more for its own gradient if trainable.
 - H_*: the LM head's share of P_* (its nn.Linear layers, LoRA's included). The head is counted on target tokens
   only: a masked position (a prompt token, a document's first token) needs no logits, so its head work is not model
@@ -30,8 +31,8 @@ PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 @dataclass(frozen=True)
 class FlopModel:
-    trainable_matmul_params: int
-    frozen_matmul_params: int
+    trainable_matmul_params: float  # per token (MoE experts: their active share)
+    frozen_matmul_params: float
     num_layers: int
     attn_width: float  # num_attention_heads * head_dim, the mean over the decoder layers
     head_trainable_params: int = 0  # of the above, the LM head's (counted on target tokens only)
@@ -39,14 +40,35 @@ class FlopModel:
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "FlopModel":
+        from ..patches.experts import experts_shapes
+
         counts = {True: [0, 0], False: [0, 0]}  # requires_grad -> [all matmul weights, the head's]
         get_head = getattr(model, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         in_head = {id(m) for m in head.modules()} if head is not None else set()
-        for module in model.modules():
+        modules = dict(model.named_modules())
+        # MoE experts (3-D weights, no nn.Linear): a token runs through top_k of the E experts, and so through top_k / E
+        # of their PEFT adapters (whose nn.Linear stacks every expert's rank-r factors)
+        routed: dict[str, float] = {}
+        for shape in experts_shapes(model):
+            experts = modules[shape.path]
+            counts[any(p.requires_grad for p in experts.parameters(recurse=False))][0] += shape.active_params
+            place = shape.path.split(".base_layer")[0]
+            routed[place + "."] = shape.top_k / shape.num_experts
+            # the router beside them: a (E, H) weight applied as a linear, in a module of its own class
+            block = modules[place.rsplit(".", 1)[0]]
+            for router in block.children():
+                weight = getattr(router, "weight", None)
+                if not isinstance(router, nn.Linear) and isinstance(weight, nn.Parameter) and \
+                        tuple(weight.shape) == (shape.num_experts, shape.hidden):
+                    counts[weight.requires_grad][0] += weight.numel()
+        for name, module in modules.items():
             if isinstance(module, nn.Linear):
                 # the matmul's size, not its storage's: a bitsandbytes Linear4bit packs two weights a byte
                 weights = module.in_features * module.out_features
+                share = next((r for prefix, r in routed.items() if name.startswith(prefix)), None)
+                if share is not None:
+                    weights = weights * share
                 count = counts[module.weight.requires_grad]
                 count[0] += weights
                 count[1] += weights if id(module) in in_head else 0
