@@ -431,11 +431,11 @@ def test_eval_runs_the_models_own_experts(model_type, monkeypatch, one_torch_thr
 def test_mfu_counts_the_active_experts_and_the_router(model_type, one_torch_thread):
     """Live reference: torch's FLOP counter over one forward + backward of the patched model (eager attention, counted
     over the full square) equals the FLOP model's step, which counts each token's top-k experts and the router
-    (MFU on active parameters); a model without them counted would be far below. gpt-oss: within 2% (its eager
-    attention with sinks is not what the formula models)."""
+    (MFU on active parameters); a model without them counted would be far below. gpt-oss's sliding layers: the
+    formula counts the pairs their window attends, eager computes the whole square."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hf_accel.training.flops import FlopModel
+    from hf_accel.training.flops import FlopModel, attended
 
     model = make(model_type)
     model.set_attn_implementation("eager")
@@ -445,6 +445,9 @@ def test_mfu_counts_the_active_experts_and_the_router(model_type, one_torch_thre
     with FlopCounterMode(display=False) as counter:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     flops = FlopModel.from_model(model)
-    masked_half = 6 * flops.num_layers * flops.attn_width * seq**2
-    rel = 2e-2 if model_type == "gpt_oss" else 1e-9
-    assert flops.step_flops([seq]) + masked_half == pytest.approx(counter.get_total_flops(), rel=rel)
+    # eager attention computes every (query, key) pair of the square; the formula, the causal ones a layer attends
+    square = 6 * seq**2 * (2 * flops.num_layers * flops.attn_width + sum(2 * w for w, _, _ in flops.local_layers))
+    counted = flops.step_flops([seq])
+    attention = 6 * seq**2 * flops.num_layers * flops.attn_width + sum(
+        6 * w * attended(seq, window, chunk) for w, window, chunk in flops.local_layers)
+    assert counted - attention + square == pytest.approx(counter.get_total_flops(), rel=1e-9)

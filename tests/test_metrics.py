@@ -150,3 +150,61 @@ def test_peak_memory_is_the_largest_ranks(tmp_path):
     single = _ReportedPeak(2**30, tiny_models.make("llama-gqa"), torch.device("cpu"))
     single.add_batch(packed(10))
     assert format_summary(single.summary()).splitlines()[-1].split() == ["peak", "GPU", "memory", "1.00", "GiB"]
+
+
+def _pairs(n: int, window: int | None = None, chunk: int | None = None) -> int:
+    """The (query, key) pairs a causal document of n tokens attends, counted from the mask itself."""
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None]
+    seen = k <= q
+    if window:
+        seen &= q - k < window
+    if chunk:
+        seen &= q // chunk == k // chunk
+    return int(seen.sum())
+
+
+@pytest.mark.parametrize("window, chunk", [(None, None), (1, None), (3, None), (8, None), (None, 4), (None, 1)])
+def test_attended_counts_the_pairs_a_window_or_chunk_lets_through(window, chunk):
+    from hf_accel.training.flops import attended, attended_at
+
+    for n in range(1, 30):
+        assert attended(n, window, chunk) == 2 * _pairs(n, window, chunk) - n, n
+        assert float(attended_at(torch.arange(n, dtype=torch.float64), window, chunk).sum()) == attended(n, window,
+                                                                                                       chunk)
+        assert float(attended(torch.tensor([float(n)]), window, chunk)[0]) == attended(n, window, chunk)
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3-text", "llama4-text", "qwen3.5-text"])
+def test_local_and_linear_layers_count_what_they_attend_however_the_batch_comes(name):
+    """A sliding-window layer is charged the pairs its window lets through, a chunked one those within its chunks, a
+    linear-attention layer none (the attention layers are the config's full- and sliding-attention ones); the meter
+    gives the same step FLOPs for the same documents packed by position_ids, by cu_seq_lens, or padded one per
+    row."""
+    from hf_accel.training.flops import FlopModel, attended
+
+    model = tiny_models.make(name)
+    config = model.config
+    flops = FlopModel.from_model(model)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    assert flops.num_layers + len(flops.local_layers) == sum(k != "linear_attention" for k in kinds)
+    assert bool(flops.local_layers) == (name != "qwen3.5-text")
+    lengths = [13, 2, 9]  # 13 tokens: past every window and chunk of these configs
+    want = flops.step_flops(lengths)
+    dense = FlopModel(flops.trainable_matmul_params, flops.frozen_matmul_params, 0, 0.0, flops.head_trainable_params,
+                      flops.head_frozen_params).step_flops(lengths)
+    attention = 6 * flops.num_layers * flops.attn_width * sum(n * n for n in lengths) + sum(
+        6 * w * sum(attended(n, window, chunk) for n in lengths) for w, window, chunk in flops.local_layers)
+    assert want == pytest.approx(dense + attention, rel=1e-12)
+    widths = [flops.attn_width] * flops.num_layers + [w for w, _, _ in flops.local_layers]
+    every = FlopModel(flops.trainable_matmul_params, flops.frozen_matmul_params, config.num_hidden_layers,
+                      sum(widths) / len(widths), flops.head_trainable_params, flops.head_frozen_params)
+    assert want < every.step_flops(lengths)  # every decoder layer charged full attention: the formula before
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mask = torch.tensor([[1] * n + [0] * (13 - n) for n in lengths])
+    for batch in ({"input_ids": torch.zeros(1, 24, dtype=torch.long), "position_ids": positions},
+                  {"input_ids": torch.zeros(1, 24, dtype=torch.long), "cu_seq_lens_q": cu},
+                  {"input_ids": torch.zeros(3, 13, dtype=torch.long), "attention_mask": mask}):
+        meter = ThroughputMeter(model, torch.device("cpu"))
+        meter.add_batch(batch)
+        assert float(meter.total.flops) == pytest.approx(want, rel=1e-12), sorted(batch)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .flops import FlopModel, peak_flops
+from .flops import FlopModel, attended, attended_at, peak_flops
 from ..data.collators import REAL_TOKENS_KEY
 
 
@@ -54,6 +54,25 @@ def batch_counts(batch: Mapping[str, Any]) -> tuple[Any, int, Any]:
         return slots, slots, (2 * positions.to(torch.float64) + 1).sum()
     rows, seq = input_ids.shape[0], input_ids.shape[-1]
     return slots, slots, float(rows * seq * seq)
+
+
+def span_sum(batch: Mapping[str, Any], window: int | None, chunk: int | None) -> Any:
+    """The sum of ``flops.attended`` over one micro-batch's documents for a layer of this window or chunk, where the
+    batch is (no host sync), read as ``batch_counts`` reads the documents."""
+    real = batch.get(REAL_TOKENS_KEY)
+    if real is not None:
+        return (attended_at(batch["position_ids"].to(torch.float64), window, chunk) * real.to(torch.float64)).sum()
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return attended(mask.sum(dim=1, dtype=torch.float64), window, chunk).sum()
+    cu = batch.get("cu_seq_lens_q")
+    if cu is not None:
+        return attended(cu.diff().to(torch.float64), window, chunk).sum()
+    positions = batch.get("position_ids")
+    if positions is not None:
+        return attended_at(positions.to(torch.float64), window, chunk).sum()
+    input_ids = batch["input_ids"]
+    return float(input_ids.shape[0] * attended(input_ids.shape[-1], window, chunk))
 
 
 def batch_targets(batch: Mapping[str, Any]) -> Any:
@@ -95,7 +114,8 @@ class ThroughputMeter:
 
     def add_batch(self, batch: Mapping[str, Any]) -> None:
         tokens, slots, squared_lengths = batch_counts(batch)
-        flops = self.flop_model.flops_from_sums(tokens, squared_lengths, batch_targets(batch))
+        spans = {span: span_sum(batch, *span) for span in self.flop_model.spans}
+        flops = self.flop_model.flops_from_sums(tokens, squared_lengths, batch_targets(batch), spans)
         for w in self._open_windows():
             w.tokens = w.tokens + tokens  # may become a device tensor: read back in _metrics
             w.slots += slots
