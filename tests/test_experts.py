@@ -450,4 +450,5 @@ def test_mfu_counts_the_active_experts_and_the_router(model_type, one_torch_thre
     counted = flops.step_flops([seq])
     attention = 6 * seq**2 * flops.num_layers * flops.attn_width + sum(
         6 * w * attended(seq, window, chunk) for w, window, chunk in flops.local_layers)
-    assert counted - attention + square == pytest.approx(counter.get_total_flops(), rel=1e-9)
+    # rel: transformers 5.17's rotary embedding is a tiny matmul too (inv_freq @ positions, ~200 FLOPs here), 5.25's not
+    assert counted - attention + square == pytest.approx(counter.get_total_flops(), rel=1e-4)
