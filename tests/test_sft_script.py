@@ -550,3 +550,20 @@ def test_lora_experts_puts_peft_adapters_on_the_experts_and_is_refused_without_t
         sft_module.parse_args([*base, "--lora-experts"])
     with pytest.raises(ConfigurationError, match="no mixture-of-experts experts"):
         sft_module.add_lora(make("llama-gqa", seed=0), args)
+    # refused before anything loads: the toy model, a dense shape, a dense model folder (its config alone)
+    from hf_accel.cli.preflight import preflight
+
+    with pytest.raises(UsageError, match="the built-in toy model is a dense Llama"):
+        preflight(sft_module.parse_args([*base[2:], "--lora-r", "4", "--lora-experts"]))
+    with pytest.raises(UsageError, match="--model-shape llama-small .llama. has no mixture-of-experts"):
+        preflight(sft_module.parse_args([*base[2:], "--lora-r", "4", "--lora-experts", "--model-shape",
+                                         "llama-small"]))
+    folder = tmp_path / "dense"
+    make("llama-gqa", seed=0).config.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(UsageError, match=f"--model {folder} .llama. has no mixture-of-experts"):
+        preflight(sft_module.parse_args([*base[2:], "--model", str(folder), "--lora-r", "4", "--lora-experts"]))
+    moe = tmp_path / "moe"
+    make("qwen3-moe", seed=0).config.save_pretrained(moe)
+    (moe / "tokenizer.json").write_text("{}")
+    preflight(sft_module.parse_args([*base[2:], "--model", str(moe), "--lora-r", "4", "--lora-experts"]))

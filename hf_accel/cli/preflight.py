@@ -41,7 +41,33 @@ def preflight(args: argparse.Namespace) -> Sources:
 
         check_dataset_id(args.dataset)
     check_backend_trains_here(args.backend)
+    if getattr(args, "lora_experts", False):
+        check_lora_experts(args, sources)
     return sources
+
+
+def check_lora_experts(args: argparse.Namespace, sources: Sources) -> None:
+    """--lora-experts on a model whose config builds no mixture-of-experts experts modules: refused from the config
+    (built on the meta device), before the weights load."""
+    from transformers import AutoConfig
+
+    from ..patches.experts import experts_shapes
+    from .shapes import model_shape_config
+
+    if args.model:
+        try:
+            config = AutoConfig.from_pretrained(args.model, **sources.model)
+        except (OSError, ValueError):
+            return  # loading will say what is wrong with it
+        what = f"--model {args.model}"
+    elif args.model_shape:
+        config, what = model_shape_config(args.model_shape), f"--model-shape {args.model_shape}"
+    else:
+        raise UsageError("--lora-experts: the built-in toy model is a dense Llama (no experts); pass --model or "
+                         "--model-shape of a mixture-of-experts model, or leave --lora-experts out")
+    if not experts_shapes(config):
+        raise UsageError(f"--lora-experts: {what} ({config.model_type}) has no mixture-of-experts experts modules; "
+                         "leave --lora-experts out")
 
 
 def _hub_model(name: str, flag: str, kind: str) -> dict[str, Any]:
