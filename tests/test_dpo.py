@@ -15,7 +15,7 @@ from hf_accel.errors import ConfigurationError
 from hf_accel.facts import stock_keeps_documents_apart
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
-from tests.trl_runs import FirstGrads, in_backward, trl_config
+from tests.trl_runs import FirstGrads, lora_policy_recording_checkpointing, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.dpo import DPOTrainer, bind_packed_forward  # noqa: E402
@@ -71,6 +71,18 @@ def _models(name="llama-gqa"):
     return make(name, seed=0).train(), make(name, seed=1)  # a reference unlike the policy: rewards non-zero at once
 
 
+def against_trl(tmp_path, accel: AccelArguments, family: str = "llama-gqa", watch=None, **kw):
+    """(ours, theirs): ``run`` of hf_accel.DPOTrainer with ``accel`` and of trl.DPOTrainer, each on a fresh policy /
+    reference pair of ``family`` and ``config(**kw)``; ``watch(policy)`` runs on ours before it trains (its result
+    returned third)."""
+    policy, ref = _models(family)
+    watched = watch(policy) if watch is not None else None
+    ours = run(DPOTrainer, policy, config(tmp_path / "a", **kw), ref_model=ref, accel=accel)
+    policy, ref = _models(family)
+    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", **kw), ref_model=ref)
+    return ours, theirs, watched
+
+
 class RowShapes:
     """The (rows, length) of every input_ids the embedding sees during training (``grad_only``: in forwards that
     record gradients, not the no-grad checks and references)."""
@@ -89,11 +101,7 @@ class RowShapes:
                          ids=["packed", "padded", "packed-unpatched"])
 def test_matches_trl_with_reference_model(tmp_path, packing, patched):
     """Unpatched, stock attention tells the packed pairs apart by position_ids restarting at 0."""
-    policy, ref = _models()
-    ours = run(DPOTrainer, policy, config(tmp_path / "a"), ref_model=ref,
-               accel=AccelArguments(packing=packing, patch=patched, print_summary=False))
-    policy, ref = _models()
-    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b"), ref_model=ref)
+    ours, theirs, _ = against_trl(tmp_path, AccelArguments(packing=packing, patch=patched, print_summary=False))
     assert_same_training(ours, theirs)
     assert (ours[0].patch_report is not None and ours[0].ref_patch_report is not None) == patched
 
@@ -102,13 +110,9 @@ def test_matches_trl_with_reference_model(tmp_path, packing, patched):
 def test_unpatched_packs_only_where_stock_keeps_documents_apart(tmp_path, family):
     """Unpatched, the pairs pack only where stock attention keeps packed documents apart (stock Falcon before
     transformers 5.24 builds its mask without position_ids: its rows stay padded); training equals TRL's either way."""
-    policy, ref = _models(family)
-    apart = stock_keeps_documents_apart(policy)
-    seen = RowShapes(policy, grad_only=True)
-    ours = run(DPOTrainer, policy, config(tmp_path / "a", max_steps=2), ref_model=ref,
-               accel=AccelArguments(patch=False, print_summary=False))
-    policy, ref = _models(family)
-    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", max_steps=2), ref_model=ref)
+    ours, theirs, (apart, seen) = against_trl(
+        tmp_path, AccelArguments(patch=False, print_summary=False), family, max_steps=2,
+        watch=lambda policy: (stock_keeps_documents_apart(policy), RowShapes(policy, grad_only=True)))
     assert_same_training(ours, theirs)
     assert seen.shapes and all((rows == 1) == apart for rows, _ in seen.shapes), (apart, seen.shapes)
 
@@ -118,11 +122,7 @@ def test_unpatched_packs_only_where_stock_keeps_documents_apart(tmp_path, family
 def test_families_match_trl(tmp_path, family):
     """Families beyond Llama through the generic seam or their own patch: q/k norms, sliding windows shorter than
     the pairs (Gemma 3), ALiBi (Falcon), absolute positions and Conv1D linears (GPT-2)."""
-    policy, ref = _models(family)
-    ours = run(DPOTrainer, policy, config(tmp_path / "a", max_steps=2), ref_model=ref,
-               accel=AccelArguments(print_summary=False))
-    policy, ref = _models(family)
-    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", max_steps=2), ref_model=ref)
+    ours, theirs, _ = against_trl(tmp_path, AccelArguments(print_summary=False), family, max_steps=2)
     assert_same_training(ours, theirs)
 
 
@@ -148,22 +148,14 @@ def test_loss_variants_match_trl(tmp_path, loss_type):
     kw = dict(loss_type=loss_type, max_steps=2)
     if len(loss_type) > 1:
         kw["loss_weights"] = [1.0, 0.5]
-    policy, ref = _models()
-    ours = run(DPOTrainer, policy, config(tmp_path / "a", **kw), ref_model=ref,
-               accel=AccelArguments(print_summary=False))
-    policy, ref = _models()
-    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", **kw), ref_model=ref)
+    ours, theirs, _ = against_trl(tmp_path, AccelArguments(print_summary=False), **kw)
     assert_same_training(ours, theirs)
 
 
 def test_length_desensitised_and_weighted_match_trl(tmp_path):
     """ld_alpha (shared vs tail tokens by position in the completion) and WPO weights (log_sum_sq_probs)."""
     kw = dict(ld_alpha=0.5, use_weighting=True, max_steps=2)
-    policy, ref = _models()
-    ours = run(DPOTrainer, policy, config(tmp_path / "a", **kw), ref_model=ref,
-               accel=AccelArguments(print_summary=False))
-    policy, ref = _models()
-    theirs = run(trl.DPOTrainer, policy, config(tmp_path / "b", **kw), ref_model=ref)
+    ours, theirs, _ = against_trl(tmp_path, AccelArguments(print_summary=False), **kw)
     assert_same_training(ours, theirs)
 
 
@@ -265,21 +257,8 @@ def test_lazy_name():
 def test_checkpoint_policy_survives_the_adapter_disabled_reference(tmp_path):
     """TRL turns checkpointing off and on again (with its own arguments) around the reference forward of a PEFT
     policy: the policy's per-layer choice must hold at every training forward, and the numbers stay TRL's."""
-    peft = pytest.importorskip("peft")
-    from hf_accel.memory.checkpointing import decoder_layers
-
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                           init_lora_weights=False)
-    torch.manual_seed(3)
-    model = peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
-    layers = decoder_layers(model.get_base_model())
-    seen: list[tuple[bool, ...]] = []
-
-    def record(module, args):
-        if module is layers[0] and torch.is_grad_enabled() and not in_backward():  # a forward, not a recompute
-            seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
-
-    layers[0].register_forward_pre_hook(record)
+    pytest.importorskip("peft")
+    model, seen, layers = lora_policy_recording_checkpointing()
     trainer, _, _ = run(DPOTrainer, model, config(tmp_path, max_steps=3),
                         accel=AccelArguments(checkpointing="every_2", print_summary=False))
-    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * len(layers), seen
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * layers, seen

@@ -10,7 +10,7 @@ import torch
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
-from tests.trl_runs import FirstGrads, in_backward, trl_config
+from tests.trl_runs import FirstGrads, lora_policy_recording_checkpointing, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.grpo import GRPOTrainer  # noqa: E402
@@ -116,21 +116,8 @@ def test_lazy_name():
 def test_checkpoint_policy_survives_generation_and_the_reference(tmp_path):
     """TRL turns checkpointing off and on again (its own arguments: every layer) around generation and the reference
     forward: the policy's per-layer choice must hold at every training forward."""
-    peft = pytest.importorskip("peft")
-    from hf_accel.memory.checkpointing import decoder_layers
-
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                           init_lora_weights=False)
-    torch.manual_seed(3)
-    model = peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
-    layers = decoder_layers(model.get_base_model())
-    seen: list[tuple[bool, ...]] = []
-
-    def record(module, args):
-        if torch.is_grad_enabled() and not in_backward():  # a forward, not a recompute
-            seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
-
-    layers[0].register_forward_pre_hook(record)
+    pytest.importorskip("peft")
+    model, seen, layers = lora_policy_recording_checkpointing()
     run(GRPOTrainer, model, config(tmp_path, beta=0.1, max_steps=3),
         accel=AccelArguments(checkpointing="every_2", print_summary=False))
-    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * len(layers), seen
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != (True,) * layers, seen

@@ -31,3 +31,27 @@ def trl_config(config_cls, tmp_path, defaults: dict, **kw):
 def in_backward() -> bool:
     """Whether this runs inside autograd's backward (a checkpointed layer's recompute), not a forward of the step."""
     return torch._C._current_graph_task_id() != -1
+
+
+def lora_policy_recording_checkpointing():
+    """A tiny Llama policy under PEFT LoRA (non-zero B: it differs from its adapter-disabled reference) and the list
+    that gets, at every training forward of its first decoder layer (not a checkpoint's recompute), every layer's
+    ``gradient_checkpointing`` flag: (model, seen, number of layers)."""
+    import peft
+
+    from hf_accel.memory.checkpointing import decoder_layers
+    from tests.tiny_models import make
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
+    layers = decoder_layers(model.get_base_model())
+    seen: list[tuple[bool, ...]] = []
+
+    def record(module, args):
+        if torch.is_grad_enabled() and not in_backward():  # a forward, not a recompute
+            seen.append(tuple(bool(layer.gradient_checkpointing) for layer in layers))
+
+    layers[0].register_forward_pre_hook(record)
+    return model, seen, len(layers)
