@@ -423,6 +423,7 @@ def experts_shapes(model_or_config: Any) -> list[ExpertsShape]:
             model = AutoModelForCausalLM.from_config(model_or_config)
     holders = {id(child): parent for parent in model.modules() for child in parent.children()}
     shapes = []
+    gates: dict[tuple, dict[int, int]] = {}  # one probe per gate kind and width: every layer's experts alike
     for name, module in find_experts(model):
         up = getattr(module, "gate_up_proj" if module.has_gate else "up_proj")
         down = getattr(module, "down_proj")
@@ -431,6 +432,9 @@ def experts_shapes(model_or_config: Any) -> list[ExpertsShape]:
         holder = holders[id(module)]
         while _param_wrapper() is not None and isinstance(holder, _param_wrapper()):
             holder = holders[id(holder)]
+        gate_key = (type(module), bool(module.has_gate), up_width)
+        if gate_key not in gates:
+            gates[gate_key] = _gate_bytes(module, up_width)
         shapes.append(ExpertsShape(name, module.num_experts, _top_k(module, holder, model.config), hidden,
-                                   intermediate, up_width, bool(module.has_bias), _gate_bytes(module, up_width)))
+                                   intermediate, up_width, bool(module.has_bias), gates[gate_key]))
     return shapes

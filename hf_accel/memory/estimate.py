@@ -233,7 +233,7 @@ def _count_parameters(config, lora_rank: int | None, lora_targets: Sequence[str]
     first = {id(m) for m in layers[0].modules()} if layers else set()
     named = dict(model.named_modules())
     return _Parameters(params, lora, tuple(m.weight.numel() for m in linears),
-                       _adapted_in_first_layer(model, lora_targets) if lora_rank else ((0, 0), (0, 0)),
+                       _adapted_in_first_layer(layers, lora_targets) if lora_rank else ((0, 0), (0, 0)),
                        tuple(s for s in shapes if id(named[s.path]) in first))
 
 
@@ -241,11 +241,10 @@ def _adapted(name: str, module: nn.Module, lora_targets: Sequence[str]) -> bool:
     return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets
 
 
-def _adapted_in_first_layer(model: nn.Module, lora_targets: Sequence[str]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(count, sum of in_features) of the first decoder layer's adapted linears outside its MLP and inside it."""
-    from .targets import decoder_layers
-
-    layers = decoder_layers(model)
+def _adapted_in_first_layer(layers: Sequence[nn.Module], lora_targets: Sequence[str]
+                            ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(count, sum of in_features) of the first of the decoder ``layers``' adapted linears outside its MLP and inside
+    it."""
     if not layers:
         return (0, 0), (0, 0)
     mlp = getattr(layers[0], "mlp", None)
