@@ -249,3 +249,42 @@ def test_the_fused_loss_leaves_a_mixture_of_experts_asked_for_router_logits_to_i
     torch.testing.assert_close(got.loss, want.loss)
     without = ref(input_ids=ids, labels=ids).loss
     assert (want.loss - without).abs() > 1e-6  # the aux loss counts: the test can fail
+
+
+def test_the_probe_runs_stock_code_where_a_kernel_library_is_bound(monkeypatch):
+    """liger's RoPE bound into modeling_llama (by an earlier use_liger_kernel=True run) or liger's norm class (by
+    apply_liger_kernel_to_llama() before the model was built) would launch Triton kernels on the probe's fake tensors:
+    their null data pointers are an illegal memory access on the GPU (run 39). The probe runs the registered stock
+    stand-in instead and finds the facts it finds without liger, leaves the bound code in place, and where no
+    stand-in is registered fails (the seam still serves the model) without running the kernel."""
+    from transformers.models.llama import modeling_llama
+
+    from hf_accel import foreign
+    from hf_accel.facts.probe import ForeignKernel, probe_config
+
+    model = make("llama-gqa")
+    cls, config = type(model), model.config
+    want = probe_config(cls, config)
+    stock_rope, stock_norm = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm
+
+    def kernel_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        raise AssertionError("a kernel library's RoPE ran on the probe's fake tensors")
+
+    class KernelRMSNorm(stock_norm):
+        def forward(self, hidden_states):
+            raise AssertionError("a kernel library's norm ran on the probe's fake tensors")
+
+    kernel_rope.__module__ = KernelRMSNorm.__module__ = "liger_kernel.transformers.fake"
+    monkeypatch.setattr(foreign, "_STAND_INS", dict(foreign._STAND_INS))
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", kernel_rope)
+    with pytest.raises(ForeignKernel, match="apply_rotary_pos_emb .*liger-kernel's kernel"):
+        probe_config(cls, config)
+    foreign.register_stand_in(kernel_rope, stock_rope)
+    assert probe_config(cls, config) == want
+    assert modeling_llama.apply_rotary_pos_emb is kernel_rope  # restored after the probe
+
+    monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", KernelRMSNorm)
+    with pytest.raises(ForeignKernel, match="KernelRMSNorm's forward"):
+        probe_config(cls, config)
+    foreign.register_stand_in(KernelRMSNorm.forward, stock_norm.forward)
+    assert probe_config(cls, config) == want

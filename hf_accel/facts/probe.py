@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .. import foreign
 from ..attention.calls import CallAsks, read_call
 from .dataflow import Op, output_projections, plain_head
 
@@ -197,6 +200,51 @@ def _quiet() -> Iterator[None]:
         logging.set_verbosity(level)
 
 
+# ---------------------------------------------------------------------------------------------- kernel libraries
+class ForeignKernel(RuntimeError):
+    """Kernel library code in the model that the probe cannot run on fake tensors and has no stock stand-in for."""
+
+
+def _stock(fn, what: str):
+    stock = foreign.stand_in(fn)
+    if stock is None:
+        raise ForeignKernel(f"{what} is {foreign.origin(fn)}'s kernel, which cannot run on the probe's fake tensors "
+                            "and has no stock stand-in in hf_accel.foreign")
+    return stock
+
+
+@contextlib.contextmanager
+def _stock_for_foreign_kernels(model: nn.Module) -> Iterator[None]:
+    """Kernel libraries' code in the copy runs its stock stand-in while the probe runs: a module's forward (liger's
+    class, bound by ``apply_liger_kernel_to_*()`` before the model was built) and the module-level names the forwards
+    read (liger's RoPE in ``modeling_llama``, bound by an earlier ``use_liger_kernel=True`` run). A Triton kernel
+    launched on a fake tensor reads its null data pointer: an illegal memory access that poisons the process's CUDA
+    context (run 39). Code without a stand-in fails the probe instead (the seam still serves the model)."""
+    swapped: list[tuple[dict, str, object]] = []
+    try:
+        forwards = {}
+        for module in model.modules():
+            forward = module.__dict__.get("forward") or type(module).forward
+            if foreign.is_stand_in(forward):  # (bound by the probe's first forward)
+                continue
+            if foreign.origin(forward) or foreign.origin(type(module)):
+                stock = _stock(forward, f"{type(module).__name__}'s forward")
+                module.__dict__["forward"] = types.MethodType(stock, module)  # the copy is the probe's own
+            else:
+                forwards[id(foreign.function(forward))] = forward
+        for forward in forwards.values():
+            for name, value in foreign.global_callees(forward):
+                if foreign.origin(value) and not isinstance(value, type):
+                    module_globals = inspect.unwrap(foreign.function(forward)).__globals__
+                    stock = _stock(value, f"{name} (read by {foreign.function(forward).__qualname__})")
+                    swapped.append((module_globals, name, value))
+                    module_globals[name] = stock
+        yield
+    finally:
+        for module_globals, name, value in reversed(swapped):
+            module_globals[name] = value
+
+
 # ---------------------------------------------------------------------------------------------- one probe forward
 def _key(t: torch.Tensor) -> int:
     return StorageWeakRef(t.untyped_storage()).cdata
@@ -322,8 +370,8 @@ def _forward(model: nn.Module, mode, layers: list[nn.Module], tokens: int, save_
     handles = _hooks(model, layers, tally)
     _RECORDER.append(recorder)
     try:
-        with mode, torch.enable_grad(), _grouped_experts_on_fake_tensors(), tally, \
-                torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
+        with _stock_for_foreign_kernels(model), mode, torch.enable_grad(), _grouped_experts_on_fake_tensors(), \
+                tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
             ids = torch.zeros(1, tokens, dtype=torch.long)
             model(input_ids=ids, use_cache=False)
     finally:

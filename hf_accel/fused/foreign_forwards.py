@@ -27,8 +27,6 @@ while compiling the *backward*, which happens inside ``loss.backward()``, is out
 """
 from __future__ import annotations
 
-import dis
-import inspect
 import logging
 import sys
 import types
@@ -41,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..foreign import function, global_callees, origin
+
 logger = logging.getLogger("hf_accel")
 
-# Packages whose module forwards launch kernels dynamo may not trace: top-level package -> the name users know.
-FOREIGN_PACKAGES: dict[str, str] = {"liger_kernel": "liger-kernel", "kernels": "hub kernels"}
 # Attributes hf_accel keeps on a module whose forward it wrapped.
 _PREVIOUS = "_hf_accel_foreign_forward"  # the forward slot's content before the wrapper (None: the class's)
 _KERNEL_REPO = "_kernel_repo"  # what ``kernels`` sets on a module it bound a hub layer's forward to
@@ -65,20 +63,8 @@ class Finding:
     why: str
 
 
-def _function(fn: Any) -> Any:
-    return getattr(fn, "__func__", fn)
-
-
-def origin(fn: Any) -> str | None:
-    """The foreign library a callable or class comes from ("liger-kernel", "hub kernels"), by the module it declares
-    (``functools.wraps`` wrappers declare the wrapped function's: kernels' routing wrapper around a transformers
-    forward is transformers'); None for anything else."""
-    module = getattr(_function(fn), "__module__", None) or ""
-    return FOREIGN_PACKAGES.get(module.split(".")[0])
-
-
 def _is_hf_accel(fn: Any) -> bool:
-    return (getattr(_function(fn), "__module__", None) or "").split(".")[0] == "hf_accel"
+    return (getattr(function(fn), "__module__", None) or "").split(".")[0] == "hf_accel"
 
 
 def _substituted(fn: Any) -> bool:
@@ -87,28 +73,17 @@ def _substituted(fn: Any) -> bool:
         from torch._dynamo.trace_rules import is_polyfilled_callable
     except ImportError:  # pragma: no cover - private API moved
         return False
-    return bool(is_polyfilled_callable(_function(fn)))
+    return bool(is_polyfilled_callable(function(fn)))
 
 
 def _hub_layer_compiles(forward: Any) -> bool:
     """A hub kernel layer's ``can_torch_compile`` (``kernels``' flag: the layer supports torch.compile), read from the
     class its forward belongs to."""
-    fn = _function(forward)
+    fn = function(forward)
     owner: Any = sys.modules.get(getattr(fn, "__module__", "") or "")
     for part in (getattr(fn, "__qualname__", "") or "").split(".")[:-1]:
         owner = getattr(owner, part, None)
     return bool(getattr(owner, "can_torch_compile", False))
-
-
-def _global_callees(fn: Any) -> list[tuple[str, Any]]:
-    """The module-level names ``fn``'s code reads and what they hold now (``apply_rotary_pos_emb`` in a transformers
-    attention forward is liger's after ``apply_liger_kernel_to_llama(rope=True)``)."""
-    fn = inspect.unwrap(_function(fn))
-    code, module_globals = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-    if code is None or module_globals is None:
-        return []
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    return [(name, module_globals[name]) for name in sorted(names) if name in module_globals]
 
 
 def _custom_function(value: Any) -> bool:
@@ -119,7 +94,7 @@ def _custom_function(value: Any) -> bool:
 def calls_foreign_code(forward: Any) -> bool:
     """Whether a forward reads, by a module-level name, a custom ``torch.autograd.Function`` or a foreign function:
     the code dynamo most often fails to trace (kernels launched outside the dispatcher)."""
-    return any(_custom_function(value) or origin(value) for _, value in _global_callees(forward))
+    return any(_custom_function(value) or origin(value) for _, value in global_callees(forward))
 
 
 def classify(module: nn.Module) -> Finding | None:
@@ -143,7 +118,7 @@ def classify(module: nn.Module) -> Finding | None:
             return Finding(TRACED, source, "dynamo traces hf_accel's stock stand-in for it")
         return Finding(OPAQUE, source, f"a {type(module).__name__} of the library's own class, no stock stand-in")
     # the model's own forward, calling a foreign function by a module-level name (liger's rotary in modeling_llama)
-    callees = [(name, origin(value), _substituted(value)) for name, value in _global_callees(forward)
+    callees = [(name, origin(value), _substituted(value)) for name, value in global_callees(forward)
                if origin(value)]
     for name, callee, substituted in sorted(callees, key=lambda c: c[2]):  # any without a stand-in decides
         if not substituted:

@@ -15,16 +15,14 @@ kernels. Op-level checkpointed layers, which skip the compiled path, train throu
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import sys
 import types
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .. import foreign
 from ..errors import BackendUnavailable
 
 
@@ -75,7 +73,7 @@ def apply(model: nn.Module, modules: Fusable) -> tuple[list[str], list[Callable[
     reason = unavailable_reason(model)
     if reason:
         raise BackendUnavailable(f"fused_ops=True needs liger-kernel on CUDA: {reason}. Pass fused_ops=False.")
-    with quiet_liger_import():
+    with foreign.quiet_liger_import():
         from liger_kernel.transformers.monkey_patch import (
             _patch_layer_norm_module,
             _patch_rms_norm_module,
@@ -120,25 +118,13 @@ def bind(modules: Fusable, binders: dict[str, Callable[[nn.Module], None]]
     return names, undo
 
 
-# liger-kernel warns on import about optional backends a CUDA training run does not use (cuTile, Ascend NPUs).
-_OPTIONAL_BACKENDS = r"(?is).*(cuda\.tile|cutile|ascend|torch_npu|\bnpu\b)"
-
-
-@contextlib.contextmanager
-def quiet_liger_import():
-    """Import liger-kernel without its warnings about optional cuTile / Ascend backends (those only)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_OPTIONAL_BACKENDS)
-        yield
-
-
 # ---- keeping liger's Triton kernels out of compiled graphs -----------------------------------------------------
 # Liger bound by someone else (transformers' / TRL's use_liger_kernel: instance forwards of norms and MLPs, and
 # modeling_llama.apply_rotary_pos_emb swapped globally) sits inside hf_accel's compiled decoder layers, and dynamo
 # then traces liger's Triton kernels: torch's triton_kernel_wrap fails to analyse them and logs a CompilationError
 # traceback per kernel (dozens per GPU run). Where dynamo meets one of liger's functions it traces the stock
-# computation instead (torch.compiler.substitute_in_graph; inductor fuses it as it fuses the layers' own ops); eager
-# calls keep running liger's kernels.
+# computation instead (torch.compiler.substitute_in_graph with hf_accel.foreign's stand-ins; inductor fuses it as it
+# fuses the layers' own ops); eager calls keep running liger's kernels.
 _substituted: set[int] = set()
 
 
@@ -151,50 +137,7 @@ def trace_stock_instead(original: Callable, stock: Callable) -> None:
 
 
 def keep_liger_out_of_compiled_graphs() -> None:
-    """Register the stock stand-ins for liger's norm, SwiGLU, GEGLU, LayerNorm and RoPE functions (once; only when liger
-    has been imported, i.e. may be bound to a model)."""
-    if "liger_kernel" not in sys.modules or _substituted:
-        return
-    import torch.nn.functional as F
-
-    with quiet_liger_import():
-        from liger_kernel.transformers.layer_norm import LigerLayerNorm
-        from liger_kernel.transformers.rms_norm import LigerRMSNorm
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb
-        from liger_kernel.transformers.geglu import LigerGEGLUMLP
-        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-
-    def rms_norm(self, hidden_states):
-        own = type(self).forward
-        if own is not LigerRMSNorm.forward:  # liger's forward bound on a stock norm: its own forward is the same math
-            return own(self, hidden_states)
-        dtype = hidden_states.dtype
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        if getattr(self, "casting_mode", "llama") in ("gemma", "none"):  # (x * (offset + w)) in fp32, then cast
-            return (x * (self.weight.float() + getattr(self, "offset", 0.0))).to(dtype)
-        return (getattr(self, "offset", 0.0) + self.weight) * x.to(dtype)
-
-    def swiglu(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def geglu(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-    def layer_norm(self, hidden_states):
-        eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-5)
-        return F.layer_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.bias, eps)
-
-    def rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-
-        def rotate_half(x):
-            half = x.shape[-1] // 2
-            return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-    for original, stock in ((LigerRMSNorm.forward, rms_norm), (LigerSwiGLUMLP.forward, swiglu),
-                            (LigerGEGLUMLP.forward, geglu), (LigerLayerNorm.forward, layer_norm),
-                            (liger_rotary_pos_emb, rotary)):
+    """Register the stock stand-ins of liger's norm, SwiGLU, GEGLU, LayerNorm and RoPE functions with dynamo (once
+    each; only when liger has been imported, i.e. may be bound to a model)."""
+    for original, stock in foreign.stand_ins():
         trace_stock_instead(original, stock)

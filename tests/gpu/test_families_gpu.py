@@ -101,7 +101,11 @@ SHAPES.update({
 })
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
+ISSUE_36 = ("qwen2.5-1.5b", "qwen3-8b", "mistral-7b", "gemma-2-9b", "gemma-3-1b")  # passed in runs 38 and 39
+ORDER = [*(name for name in SHAPES if name not in ISSUE_36), *ISSUE_36]  # each ~1 min: the newest families first
+
+
+@pytest.mark.parametrize("name", ORDER)
 def test_fast_path_trains_like_the_unpatched_model(name):
     torch.manual_seed(0)
     ref32 = SHAPES[name]().cuda().float().train()

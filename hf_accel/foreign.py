@@ -1,0 +1,148 @@
+"""Kernel libraries' code bound into a model, and the stock computation each piece stands for.
+
+liger-kernel (TRL's / transformers' ``use_liger_kernel=True``, ``apply_liger_kernel_to_*``) and transformers' hub
+kernels (``use_kernels=True``) give a model module forwards and module-level functions that launch Triton / CUDA
+kernels outside torch's dispatcher. Two places of hf_accel must not run them:
+
+- dynamo's traces of the compiled decoder layers (it fails to trace liger's kernels: ``fused.ops`` registers each
+  stand-in below with dynamo, ``fused.foreign_forwards`` decides per module);
+- the facts probe's forward on fake tensors (``facts.probe``): a fake tensor's data pointer is null, and a Triton
+  kernel launched on it is an illegal memory access that poisons the process's CUDA context (run 39:
+  ``hf_accel.SFTTrainer`` with ``use_liger_kernel=True``, liger's RoPE bound into ``modeling_llama`` by an earlier
+  run).
+
+Both run the stock computation instead: ``stand_in(fn)`` is the plain torch function (same arguments) computing what
+``fn`` computes, for the pieces registered here.
+"""
+from __future__ import annotations
+
+import contextlib
+import dis
+import inspect
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Packages whose module forwards launch kernels outside the dispatcher: top-level package -> the name users know.
+FOREIGN_PACKAGES: dict[str, str] = {"liger_kernel": "liger-kernel", "kernels": "hub kernels"}
+
+
+def function(fn: Any) -> Any:
+    """The plain function of a bound method (itself otherwise)."""
+    return getattr(fn, "__func__", fn)
+
+
+def origin(fn: Any) -> str | None:
+    """The foreign library a callable or class comes from ("liger-kernel", "hub kernels"), by the module it declares
+    (``functools.wraps`` wrappers declare the wrapped function's: kernels' routing wrapper around a transformers
+    forward is transformers'); None for anything else."""
+    module = getattr(function(fn), "__module__", None) or ""
+    return FOREIGN_PACKAGES.get(module.split(".")[0])
+
+
+def global_callees(fn: Any) -> list[tuple[str, Any]]:
+    """The module-level names ``fn``'s code reads and what they hold now (``apply_rotary_pos_emb`` in a transformers
+    attention forward is liger's after ``apply_liger_kernel_to_llama(rope=True)``)."""
+    try:
+        fn = inspect.unwrap(function(fn))
+    except ValueError:
+        fn = function(fn)
+    code, module_globals = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is None or module_globals is None:
+        return []
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    return [(name, module_globals[name]) for name in sorted(names) if name in module_globals]
+
+
+# id(original function) -> (original, stock): the original kept alive so its id stays its own
+_STAND_INS: dict[int, tuple[Callable, Callable]] = {}
+
+
+def register_stand_in(original: Callable, stock: Callable) -> None:
+    """``stock`` (same arguments) computes what ``original`` computes, in plain torch."""
+    _STAND_INS[id(function(original))] = (function(original), stock)
+
+
+def stand_in(fn: Any) -> Callable | None:
+    """The registered stock stand-in of ``fn`` (liger's are registered once liger is imported); None if none."""
+    _register_liger()
+    entry = _STAND_INS.get(id(function(fn)))
+    return entry[1] if entry is not None else None
+
+
+def is_stand_in(fn: Any) -> bool:
+    """Whether ``fn`` is a registered stock stand-in."""
+    return any(stock is function(fn) for _, stock in _STAND_INS.values())
+
+
+def stand_ins() -> list[tuple[Callable, Callable]]:
+    """Every registered (original, stock) pair."""
+    _register_liger()
+    return list(_STAND_INS.values())
+
+
+# liger-kernel warns on import about optional backends a CUDA training run does not use (cuTile, Ascend NPUs).
+_OPTIONAL_BACKENDS = r"(?is).*(cuda\.tile|cutile|ascend|torch_npu|\bnpu\b)"
+_liger_registered = False
+
+
+@contextlib.contextmanager
+def quiet_liger_import():
+    """Import liger-kernel without its warnings about optional cuTile / Ascend backends (those only)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_OPTIONAL_BACKENDS)
+        yield
+
+
+def _register_liger() -> None:
+    """Liger's norm, SwiGLU, GEGLU, LayerNorm and RoPE with their stock computations (once; only when liger has been
+    imported, i.e. may be bound to a model)."""
+    global _liger_registered
+    if _liger_registered or "liger_kernel" not in sys.modules:
+        return
+    _liger_registered = True
+    with quiet_liger_import():
+        from liger_kernel.transformers.geglu import LigerGEGLUMLP
+        from liger_kernel.transformers.layer_norm import LigerLayerNorm
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    def rms_norm(self, hidden_states):
+        own = type(self).forward
+        if own is not LigerRMSNorm.forward:  # liger's forward bound on a stock norm: its own forward is the same math
+            return own(self, hidden_states)
+        dtype = hidden_states.dtype
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if getattr(self, "casting_mode", "llama") in ("gemma", "none"):  # (x * (offset + w)) in fp32, then cast
+            return (x * (self.weight.float() + getattr(self, "offset", 0.0))).to(dtype)
+        return (getattr(self, "offset", 0.0) + self.weight) * x.to(dtype)
+
+    def swiglu(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def geglu(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+    def layer_norm(self, hidden_states):
+        eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-5)
+        return F.layer_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.bias, eps)
+
+    def rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+        def rotate_half(x):
+            half = x.shape[-1] // 2
+            return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    for original, stock in ((LigerRMSNorm.forward, rms_norm), (LigerSwiGLUMLP.forward, swiglu),
+                            (LigerGEGLUMLP.forward, geglu), (LigerLayerNorm.forward, layer_norm),
+                            (liger_rotary_pos_emb, rotary)):
+        register_stand_in(original, stock)
