@@ -103,7 +103,7 @@ run_tests() {  # run_tests [FILE ...]: each file in its own pytest process, unde
         fi
         start=$SECONDS
         # SIGINT first: a cut run still prints pytest's summary of what ran
-        timeout --signal=INT --kill-after=15 "$limit" python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+        timeout --signal=INT --kill-after=15 "$limit" python -m pytest -m gpu -q -rfEsP -p no:cacheprovider \
             --junitxml="$logs/$name.xml" "$file" >"$logs/$name.log" 2>&1
         rc=$?
         last=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$logs/$name.log" | tail -n 1 | tr -d '=|')
@@ -160,7 +160,7 @@ run_bench() {  # run_bench [PRESET ...]: scripts/bench.py --preset P, its time b
 run_suite() {  # run_suite [PYTEST ARGS ...]: the whole GPU suite in one pytest process
     local start=$SECONDS rc last
     printf '\n## GPU suite in one process (`python -m pytest -m gpu tests/gpu %s`)\n\n' "$*" >>"$summary"
-    timeout --signal=INT --kill-after=15 "$(left)" python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+    timeout --signal=INT --kill-after=15 "$(left)" python -m pytest -m gpu -q -rfEsP -p no:cacheprovider \
         --durations=30 --junitxml="$logs/suite.xml" tests/gpu "$@" >"$logs/suite.log" 2>&1
     rc=$?
     last=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$logs/suite.log" | tail -n 1 | tr -d '=|')
