@@ -283,6 +283,10 @@ def _bind_linear_attention(model_hf, notes: list[str]) -> list[Callable[[], None
     if names:
         notes.append(f"linear attention: {len(names)} recurrent layers restart their conv and state at every packed "
                      "document (fla-core's varlen kernels where installed on CUDA, else each document on its own)")
+        refusal = linear_attention.fla_backward_refusal()
+        if refusal is not None:  # said before training starts, not at its first backward
+            logger.warning("hf_accel: linear attention: %s", refusal)
+            notes.append(f"linear attention: {refusal}")
     return undo
 
 

@@ -252,6 +252,28 @@ def fla_ops() -> _FlaOps | str:
     return _FlaOps(causal_conv1d, chunk_gated_delta_rule)
 
 
+@functools.cache
+def fla_backward_refusal() -> str | None:
+    """Why fla-core, importable here, refuses the gated delta rule's backward on this machine (its own guard in
+    0.6.0: Hopper GPUs with Triton 3.4 to 3.7.0 give wrong results, unless tilelang serves the kernel), or None.
+    transformers' stock forward calls the same kernel, so the unpatched model cannot train there either (run 39)."""
+    if isinstance(fla_ops(), str):
+        return None
+    try:
+        import importlib.util
+
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # another fla-core: its own guard, if any, speaks for itself
+        return None
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1) or importlib.util.find_spec("tilelang"):
+        return None
+    import triton
+
+    return (f"fla-core refuses its gated delta rule's backward on Hopper GPUs with Triton {triton.__version__} (wrong "
+            "results below 3.7.1): training fails at the first backward, unpatched too. Install Triton >= 3.7.1 or "
+            "tilelang, or uninstall fla-core (transformers' torch path, slower)")
+
+
 def _qwen3_5_projections(module: nn.Module, h_bsd: torch.Tensor):
     batch, seq, _ = h_bsd.shape
     z = module.in_proj_z(h_bsd).reshape(batch, seq, -1, module.head_v_dim)
@@ -290,7 +312,9 @@ def _fla_refusal(module: nn.Module, hidden_bsd: torch.Tensor) -> str | None:
     if getattr(module.conv1d, "_hf_hook", None) is not None:
         return "conv1d is dispatched by accelerate (offloaded weights)"
     ops = fla_ops()
-    return ops if isinstance(ops, str) else None
+    if isinstance(ops, str):
+        return ops
+    return fla_backward_refusal() if torch.is_grad_enabled() else None
 
 
 def _fla_forward(module, stock, hidden_bsd, mask_bs, segments: Segments, kwargs) -> torch.Tensor:

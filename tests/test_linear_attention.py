@@ -430,6 +430,14 @@ def test_backend_choice_names_each_refusal(monkeypatch):
     monkeypatch.setattr(la, "fla_ops", lambda: la._FlaOps(reference_conv, reference_rule))
     assert la.choose_backend(module, hidden) == "fla"
     assert la.choose_backend(model.model.layers[2].linear_attn, hidden, "per_document") == "per_document"
+    # fla-core's own guard (Hopper with Triton < 3.7.1): its backward raises, so a call that may train takes the
+    # other backend, and evaluation (no grad) keeps fla-core
+    monkeypatch.setattr(la, "fla_backward_refusal", lambda: "fla-core refuses its gated delta rule's backward")
+    assert la.choose_backend(module, hidden) == "per_document"
+    with pytest.raises(BackendUnavailable, match="refuses its gated delta rule's backward"):
+        la.choose_backend(module, hidden, "fla")
+    with torch.no_grad():
+        assert la.choose_backend(module, hidden) == "fla"
     with pytest.raises(ConfigurationError, match="allowed: 'auto'"):
         la.apply(model, backend="triton")
 
@@ -447,3 +455,21 @@ def test_compiled_decode_traces_in_one_graph(one_torch_thread):
         got = torch.compile(model, fullgraph=True, backend="eager")(ids, use_cache=True).logits
         torch._dynamo.reset()
     assert torch.equal(got, want)
+
+
+def test_patch_says_before_training_where_fla_core_refuses_its_backward(monkeypatch, caplog):
+    """Where fla-core is installed but refuses its backward (Hopper with Triton < 3.7.1, run 39), the unpatched model
+    cannot train either: patch() says so, and what to do, in its report and log, not at the first backward."""
+    import logging
+
+    import hf_accel
+
+    why = "fla-core refuses its gated delta rule's backward on Hopper GPUs with Triton 3.6.0"
+    assert not any("refuses" in n for n in hf_accel.patch(tiny("qwen3_5_text")).notes)
+    monkeypatch.setattr(la, "fla_backward_refusal", lambda: why)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        report = hf_accel.patch(tiny("qwen3_5_text"))
+    assert f"linear attention: {why}" in report.notes and why in caplog.text
+    from tiny_models import make
+
+    assert not any(why in n for n in hf_accel.patch(make("llama-gqa")).notes)  # no recurrent layers: nothing to say
