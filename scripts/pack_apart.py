@@ -57,20 +57,33 @@ def slim(wheel: Path, pattern: str) -> None:
     slimmed.replace(wheel)
 
 
+# --bnb-only: bitsandbytes alone (~3.5 MiB), small enough to ride along with .gpu/b in the call that starts a queue
+BNB_INSTALL = """# installs bitsandbytes into /tmp/site-bnb (once per machine); the jobs that need it put it first on their path
+d=$(dirname "${BASH_SOURCE[0]}")
+if [ ! -f /tmp/site-bnb/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-bnb \\
+    "$d"/bitsandbytes-*.whl && touch /tmp/site-bnb/.done || return 1
+fi
+"""
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=".gpu/apart")
+    p.add_argument("--out", default=None, help="default .gpu/apart (.gpu/bnb with --bnb-only)")
+    p.add_argument("--bnb-only", action="store_true", help="bitsandbytes alone, installed by `source "
+                   ".gpu/bnb/install.sh` in the call carrying .gpu/b")
     args = p.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out or (".gpu/bnb" if args.bnb_only else ".gpu/apart"))
+    packages = [pkg for pkg in PACKAGES if pkg.startswith("bitsandbytes")] if args.bnb_only else PACKAGES
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM, "-d", str(out),
-                    *PACKAGES], check=True)
+                    *packages], check=True)
     for wheel in out.glob("*.whl"):
         name = wheel.name.split("-")[0].lower()
         if name in DROP:
             slim(wheel, DROP[name])
-    (out / "install.sh").write_text(INSTALL)
+    (out / "install.sh").write_text(BNB_INSTALL if args.bnb_only else INSTALL)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"packed {len(list(out.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB into {out}")
     return out
