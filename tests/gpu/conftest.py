@@ -36,6 +36,10 @@ def free_cuda_memory_between_tests(request):
     retained = (torch.cuda.memory_allocated() - _start_allocated[0]) / GIB
     if retained > 0.01:
         sys.stderr.write(f"[retained {retained:.2f} GiB] {request.node.nodeid}\n")
+    if retained > RETAINED_LIMIT_GIB:
+        from retained import describe
+
+        sys.stderr.write(describe("cuda") + "\n")  # which tensors, and who holds the largest
     assert retained <= RETAINED_LIMIT_GIB, (
         f"{retained:.2f} GiB of CUDA memory is still allocated after the test ended, gc ran and dynamo was reset: "
         f"something outlives the test (a module-level cache, a fixture, a global); in one process every later test "
