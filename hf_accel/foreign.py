@@ -98,51 +98,76 @@ def quiet_liger_import():
         yield
 
 
+# ---- the stock computations (same arguments as what they stand for) ------------------------------------------
+def stock_rms_norm(self, hidden_states):
+    """liger's RMSNorm forward (bound on a stock norm, or a norm of liger's class)."""
+    own = type(self).forward
+    if not origin(own):  # liger's forward bound on a stock norm: the class's own forward is the same math
+        return own(self, hidden_states)
+    dtype = hidden_states.dtype
+    x = hidden_states.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    if getattr(self, "casting_mode", "llama") in ("gemma", "none"):  # (x * (offset + w)) in fp32, then cast
+        return (x * (self.weight.float() + getattr(self, "offset", 0.0))).to(dtype)
+    return (getattr(self, "offset", 0.0) + self.weight) * x.to(dtype)
+
+
+def stock_swiglu(self, x):
+    return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def stock_geglu(self, x):
+    return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def stock_layer_norm(self, hidden_states):
+    eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-5)
+    return F.layer_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.bias, eps)
+
+
+def stock_rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
+    """liger's ``liger_rotary_pos_emb``: the leading ``cos.shape[-1]`` entries of each head rotated as
+    ``rotate_half`` rotates them (Llama; partial rotary, Phi-4-mini, passes the rest through), or, given a
+    ``rotary_dim`` twice cos's width, its two halves against half-width cos / sin (gpt-oss's form)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    half_width = rotary_dim is not None and rotary_dim == 2 * cos.shape[-1]
+    width = rotary_dim if half_width else cos.shape[-1]
+
+    def rotate(x):
+        x_rot, x_pass = x[..., :width], x[..., width:]
+        first, second = x_rot[..., : width // 2], x_rot[..., width // 2:]
+        if half_width:
+            rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        else:
+            rotated = x_rot * cos + torch.cat((-second, first), dim=-1) * sin
+        return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
+
+    return rotate(q), rotate(k)
+
+
+def stock_rotary_gpt_oss(q, k, cos, sin):
+    """liger's ``liger_rotary_pos_emb_gpt_oss``: gpt-oss's whole head against half-width cos / sin."""
+    return stock_rotary(q, k, cos, sin, rotary_dim=q.shape[-1])
+
+
 def _register_liger() -> None:
-    """Liger's norm, SwiGLU, GEGLU, LayerNorm and RoPE with their stock computations (once; only when liger has been
-    imported, i.e. may be bound to a model)."""
+    """Liger's norm, SwiGLU, GEGLU, LayerNorm and RoPE functions with their stock computations (once; only when liger
+    has been imported, i.e. may be bound to a model)."""
     global _liger_registered
     if _liger_registered or "liger_kernel" not in sys.modules:
         return
     _liger_registered = True
     with quiet_liger_import():
+        from liger_kernel.transformers import rope
         from liger_kernel.transformers.geglu import LigerGEGLUMLP
         from liger_kernel.transformers.layer_norm import LigerLayerNorm
         from liger_kernel.transformers.rms_norm import LigerRMSNorm
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb
         from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
-    def rms_norm(self, hidden_states):
-        own = type(self).forward
-        if own is not LigerRMSNorm.forward:  # liger's forward bound on a stock norm: its own forward is the same math
-            return own(self, hidden_states)
-        dtype = hidden_states.dtype
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        if getattr(self, "casting_mode", "llama") in ("gemma", "none"):  # (x * (offset + w)) in fp32, then cast
-            return (x * (self.weight.float() + getattr(self, "offset", 0.0))).to(dtype)
-        return (getattr(self, "offset", 0.0) + self.weight) * x.to(dtype)
-
-    def swiglu(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def geglu(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-    def layer_norm(self, hidden_states):
-        eps = getattr(self, "variance_epsilon", None) or getattr(self, "eps", 1e-5)
-        return F.layer_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.bias, eps)
-
-    def rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-
-        def rotate_half(x):
-            half = x.shape[-1] // 2
-            return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-    for original, stock in ((LigerRMSNorm.forward, rms_norm), (LigerSwiGLUMLP.forward, swiglu),
-                            (LigerGEGLUMLP.forward, geglu), (LigerLayerNorm.forward, layer_norm),
-                            (liger_rotary_pos_emb, rotary)):
+    pairs = [(LigerRMSNorm.forward, stock_rms_norm), (LigerSwiGLUMLP.forward, stock_swiglu),
+             (LigerGEGLUMLP.forward, stock_geglu), (LigerLayerNorm.forward, stock_layer_norm),
+             (rope.liger_rotary_pos_emb, stock_rotary)]
+    if hasattr(rope, "liger_rotary_pos_emb_gpt_oss"):  # liger 0.8.5
+        pairs.append((rope.liger_rotary_pos_emb_gpt_oss, stock_rotary_gpt_oss))
+    for original, stock in pairs:
         register_stand_in(original, stock)
