@@ -102,11 +102,13 @@ def quiet_liger_import():
 def stock_rms_norm(self, hidden_states):
     """liger's RMSNorm forward (bound on a stock norm, or a norm of liger's class)."""
     own = type(self).forward
-    if not origin(own):  # liger's forward bound on a stock norm: the class's own forward is the same math
+    if not (origin(own) or origin(type(self))):  # liger's forward bound on a stock norm: its own forward, same math
         return own(self, hidden_states)
     dtype = hidden_states.dtype
     x = hidden_states.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    if getattr(self, "weight", None) is None:  # a scale-free norm (Gemma 4's value norm)
+        return x.to(dtype)
     if getattr(self, "casting_mode", "llama") in ("gemma", "none"):  # (x * (offset + w)) in fp32, then cast
         return (x * (self.weight.float() + getattr(self, "offset", 0.0))).to(dtype)
     return (getattr(self, "offset", 0.0) + self.weight) * x.to(dtype)
@@ -114,6 +116,12 @@ def stock_rms_norm(self, hidden_states):
 
 def stock_swiglu(self, x):
     return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def stock_fused_swiglu(self, x):
+    """liger's Phi-3 MLP: gate and up from one fused projection."""
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(F.silu(gate) * up)
 
 
 def stock_geglu(self, x):
@@ -158,16 +166,21 @@ def _register_liger() -> None:
         return
     _liger_registered = True
     with quiet_liger_import():
-        from liger_kernel.transformers import rope
-        from liger_kernel.transformers.geglu import LigerGEGLUMLP
+        from liger_kernel.transformers import geglu, rms_norm, rope, swiglu
         from liger_kernel.transformers.layer_norm import LigerLayerNorm
-        from liger_kernel.transformers.rms_norm import LigerRMSNorm
-        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
-    pairs = [(LigerRMSNorm.forward, stock_rms_norm), (LigerSwiGLUMLP.forward, stock_swiglu),
-             (LigerGEGLUMLP.forward, stock_geglu), (LigerLayerNorm.forward, stock_layer_norm),
+    pairs = [(rms_norm.LigerRMSNorm.forward, stock_rms_norm), (swiglu.LigerSwiGLUMLP.forward, stock_swiglu),
+             (geglu.LigerGEGLUMLP.forward, stock_geglu), (LigerLayerNorm.forward, stock_layer_norm),
              (rope.liger_rotary_pos_emb, stock_rotary)]
-    if hasattr(rope, "liger_rotary_pos_emb_gpt_oss"):  # liger 0.8.5
-        pairs.append((rope.liger_rotary_pos_emb_gpt_oss, stock_rotary_gpt_oss))
+    # what liger 0.8.5 adds: classes it binds into modeling modules (``apply_liger_kernel_to_*()``), by name; its
+    # fused experts (LigerExperts) have none: a compiled layer runs them between its graphs, the probe fails
+    optional = [(rope, "liger_rotary_pos_emb_gpt_oss", stock_rotary_gpt_oss),
+                (rms_norm, "LigerRMSNormForGemma4", stock_rms_norm),
+                (swiglu, "LigerPhi3SwiGLUMLP", stock_fused_swiglu),
+                (swiglu, "LigerQwen3MoeSwiGLUMLP", stock_swiglu)]
+    for module, name, stock in optional:
+        original = getattr(module, name, None)
+        if original is not None:
+            pairs.append((getattr(original, "forward", original), stock))
     for original, stock in pairs:
         register_stand_in(original, stock)

@@ -60,3 +60,24 @@ def test_rms_norm_stand_in(casting, offset):
     norm.weight = torch.nn.Parameter(stock.weight.detach().clone())
     norm.variance_epsilon, norm.offset, norm.casting_mode = 1e-6, offset, casting
     torch.testing.assert_close(foreign.stock_rms_norm(norm, x), stock(x), rtol=0, atol=0)
+
+
+def test_scale_free_norm_and_fused_swiglu_stand_ins():
+    """Gemma 4's scale-free value norm (no weight) and Phi-3's fused gate / up projection."""
+    from transformers import Phi3Config
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(3))
+
+    class KernelNorm(torch.nn.Module):
+        def forward(self, hidden_states):
+            raise AssertionError("a kernel")
+
+    KernelNorm.__module__ = KernelNorm.forward.__module__ = "liger_kernel.transformers.rms_norm"
+    norm = KernelNorm()
+    norm.weight, norm.variance_epsilon = None, 1e-6
+    torch.testing.assert_close(foreign.stock_rms_norm(norm, x), Gemma4RMSNorm(32, with_scale=False)(x))
+    torch.manual_seed(0)
+    mlp = Phi3MLP(Phi3Config(hidden_size=32, intermediate_size=48))
+    torch.testing.assert_close(foreign.stock_fused_swiglu(mlp, x), mlp(x), rtol=0, atol=0)
