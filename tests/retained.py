@@ -17,12 +17,16 @@ _PLUMBING = (dict, list, tuple, set, frozenset, types.FrameType, types.CellType,
 
 
 def _live_tensors(device: str) -> list[torch.Tensor]:
+    """Tensors holding memory on ``device`` (fake tensors and symbolic shapes, which dynamo leaves about, hold none)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     found = []
     with warnings.catch_warnings():  # isinstance() touches deprecated module attributes gc hands back
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
             try:
-                if isinstance(obj, torch.Tensor) and obj.device.type == device and not obj.is_meta:
+                if (isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.device.type == device
+                        and not obj.is_meta and all(isinstance(d, int) for d in obj.shape)):
                     found.append(obj)
             except Exception:  # noqa: BLE001 - a half-built object
                 continue
