@@ -288,3 +288,25 @@ def test_the_probe_runs_stock_code_where_a_kernel_library_is_bound(monkeypatch):
         probe_config(cls, config)
     foreign.register_stand_in(KernelRMSNorm.forward, stock_norm.forward)
     assert probe_config(cls, config) == want
+
+
+def test_modules_a_kernel_library_already_serves_are_left_as_bound():
+    """liger bound before patch() (a forward on a stock norm or MLP, or liger's own class): not probed (its Triton
+    kernel cannot run on the CPU copy a norm is probed on) and not fusable, so patch() leaves what it was given."""
+    import types
+
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    ran = []
+
+    def kernel_forward(self, x):  # computes what the module computes, as liger's kernels do
+        ran.append(type(self).__name__)
+        return type(self).forward(self, x)
+
+    kernel_forward.__module__ = "liger_kernel.transformers.rms_norm"
+    model = make("llama-gqa")
+    bound = [m for m in model.modules() if isinstance(m, (LlamaRMSNorm, LlamaMLP))]
+    for m in bound:
+        m.forward = types.MethodType(kernel_forward, m)
+    assert fusable_modules(model) == [] and ran == []
+    assert module_kind(LlamaRMSNorm(16)) == "rms_norm"  # unbound: found by what it computes

@@ -5,7 +5,8 @@ and ``down_proj`` (the names liger's SwiGLU / GEGLU modules call). Each candidat
 (a copy of a norm with random weights; an MLP as it is, on two tokens, without gradients) and compared with the
 formula liger's kernel computes for each kind; a kind is taken only where the module's output is that formula's,
 in fp32 and in bf16 (which tells Llama's casting from Gemma's). A module matching none (Olmo's post-norms,
-Qwen3.5's gated norm, an unknown variant) is never bound. On CUDA, ``fused.ops`` checks liger's own kernel against
+Qwen3.5's gated norm, an unknown variant) is never bound, nor one a kernel library already serves (liger bound before
+``patch()``: it keeps what it was given). On CUDA, ``fused.ops`` checks liger's own kernel against
 the module on a probe input again before binding it.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import foreign
 from ..family import FusableKind
 
 _ACTIVATIONS: dict[str, FusableKind] = {"silu": "swiglu", "gelu_tanh": "geglu"}
@@ -43,7 +45,15 @@ _NORM_FORMULAS = {
 }
 
 
+def _foreign(module: nn.Module) -> bool:
+    """A kernel library's forward bound on the module, or its class (liger bound before ``patch()``): left as bound,
+    never probed (its Triton kernel cannot run on the CPU copy a norm is probed on)."""
+    return bool(foreign.origin(module.__dict__.get("forward") or type(module).forward) or foreign.origin(type(module)))
+
+
 def _norm_kind(module: nn.Module) -> FusableKind | None:
+    if _foreign(module):
+        return None
     eps = norm_eps(module)
     weight = getattr(module, "weight", None)
     if eps is None or not isinstance(weight, nn.Parameter) or weight.ndim != 1 or weight.numel() < 2:
@@ -89,6 +99,8 @@ def _activation(module: nn.Module) -> str | None:
 
 
 def _mlp_kind(module: nn.Module) -> FusableKind | None:
+    if _foreign(module):
+        return None
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Module) for p in parts):
         return None
