@@ -44,6 +44,16 @@ def origin(fn: Any) -> str | None:
     return FOREIGN_PACKAGES.get(module.split(".")[0])
 
 
+def forward_of(module: Any) -> Any:
+    """The forward a module's call runs: the one bound on the instance, else its class's."""
+    return module.__dict__.get("forward") or type(module).forward
+
+
+def serving(module: Any) -> str | None:
+    """The kernel library serving ``module``: its forward's (bound on it, or its class's), or its class's own."""
+    return origin(forward_of(module)) or origin(type(module))
+
+
 def global_callees(fn: Any) -> list[tuple[str, Any]]:
     """The module-level names ``fn``'s code reads and what they hold now (``apply_rotary_pos_emb`` in a transformers
     attention forward is liger's after ``apply_liger_kernel_to_llama(rope=True)``)."""
@@ -72,11 +82,6 @@ def stand_in(fn: Any) -> Callable | None:
     _register_liger()
     entry = _STAND_INS.get(id(function(fn)))
     return entry[1] if entry is not None else None
-
-
-def is_stand_in(fn: Any) -> bool:
-    """Whether ``fn`` is a registered stock stand-in."""
-    return any(stock is function(fn) for _, stock in _STAND_INS.values())
 
 
 def stand_ins() -> list[tuple[Callable, Callable]]:

@@ -45,14 +45,8 @@ _NORM_FORMULAS = {
 }
 
 
-def _foreign(module: nn.Module) -> bool:
-    """A kernel library's forward bound on the module, or its class (liger bound before ``patch()``): left as bound,
-    never probed (its Triton kernel cannot run on the CPU copy a norm is probed on)."""
-    return bool(foreign.origin(module.__dict__.get("forward") or type(module).forward) or foreign.origin(type(module)))
-
-
 def _norm_kind(module: nn.Module) -> FusableKind | None:
-    if _foreign(module):
+    if foreign.serving(module):  # liger bound before patch(): left as bound (its kernel cannot run on the CPU copy)
         return None
     eps = norm_eps(module)
     weight = getattr(module, "weight", None)
@@ -99,7 +93,7 @@ def _activation(module: nn.Module) -> str | None:
 
 
 def _mlp_kind(module: nn.Module) -> FusableKind | None:
-    if _foreign(module):
+    if foreign.serving(module):  # liger bound before patch(): left as bound
         return None
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Module) for p in parts):

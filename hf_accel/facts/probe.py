@@ -224,10 +224,8 @@ def _stock_for_foreign_kernels(model: nn.Module) -> Iterator[None]:
     try:
         forwards = {}
         for module in model.modules():
-            forward = module.__dict__.get("forward") or type(module).forward
-            if foreign.is_stand_in(forward):  # (bound by the probe's first forward)
-                continue
-            if foreign.origin(forward) or foreign.origin(type(module)):
+            forward = foreign.forward_of(module)
+            if foreign.serving(module):
                 stock = _stock(forward, f"{type(module).__name__}'s forward")
                 module.__dict__["forward"] = types.MethodType(stock, module)  # the copy is the probe's own
             else:
@@ -370,8 +368,8 @@ def _forward(model: nn.Module, mode, layers: list[nn.Module], tokens: int, save_
     handles = _hooks(model, layers, tally)
     _RECORDER.append(recorder)
     try:
-        with _stock_for_foreign_kernels(model), mode, torch.enable_grad(), _grouped_experts_on_fake_tensors(), \
-                tally, torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
+        with mode, torch.enable_grad(), _grouped_experts_on_fake_tensors(), tally, \
+                torch.autograd.graph.saved_tensors_hooks(tally.pack, tally.unpack):
             ids = torch.zeros(1, tokens, dtype=torch.long)
             model(input_ids=ids, use_cache=False)
     finally:
@@ -426,7 +424,8 @@ def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16,
         for sub in layer.modules():
             layer_of[id(sub)] = index_of[id(layer)]
     save_ops = default_save_ops()
-    (short, _), (long, recorder) = (_forward(model, mode, layers, t, save_ops) for t in TOKENS)
+    with _stock_for_foreign_kernels(model):  # around both forwards: modules bound once, globals restored after
+        (short, _), (long, recorder) = (_forward(model, mode, layers, t, save_ops) for t in TOKENS)
     span = TOKENS[1] - TOKENS[0]
 
     def per_token(a: list[int], b: list[int]) -> list[float]:
