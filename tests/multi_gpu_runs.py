@@ -109,6 +109,19 @@ def kill_tree(pid: int) -> None:
     kill(pid)
 
 
+def failure_tail(out: str, chars: int = 6000) -> str:
+    """What a failed launch printed that says why: the first native crash (faulthandler's "Fatal Python error" or a C++
+    "terminate called", with the lines before it and the crashing thread's stack), then the tail, without
+    faulthandler's list of extension modules (a few thousand characters that pushed the cause out of CI's log)."""
+    lines = [line for line in out.splitlines() if not line.lstrip().startswith("Extension modules:")]
+    crash = next((i for i, line in enumerate(lines) if "Fatal Python error" in line or "terminate called" in line),
+                 None)
+    tail = "\n".join(lines)[-chars:]
+    if crash is None:
+        return tail
+    return "first crash:\n" + "\n".join(lines[max(0, crash - 10):crash + 40])[:chars] + "\n...\ntail:\n" + tail
+
+
 def _launch(cmd: list[str], cwd: Path, timeout: float, log: Path | None, env: dict[str, str] | None) -> tuple[int, str]:
     """Run a launcher in its own process group under ``timeout``: (exit status, output); on a timeout kill the whole
     group (no orphaned ranks) and fail, saying it hung. The output goes to ``log`` too when given."""
@@ -123,7 +136,7 @@ def _launch(cmd: list[str], cwd: Path, timeout: float, log: Path | None, env: di
         if log is not None:
             log.write_text(out)
         pytest.fail(f"HANG: {cmd[-3:]} did not exit within {timeout} s (a rank waits in a collective?); "
-                    f"log {log}, its tail:\n{out[-6000:]}")
+                    f"log {log}, its tail:\n{failure_tail(out)}")
     if log is not None:
         log.write_text(out)
     return proc.returncode, out
@@ -136,7 +149,7 @@ def launch_or_fail(cmd: list[str], cwd: Path, timeout: float, log: Path | None =
     ``env``: more variables. Returns the output."""
     returncode, out = _launch(cmd, cwd, timeout, log, env)
     if returncode != 0:
-        pytest.fail(f"the launch exited with {returncode}; log {log}, its tail:\n{out[-6000:]}")
+        pytest.fail(f"the launch exited with {returncode}; log {log}, its tail:\n{failure_tail(out)}")
     return out
 
 
@@ -160,11 +173,11 @@ def launch_into_new_folder_or_fail(cmd_for: Callable[[Path], list[str]], new_fol
     returncode, out = _launch(cmd_for(folder), folder, timeout, None, env)
     if returncode != 0 and died_of_sigsegv(returncode, out):
         print(f"a process of the launch in {folder} died of SIGSEGV; launching once more in a new folder. Its "
-              f"tail:\n{out[-4000:]}")
+              f"tail:\n{failure_tail(out, 4000)}")
         folder = new_folder()
         returncode, out = _launch(cmd_for(folder), folder, timeout, None, env)
     if returncode != 0:
-        pytest.fail(f"the launch in {folder} exited with {returncode}; its tail:\n{out[-6000:]}")
+        pytest.fail(f"the launch in {folder} exited with {returncode}; its tail:\n{failure_tail(out)}")
     return folder
 
 
@@ -215,7 +228,8 @@ def launch_killed_in_save(cmd: list[str], cwd: Path, step: int, timeout: float, 
         deadline = time.time() + timeout
         try:
             while not marker.exists():
-                assert proc.poll() is None, f"the run ended before the save of step {step}: {log.read_text()[-3000:]}"
+                assert proc.poll() is None, \
+                    f"the run ended before the save of step {step}: {failure_tail(log.read_text(), 3000)}"
                 assert time.time() < deadline, f"the run never reached the save of step {step}: " \
                                                f"{log.read_text()[-3000:]}"
                 time.sleep(0.2)

@@ -271,3 +271,49 @@ def test_a_diverging_command_exits_1_naming_the_step_and_saves_no_model(sft, cap
     metrics = json.loads((Path("out") / "metrics.json").read_text())  # the plot and metrics show what happened
     assert metrics["stopped"] and (Path("out") / "training.png").exists()
     assert any(not math.isfinite(loss) for loss in metrics["losses"])
+
+
+RANK_SCRIPT = r'''
+import atexit, sys, threading, time
+from pathlib import Path
+import torch.distributed as dist
+from hf_accel.cli.failures import run_command
+from hf_accel.errors import HFAccelError
+
+rank, rendezvous, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+atexit.register(lambda: (out / f"atexit.{rank}").write_text("ran"))
+
+def main(argv):
+    dist.barrier()
+    # what the interpreter's teardown would wait on: a thread that is not a daemon, as gloo's own are not joinable
+    threading.Thread(target=time.sleep, args=(120,), daemon=False).start()
+    if rank == 1:
+        raise HFAccelError("rank 1 failed")
+
+sys.exit(run_command(main, [], "hf-accel sft"))
+'''
+
+
+def test_a_gloo_rank_ends_at_once_with_its_status_after_the_exit_handlers(tmp_path):
+    """A rank of a 2-process gloo group leaves through ``os._exit`` once the command is done (the interpreter's
+    teardown, where gloo's threads can abort a finished rank, never runs): the exit handlers ran, each rank's status
+    is its own, and a thread the teardown would wait for does not hold the process. Without ``leave_rank`` both
+    processes wait for their 120 s thread and the 60 s timeout fails the test."""
+    import subprocess
+    import sys as _sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([_sys.executable, str(script), str(rank), str(tmp_path / "rendezvous"), str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 1], outs
+    assert "hf-accel sft: error: HFAccelError: rank 1 failed" in outs[1], outs
+    assert all((tmp_path / f"atexit.{rank}").read_text() == "ran" for rank in (0, 1))

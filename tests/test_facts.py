@@ -310,3 +310,25 @@ def test_modules_a_kernel_library_already_serves_are_left_as_bound():
         m.forward = types.MethodType(kernel_forward, m)
     assert fusable_modules(model) == [] and ran == []
     assert module_kind(LlamaRMSNorm(16)) == "rms_norm"  # unbound: found by what it computes
+
+
+def test_the_probe_builds_its_copy_as_one_process_under_deepspeed_zero3():
+    """Under ZeRO-3 (transformers' ``HfDeepSpeedConfig`` alive, as in every DeepSpeed launch of the Trainer),
+    ``_from_config`` builds a model inside ``deepspeed.zero.Init``: the probe's copy then ran collectives on fake
+    tensors and got 1-D partitioned weights, and every ZeRO-3 run lost its facts (the report's "probe forward failed:
+    'weight' must be 2-D"). Here, without a process group, that path raised at once. The facts are those found
+    without DeepSpeed."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed")
+    from transformers.integrations.deepspeed import (HfDeepSpeedConfig, is_deepspeed_zero3_enabled,
+                                                     unset_hf_deepspeed_config)
+
+    model = make("llama-gqa")
+    alone = facts_probe.probe_config(type(model), model.config, torch.float32)
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        under = facts_probe.probe_config(type(model), model.config, torch.float32)
+    finally:
+        unset_hf_deepspeed_config()
+    del zero3
+    assert under == alone

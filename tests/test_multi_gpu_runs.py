@@ -126,3 +126,19 @@ def test_a_launch_that_dies_of_sigsegv_runs_once_more_in_a_new_folder(tmp_path, 
             launch_into_new_folder_or_fail(command, new_folder, timeout=60)
     assert len(made) == launches and not any((f / "done").exists() for f in made[:-1])
     assert died_of_sigsegv(1, "exitcode  : -11 (pid: 20276)  (SIGSEGV)") and not died_of_sigsegv(1, "exitcode: 1")
+
+
+def test_a_failed_launch_shows_the_first_crash_not_faulthandlers_module_list():
+    """CI's failure of 2026-12-07 showed only faulthandler's list of extension modules and the launcher's report: the
+    6,000-character tail began after the crashing rank's "Fatal Python error". The excerpt leads with the crash."""
+    from multi_gpu_runs import failure_tail
+
+    crash = ["[rank1] step 6 saved", "terminate called without an active exception", "Fatal Python error: Aborted",
+             "", "Current thread 0x00007f (most recent call first):", '  File "sft.py", line 12 in <module>']
+    modules = "Extension modules: " + ", ".join(f"pkg{i}._ext" for i in range(900)) + " (total: 900)"
+    launcher = [f"launcher line {i}" for i in range(80)]
+    out = "\n".join(["training"] * 50 + crash + [modules] + launcher)
+    text = failure_tail(out)
+    assert "terminate called without an active exception" in text and 'File "sft.py", line 12' in text
+    assert "Extension modules" not in text and text.rstrip().endswith("launcher line 79")
+    assert failure_tail("\n".join(launcher)) == "\n".join(launcher)  # nothing crashed: the tail as it was

@@ -54,8 +54,10 @@ def _run(root: Path, model: str, out: str, processes: int, extra: tuple[str, ...
         cmd = zero3_cpu_launch(DIST_SFT)
     else:
         cmd = [sys.executable, str(DIST_SFT), "--grad-accum", "2"]
-    launch_or_fail(cmd + ["--model", model, *SFT_ARGS, *extra, "--output-dir", out], root, RUN_TIMEOUT_S,
-                   env={"OMP_NUM_THREADS": "1"})
+    printed = launch_or_fail(cmd + ["--model", model, *SFT_ARGS, *extra, "--output-dir", out], root, RUN_TIMEOUT_S,
+                             env={"OMP_NUM_THREADS": "1"})
+    # the facts probe builds its copy as one process would (zero.Init left it 1-D placeholders before)
+    assert "hf_accel: patched" in printed and "probe forward failed" not in printed, printed[-3000:]
     return root / out
 
 

@@ -18,6 +18,7 @@ import sys
 from typing import Any, Callable
 
 from ..errors import HFAccelError, UsageError
+from .leave import leave_rank
 
 TRACEBACK_ENV = "HF_ACCEL_TRACEBACK"
 INTERRUPTED = 130  # 128 + SIGINT
@@ -62,7 +63,14 @@ def _one_line(text: str) -> str:
 
 
 def run_command(main: Callable[[Any], Any], argv: list[str] | None, prog: str) -> int:
-    """Run ``main(argv)``; every failure prints as one line (see the module docstring). Returns the exit status."""
+    """Run ``main(argv)``; every failure prints as one line (see the module docstring). Returns the exit status; a
+    rank of a multi-process CPU run ends there with it instead (``leave.leave_rank``)."""
+    status = _status_of(main, argv, prog)
+    leave_rank(status)
+    return status
+
+
+def _status_of(main: Callable[[Any], Any], argv: list[str] | None, prog: str) -> int:
     try:
         main(argv)
     except RunInterrupted as e:

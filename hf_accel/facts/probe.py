@@ -159,7 +159,7 @@ def fake_model(model_cls: type, config, dtype: torch.dtype):
         # know: the copy routes through transformers' grouped path, which hf_accel's experts patch runs too
         config._experts_implementation = "grouped_mm"
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, _quiet(), _no_init():
+    with mode, _quiet(), _no_init(), _no_zero3_init():
         model = model_cls._from_config(config, dtype=dtype).train()
     for module in model.modules():
         sub = getattr(module, "config", None)
@@ -186,6 +186,17 @@ def _no_init():
     except ImportError:
         return contextlib.nullcontext()
     return no_init_weights()
+
+
+def _no_zero3_init():
+    """The copy built as one process builds it. Under DeepSpeed ZeRO-3 (transformers' ``HfDeepSpeedConfig`` alive),
+    ``_from_config`` wraps construction in ``deepspeed.zero.Init``, which broadcasts each new parameter over the
+    process group and partitions it into a 1-D placeholder: collectives on fake tensors, and weights the probe's
+    forward cannot use (F.embedding: "'weight' must be 2-D"), so every ZeRO-3 run lost its facts. transformers' own
+    guard against a nested ``zero.Init`` says one is already running."""
+    from transformers import modeling_utils
+
+    return getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)()
 
 
 @contextlib.contextmanager
