@@ -103,7 +103,7 @@ H200 = DeviceInfo("cuda", (9, 0))
 A100 = DeviceInfo("cuda", (8, 0))
 T4 = DeviceInfo("cuda", (7, 5))
 CPU = DeviceInfo("cpu")
-CUDA_STACK = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
+CUDA_STACK = frozenset({"fa4", "torch-fa2", "flex", "mem-efficient", "sdpa", "reference"})
 
 
 @pytest.mark.parametrize(
@@ -119,6 +119,10 @@ CUDA_STACK = frozenset({"fa4", "torch-fa2", "flex", "sdpa", "reference"})
         (H200, {"dropout": True}, CUDA_STACK, "torch-fa2"),  # fa4 has no dropout
         (H200, {"softcap": True}, CUDA_STACK, "fa4"),
         (H200, {"head_dim": 100}, CUDA_STACK, "sdpa"),  # not a multiple of 8
+        (H200, {"head_dim": 512}, CUDA_STACK, "mem-efficient"),  # Gemma 4's global layers: varlen, not padded SDPA
+        (H200, {"head_dim": 512, "dropout": True}, CUDA_STACK, "mem-efficient"),
+        (H200, {"head_dim": 512, "window": True}, CUDA_STACK, "sdpa"),
+        (H200, {"head_dim": 512, "softcap": True}, CUDA_STACK, "reference"),
         (A100, {}, CUDA_STACK, "torch-fa2"),  # fa4 needs sm90+
         (T4, {}, CUDA_STACK, "flex"),  # no flash kernel below sm80
         (H200, {"dtype": torch.float32}, CUDA_STACK, "flex"),
@@ -301,3 +305,58 @@ def test_fa4_aux_data_note_is_the_only_warning_quieted():
     fa4._quieted = False  # catch_warnings put the filters back
     assert [(str(w.message)[:18], w.category) for w in seen] == [
         (logged[:18], UserWarning), ("Argument other_arg", UserWarning), (logged[:18], DeprecationWarning)]
+
+
+def _efficient_attention_stand_in(calls):
+    """What ``aten::_efficient_attention_forward`` computes (a CUDA kernel, absent here), as torch documents it: batch
+    1, one sequence per ``cu_seqlens`` span, ``custom_mask_type`` 2 causal from the bottom right (queries at the end of
+    their document), 0 none; no grouped heads. The real kernel is checked against fp32 math in
+    tests/gpu/test_kernels_gpu.py (head_dim 64, 128, 512)."""
+
+    def forward(q, k, v, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, compute_lse, *, scale=None, **kw):
+        calls.append(dict(shapes=(q.shape, k.shape), cu_dtype=(cu_q.dtype, cu_k.dtype), max=(max_q, max_k),
+                          mask_type=mask_type, lse=compute_lse, scale=scale))
+        assert bias is None and q.shape[0] == 1 and q.shape[2] == k.shape[2], "no bias, batch 1, K/V heads repeated"
+        out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        for (q0, q1), (k0, k1) in zip(zip(bq, bq[1:]), zip(bk, bk[1:])):
+            qq, kk, vv = (x[0, a:b].transpose(0, 1).double() for x, (a, b) in
+                          ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1))))
+            scores = qq @ kk.transpose(-1, -2) * scale
+            if mask_type == 2:
+                row = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+                scores = scores.masked_fill(torch.arange(k1 - k0)[None, :] > row, float("-inf"))
+            out[0, q0:q1] = (torch.softmax(scores, -1) @ vv).transpose(0, 1).to(q.dtype)
+        return out, None, None, None, max_q, max_k
+
+    return forward
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mem_efficient_backend_passes_packed_documents_as_torch_documents_them(monkeypatch, causal):
+    """The varlen call as the kernel reads it: the packed tokens as one batch row with int32 ``cu_seqlens``, K/V
+    repeated to the query heads, causal from the bottom right (a document's queries after a KV cache see the whole
+    cache), the scale passed through, log-sum-exp asked for only when gradients flow. Equal to the reference backend
+    on head_dim 512 with grouped heads and queries shorter than keys."""
+    from hf_accel.attention.kernels.mem_efficient import MemEfficientBackend
+    from hf_accel.attention.kernels.reference import ReferenceBackend
+
+    calls = []
+    monkeypatch.setattr(torch.ops.aten, "_efficient_attention_forward", _efficient_attention_stand_in(calls),
+                        raising=False)
+    torch.manual_seed(0)
+    seq_q, seq_k = [3, 5, 1], [3, 9, 4]
+    cu_q = torch.tensor([0, *torch.tensor(seq_q).cumsum(0).tolist()], dtype=torch.int64)
+    cu_k = torch.tensor([0, *torch.tensor(seq_k).cumsum(0).tolist()], dtype=torch.int64)
+    q = torch.randn(sum(seq_q), 8, 512, dtype=torch.float64)
+    k, v = torch.randn(sum(seq_k), 2, 512, dtype=torch.float64), torch.randn(sum(seq_k), 2, 512, dtype=torch.float64)
+    opts = AttnOptions(scale=0.05, causal=causal)
+    got = MemEfficientBackend().varlen(q, k, v, cu_q, cu_k, max(seq_q), max(seq_k), opts)
+    want = ReferenceBackend().varlen(q, k, v, cu_q, cu_k, max(seq_q), max(seq_k), opts)
+    torch.testing.assert_close(got, want)
+    call = calls[-1]
+    assert call["cu_dtype"] == (torch.int32, torch.int32) and call["max"] == (5, 9) and call["scale"] == 0.05
+    assert call["mask_type"] == (2 if causal else 0) and call["lse"] is False
+    assert call["shapes"] == ((1, 9, 8, 512), (1, 16, 8, 512))
+    MemEfficientBackend().varlen(q.requires_grad_(), k, v, cu_q, cu_k, max(seq_q), max(seq_k), opts)
+    assert calls[-1]["lse"] is True

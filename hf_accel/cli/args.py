@@ -26,7 +26,7 @@ MODEL_SHAPE_NAMES = ("llama-1b", "llama-8b", "neox-1.4b", "falcon-1b", "llama-8b
                      "mistral-small", "gemma2-small", "qwen3.5-9b", "gpt-oss-20b", "qwen3-30b-a3b", "gemma4-12b",
                      "qwen3.5-small", "gpt-oss-small", "qwen3-moe-small", "gemma4-small")
 # attention backends (hf_accel.attention.kernels.BACKENDS; tests/test_cli.py keeps the two lists equal)
-BACKEND_NAMES = ("auto", "fa4", "fa3", "fa2", "torch-fa2", "flex", "sdpa", "reference")
+BACKEND_NAMES = ("auto", "fa4", "fa3", "fa2", "torch-fa2", "flex", "mem-efficient", "sdpa", "reference")
 
 
 def _help(text: str, **extra: Any) -> Any:

@@ -61,14 +61,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["fa4", "torch-fa2", "flex", "sdpa"])
+@pytest.mark.parametrize("backend", ["fa4", "torch-fa2", "flex", "mem-efficient", "sdpa"])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 512])
 def test_backend_matches_fp32_math(backend, case, head_dim):
     if BACKENDS[backend].unavailable_reason():
         pytest.skip(BACKENDS[backend].unavailable_reason())
     spec = CASES[case]
     caps = BACKENDS[backend].capabilities
+    if head_dim > caps.max_head_dim:
+        pytest.skip(f"{backend} stops at head_dim {caps.max_head_dim}")
     if ((case == "softcap" and not caps.softcap) or (case == "alibi" and not caps.alibi_backward)
             or (case == "window" and not caps.window)):
         pytest.skip(f"{backend} does not declare {case}")

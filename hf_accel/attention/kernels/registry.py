@@ -13,6 +13,7 @@ from .base import AttentionRequest, DeviceInfo
 from .fa4 import FA4Backend
 from .flash_attn_ext import FlashAttn2Backend, FlashAttn3Backend
 from .flex import FlexBackend
+from .mem_efficient import MemEfficientBackend
 from .reference import ReferenceBackend
 from .sdpa import SDPABackend
 from .torch_fa2 import TorchFA2Backend
@@ -22,13 +23,15 @@ logger = logging.getLogger("hf_accel")
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (FA4Backend(), FlashAttn3Backend(), FlashAttn2Backend(), TorchFA2Backend(), FlexBackend(),
-              SDPABackend(), ReferenceBackend())
+              MemEfficientBackend(), SDPABackend(), ReferenceBackend())
 }
 
 # Fastest first, per device type (fa4 ahead of PyTorch's FA2 forward + backward: BENCHMARKS.md, FlashMHA).
 # Flex is fast only compiled on CUDA; on the CPU its eager path is a math reference, so SDPA comes first there.
+# mem-efficient (varlen, any head_dim) serves what the flash-class kernels cannot: head_dim above 256 (Gemma 4's global
+# layers), before the padded SDPA path.
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "cuda": ("fa4", "fa3", "fa2", "torch-fa2", "flex", "sdpa", "reference"),
+    "cuda": ("fa4", "fa3", "fa2", "torch-fa2", "flex", "mem-efficient", "sdpa", "reference"),
     "default": ("sdpa", "flex", "reference"),
 }
 
