@@ -3,7 +3,7 @@
 A process whose gloo process group is still alive when Python finalizes can abort there ("terminate called without
 an active exception", exit -6): gloo's worker threads may still hold finished work whose tensors need the GIL while
 the interpreter is torn down (pytorch PR 179291, abandoned). Seen on a rank of `sft.py` under a 2-process ZeRO-3 CPU
-launch in CI (2026-12-07), after the run had saved. ``destroy_process_group`` first is not the cure: under DDP on gloo
+launch in CI, after the run had saved (docs/MULTI_GPU.md, "End of run"). ``destroy_process_group`` first is not the cure: under DDP on gloo
 the Reducer frees the group later, holding the GIL, while gloo's thread still needs it (a deadlock, seen on CPU). So a
 gloo rank runs the exit handlers (trackers, logging) while the interpreter is whole, flushes, and leaves with
 ``os._exit``. NCCL ranks and single processes end as usual.
