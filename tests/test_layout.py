@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # stage -> the hf_accel modules (prefixes) it may import besides its own
 # errors, _compat (the transformers version gate and the names that differ across versions), family (the Family
 # type) and foreign (kernel libraries' code and its stock stand-ins) are leaves every stage may import
-LEAVES = ("hf_accel.errors", "hf_accel._compat", "hf_accel.family", "hf_accel.foreign")
+LEAVES = ("hf_accel.errors", "hf_accel._compat", "hf_accel.family", "hf_accel.foreign", "hf_accel.binding")
 ALLOWED = {
     "hf_accel.data": LEAVES,
     "hf_accel.attention": LEAVES,

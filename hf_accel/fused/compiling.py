@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..binding import bind_forward
 from .._compat import cache_kwarg
 from ..memory.targets import CALL_SLOT as SLOT, OP_LEVEL_ATTR, decoder_layers
 from ..errors import BackendUnavailable
@@ -183,8 +184,7 @@ def _trace_through_idle_kernels_routing(layer: nn.Module) -> list[Callable[[], N
     for module in layer.modules():
         if not _kernels_routing(module) or "forward" in module.__dict__:
             continue
-        module.forward = MethodType(_own_forward_unless_kernelized, module)
-        undo.append(lambda module=module: module.__dict__.pop("forward", None))
+        undo.append(bind_forward(module, MethodType(_own_forward_unless_kernelized, module)))
     return undo
 
 

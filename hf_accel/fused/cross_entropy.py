@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..binding import bind_forward
 from ..errors import ConfigurationError, InvalidBatch
 from ..memory.chunks import CHUNK_BYTES, auto_chunk_size  # noqa: F401 (CHUNK_BYTES re-exported)
 from .ce_functions import IGNORE_INDEX, _ChunkedLinearCE, _GradInForwardLinearCE, _module_chunked_sum
@@ -84,16 +85,11 @@ def _one_head_call(head: nn.Module, summed_loss: Callable[..., torch.Tensor], hi
     head_forward = head.forward  # the head's own forward (class or instance), for the "module" path's chunks
     if torch.compiler.is_compiling():  # a traced model: no module hooks to satisfy, no attribute swapping
         return summed_loss(hidden_nh, labels_n, head_forward)
-    had_own = "forward" in head.__dict__
-    own = head.__dict__.get("forward")
-    head.forward = lambda h_nh, y_n: summed_loss(h_nh, y_n, head_forward)
+    undo = bind_forward(head, lambda h_nh, y_n: summed_loss(h_nh, y_n, head_forward))
     try:
         return head(hidden_nh, labels_n)  # pre-hooks may cast / wrap hidden_nh: use what the call passes on
     finally:
-        if had_own:
-            head.__dict__["forward"] = own
-        else:
-            del head.__dict__["forward"]
+        undo()
 
 
 def _liger_sum(hidden_nh: torch.Tensor, head: nn.Linear, labels_n: torch.Tensor,
@@ -292,9 +288,7 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
     # `past_key_values`
     cache_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
-    stock = model.forward
-    missing = object()
-    own = vars(model).get("forward", missing)  # (patch() binds only where there is none: resolve_speedups)
+    stock = model.forward  # (patch() binds only where the instance has none of its own: resolve_speedups)
 
     def forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
         target_rows = kwargs.pop(TARGET_ROWS_KEY, None)  # batch metadata for this loss only
@@ -323,13 +317,10 @@ def bind_fused_loss(model: nn.Module, *, chunk_size: int | None = None, method: 
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = stock_sig.replace(parameters=[self_param, *stock_sig.parameters.values()])
     model.__dict__[_STOCK_FORWARD] = stock
-    model.forward = types.MethodType(forward, model)
+    unbind = bind_forward(model, types.MethodType(forward, model))
 
     def undo() -> None:
-        if own is missing:
-            model.__dict__.pop("forward", None)
-        else:
-            model.__dict__["forward"] = own
+        unbind()
         model.__dict__.pop(_STOCK_FORWARD, None)
 
     return undo

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..binding import bind_forward
 from ..foreign import function, global_callees, origin
 
 logger = logging.getLogger("hf_accel")
@@ -148,18 +149,11 @@ _WRAPPERS = {TRACE_OWN: _own_when_traced, OPAQUE: _run_eagerly_disabled}
 def _wrap(module: nn.Module, decision: str) -> Callable[[], None]:
     """Bind the wrapper of ``decision`` as ``module``'s forward; return the action that restores the slot (unless
     someone bound another forward since)."""
-    missing = object()
-    previous = module.__dict__.get("forward", missing)
-    module.__dict__[_PREVIOUS] = None if previous is missing else previous
-    wrapper = types.MethodType(_WRAPPERS[decision], module)
-    module.__dict__["forward"] = wrapper
+    module.__dict__[_PREVIOUS] = module.__dict__.get("forward")
+    unbind = bind_forward(module, types.MethodType(_WRAPPERS[decision], module), keep_later=True)
 
     def undo() -> None:
-        if module.__dict__.get("forward") is wrapper:
-            if previous is missing:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = previous
+        unbind()
         module.__dict__.pop(_PREVIOUS, None)
 
     return undo

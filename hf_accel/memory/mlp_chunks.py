@@ -43,9 +43,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..binding import bind_forward
+from ..errors import ConfigurationError
 from . import trim
 from .targets import decoder_mlps
-from ..errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -222,16 +223,7 @@ def apply(model: nn.Module, chunking: MlpChunking, output_projections: tuple[str
     bindings, said = trim.Bindings([]), set()
     names, undo = [], [bindings.unbind]
     for name, mlp in decoder_mlps(model):
-        had_own, previous = "forward" in mlp.__dict__, mlp.__dict__.get("forward")
-        mlp.forward = _chunked_forward(mlp, mlp.forward, chunking, trimmed, bindings, said)
-
-        def restore(mlp=mlp, had_own=had_own, previous=previous) -> None:
-            if had_own:
-                mlp.__dict__["forward"] = previous
-            else:
-                mlp.__dict__.pop("forward", None)
-
-        undo.append(restore)
+        undo.append(bind_forward(mlp, _chunked_forward(mlp, mlp.forward, chunking, trimmed, bindings, said)))
         names.append(name)
     return names, undo
 

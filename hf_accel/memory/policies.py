@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..binding import bind_forward
 from . import trim
 from .context import RunContext
 from .offload import ActivationOffloader, offloaded_checkpoint
@@ -45,7 +46,7 @@ class _Applied:
 
     policy: "CheckpointingPolicy"
     flags: list = field(default_factory=list)  # (module, attr, had_own, old value)
-    wrapped: list = field(default_factory=list)  # (module, had_own_forward, old forward)
+    wrapped: list = field(default_factory=list)  # the undo of each forward it bound
     added_input_grad_hooks: bool = False
 
 
@@ -176,9 +177,8 @@ class CheckpointingPolicy:
         for module in base_model(model).modules():
             if isinstance(module, GradientCheckpointingLayer) or not selector(module):
                 continue
-            had_own = "forward" in module.__dict__
-            applied.wrapped.append((module, had_own, module.__dict__.get("forward")))
-            module.forward = _checkpointed_forward(module, module.forward, self.use_reentrant)
+            applied.wrapped.append(
+                bind_forward(module, _checkpointed_forward(module, module.forward, self.use_reentrant)))
 
 
 def default_save_ops_for(policy: CheckpointingPolicy) -> frozenset:
@@ -220,11 +220,8 @@ def remove_checkpointing(model: nn.Module) -> None:
     if applied.added_input_grad_hooks:
         for hook in getattr(hf_model, "_require_grads_hooks", None) or []:
             hook.remove()
-    for module, had_own, old in reversed(applied.wrapped):
-        if had_own:
-            module.forward = old
-        else:
-            del module.forward
+    for undo in reversed(applied.wrapped):
+        undo()
     for module, attr, had_own, old in reversed(applied.flags):
         if had_own:
             setattr(module, attr, old)

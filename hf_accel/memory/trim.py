@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..binding import bind_forward
+
 FILL = 0.0  # what a skipped matmul's output holds (tests set NaN: nothing may read it)
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 _state = threading.local()  # recomputes run on the autograd engine's threads: the flag is per thread
@@ -242,16 +244,13 @@ def _base_of(module: nn.Module) -> nn.Module | None:
 
 @dataclass
 class Bindings:
-    """The trimmed forwards one policy bound: (module, had its own forward, that forward), undone by ``unbind``."""
+    """The trimmed forwards one policy bound (the undo of each), undone by ``unbind``."""
 
     bound: list
 
     def unbind(self) -> None:
-        for module, had_own, old in reversed(self.bound):
-            if had_own:
-                module.forward = old
-            else:
-                module.__dict__.pop("forward", None)
+        for undo in reversed(self.bound):
+            undo()
         self.bound.clear()
 
 
@@ -273,8 +272,7 @@ def bind(layer: nn.Module, paths: tuple[str, ...], bindings: Bindings) -> dict[s
             bases = None
             continue
         if current is None:
-            bindings.bound.append((base, False, None))
-            base.forward = types.MethodType(forward, base)
+            bindings.bound.append(bind_forward(base, types.MethodType(forward, base)))
         if bases is not None:
             bases[path] = base
     return bases

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import trl
 
+from ..binding import bind_forward
 from ..errors import ConfigurationError, UnsupportedVersion
 from ..memory.checkpointing import reapply_checkpointing
 from ..patching import patch
@@ -183,8 +184,6 @@ def bind_packed_forward(model: torch.nn.Module, *, seam_reads_cu_seqlens: bool =
     (``seam_reads_cu_seqlens``); stock attention tells them by ``position_ids`` restarting at 0, so an unpatched
     model packs only rows that start at column 0 (right padding) and leaves the others padded."""
     inner = model.forward
-    missing = object()
-    own = vars(model).get("forward", missing)
 
     def forward(self, *args, fused_lm_head: bool = False, **kwargs):
         if not fused_lm_head or _unpackable(args, kwargs) is not None:
@@ -192,15 +191,7 @@ def bind_packed_forward(model: torch.nn.Module, *, seam_reads_cu_seqlens: bool =
         return packed_fused_call(inner, left_padding=seam_reads_cu_seqlens, **kwargs)
 
     forward.__signature__ = getattr(inner, "__signature__", None) or _signature_of(inner)
-    model.forward = types.MethodType(forward, model)
-
-    def undo() -> None:
-        if own is missing:
-            model.__dict__.pop("forward", None)
-        else:
-            model.__dict__["forward"] = own
-
-    return undo
+    return bind_forward(model, types.MethodType(forward, model))
 
 
 def _stock_keeps_documents_apart(model: torch.nn.Module) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..binding import bind_forward
 from ..errors import ConfigurationError
 from ..fused.ce_stats import LossForm, linear_cross_entropy_stats
 from ..fused.cross_entropy import TARGET_ROWS_KEY, _is_plain_linear
@@ -117,9 +118,10 @@ def head_reason(model: torch.nn.Module) -> str | None:
     return f"the LM head is a {type(head).__name__} (e.g. PEFT's modules_to_save), not a plain nn.Linear"
 
 
-def bind_head(model: torch.nn.Module) -> None:
+def bind_head(model: torch.nn.Module) -> Callable[[], None]:
     """Wrap ``model``'s forward (TRL's fused LM-head forward on the ``*ForCausalLM`` instance): a call with
-    ``HEAD_KWARG`` runs `_fused_forward`, any other call the forward that was bound."""
+    ``HEAD_KWARG`` runs `_fused_forward`, any other call the forward that was bound. Returns the undo (the trainer
+    keeps the binding for the model's life, as TRL keeps its own)."""
     trl_forward = model.forward
 
     @functools.wraps(type(model).forward)  # as TRL's: generate() checks its model kwargs against this signature
@@ -130,7 +132,7 @@ def bind_head(model: torch.nn.Module) -> None:
             return trl_forward(*args, **kwargs)
         return _fused_forward(self, self.get_output_embeddings(), form, rows, args, kwargs)
 
-    model.forward = types.MethodType(forward, model)
+    return bind_forward(model, types.MethodType(forward, model))
 
 
 def _fused_forward(self: torch.nn.Module, head: torch.nn.Module, form: LossForm, rows: torch.Tensor | None,
