@@ -31,7 +31,3 @@ def bind_forward(module: nn.Module, forward: Callable, keep_later: bool = False)
 
     return undo
 
-
-def had_own_forward(module: nn.Module) -> bool:
-    """Whether ``module`` has a forward bound on the instance (by anyone), not only its class's."""
-    return "forward" in module.__dict__
