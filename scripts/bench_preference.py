@@ -132,7 +132,7 @@ def run_config(args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
 
-    extra = {"peft_config": lora_config(settings.workload)} if settings.workload.lora else {}
+    extra = {"peft_config": lora_config(settings.workload, model)} if settings.workload.lora else {}
     if args.config == "hf_accel":
         from hf_accel.training.trainer import AccelArguments
 

@@ -280,9 +280,10 @@ def test_2026_family_workloads_and_presets():
         preset = PRESETS[name]
         assert preset.workload == name and preset.pending is None and preset.settings == _FAMILY_LORA_SETTINGS
         assert {"trl-fa4-packed-liger", "trl-fa4-packed", "hf_accel-defaults", "hf_accel-best"} <= set(preset.configs)
-    # MoE: attention only (experts are 3-D parameters: PEFT's target_parameters, not in the harness yet)
-    assert WORKLOADS["gpt-oss-20b-lora"].lora_targets == WORKLOADS["qwen3-30b-a3b-lora"].lora_targets == (
-        "q_proj", "k_proj", "v_proj", "o_proj")
+    # MoE: attention and experts (the experts' 3-D parameters through PEFT's target_parameters)
+    for name in ("gpt-oss-20b-lora", "qwen3-30b-a3b-lora"):
+        assert WORKLOADS[name].lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj") and WORKLOADS[name].lora_experts
+    assert not any(w.lora_experts for n, w in WORKLOADS.items() if n not in ("gpt-oss-20b-lora", "qwen3-30b-a3b-lora"))
     assert {"in_proj_qkv", "in_proj_z", "out_proj", "gate_proj"} <= set(WORKLOADS["qwen3.5-9b-lora"].lora_targets)
     assert "hf-sdpa-padded" in PRESETS["qwen3.5-9b-lora"].configs  # stock's right path without causal-conv1d
     # the tiny shapes keep each family's feature
@@ -902,3 +903,36 @@ def test_killing_a_launch_kills_its_ranks_too(tmp_path):
     finally:
         for p in alive:
             p.kill()
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b-lora", "qwen3-30b-a3b-lora"])
+def test_moe_workloads_adapt_the_experts_as_the_model_names_them(name):
+    """Every row of an MoE workload gets the same adapters: attention LoRA and LoRA on each experts module's 3-D
+    projections, named from the model (PEFT's target_parameters), rank 16 per expert; a model without experts is
+    refused by name rather than silently adapting attention only."""
+    import peft
+
+    from benchlib.train import add_lora, lora_config
+    from benchlib.workloads import WORKLOADS, build_config
+    from transformers import AutoModelForCausalLM
+
+    workload = WORKLOADS[name]
+    model = AutoModelForCausalLM.from_config(build_config(workload, tiny=True))
+    experts = [(n, p.shape) for n, p in model.named_parameters() if p.ndim == 3]
+    assert experts
+    config = lora_config(workload, model)
+    names = config.target_parameters
+    assert all(any(n.endswith(t) for t in names) for n, _ in experts), names
+    assert all(any(n.endswith(t) for n, _ in experts) for t in names), names
+    adapted = add_lora(model, workload)
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    for expert_name, shape in experts:  # each 3-D projection carries an adapter of rank 16 per expert
+        module = expert_name.rsplit(".", 1)[0]
+        assert any(n.startswith(f"base_model.model.{module}.") and "lora_A" in n for n in trainable), expert_name
+    ranks = {p.shape[0] for n, p in adapted.named_parameters() if "lora_A" in n and "experts" in n}
+    experts_count = experts[0][1][0]
+    assert ranks == {16 * experts_count}, ranks  # PEFT's ParamWrapper: r per expert, stacked
+    assert isinstance(adapted, peft.PeftModel)
+    dense = AutoModelForCausalLM.from_config(build_config(WORKLOADS["llama-8b-lora"], tiny=True))
+    with pytest.raises(ValueError, match="no MoE experts module"):
+        lora_config(workload, dense)

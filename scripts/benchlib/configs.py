@@ -184,7 +184,7 @@ def _trl(name: str, ours: bool = False) -> Callable[..., nn.Module]:
             model = qlora_base(settings, attn, kbit_preparation=recipe.kbit_preparation)
         else:
             model = build_model(settings, attn)
-        peft = lora_config(settings.workload) if settings.workload.lora else None
+        peft = lora_config(settings.workload, model) if settings.workload.lora else None
         timing.notes.append(f"{'hf_accel.SFTTrainer on the recipe of ' if ours else ''}anchor {name}: {recipe}")
         trainer_cls = None
         if ours:
@@ -410,7 +410,7 @@ def _hf_accel_sft(settings: RunSettings, data: BenchData, options: Options, timi
     from hf_accel import SFTTrainer
 
     model = qlora_base(settings, "sdpa")
-    return run_trl(model, data, settings, timing, liger=False, peft_config=lora_config(settings.workload),
+    return run_trl(model, data, settings, timing, liger=False, peft_config=lora_config(settings.workload, model),
                    trainer_cls=SFTTrainer)
 
 

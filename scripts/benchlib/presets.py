@@ -163,8 +163,8 @@ PRESETS: dict[str, Preset] = {
             "qwen3.5-9b-lora", (*_TRL, "hf-sdpa-padded", *_DEFAULTS_AND_BEST), _FAMILY_LORA_SETTINGS,
         ),
         *[Preset(
-            name, f"{shape}, LoRA r=16 on the attention projections (experts not adapted: PEFT's target_parameters "
-            "is not in the harness yet) + checkpointing: TRL + flash-attn-4 with and without Liger (full "
+            name, f"{shape}, LoRA r=16 on the attention projections and the experts (PEFT's target_parameters, "
+            "the same adapters in every row) + checkpointing: TRL + flash-attn-4 with and without Liger (full "
             "checkpointing) vs hf_accel defaults / best (checkpointing budget:0.8)",
             name, (*_TRL, *_DEFAULTS_AND_BEST), _FAMILY_LORA_SETTINGS,
         ) for name, shape in (

@@ -104,12 +104,22 @@ def build_model(settings: RunSettings, attn_implementation: str) -> nn.Module:
     return model
 
 
-def lora_config(workload: Workload):
-    """The workload's LoRA: r=16, alpha=32, no dropout, on its decoder linears (a peft LoraConfig)."""
+def lora_config(workload: Workload, model: nn.Module):
+    """The workload's LoRA for ``model``: r=16, alpha=32, no dropout, on its decoder linears, and where the workload
+    says so on the MoE experts' 3-D projections too (PEFT's ``target_parameters``, as ``model`` names them: found by
+    ``hf_accel.patches.experts.lora_target_parameters``, the list ``hf-accel sft --lora-experts`` adapts)."""
     from peft import LoraConfig
 
+    parameters = None
+    if workload.lora_experts:
+        from hf_accel.patches.experts import lora_target_parameters
+
+        parameters = list(lora_target_parameters(model))
+        if not parameters:
+            raise ValueError(f"workload {workload.name} asks for LoRA on the experts, but this "
+                             f"{type(model).__name__} has no MoE experts module")
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(workload.lora_targets),
-                      task_type="CAUSAL_LM")
+                      target_parameters=parameters, task_type="CAUSAL_LM")
 
 
 def add_lora(model: nn.Module, workload: Workload) -> nn.Module:
@@ -118,7 +128,7 @@ def add_lora(model: nn.Module, workload: Workload) -> nn.Module:
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(workload))
+    return get_peft_model(model, lora_config(workload, model))
 
 
 def causal_lm(model: nn.Module) -> nn.Module:

@@ -29,6 +29,7 @@ class Workload:
     lora: bool = False  # LoRA r=16 on every linear layer of the decoder (peft)
     checkpointing: bool = False
     lora_targets: tuple[str, ...] = ()
+    lora_experts: bool = False  # LoRA on the MoE experts' 3-D projections too (PEFT's target_parameters)
     notes: str = ""
     prompt_share: tuple[float, float] | None = None  # completion workloads: each document's masked prompt share range
     # QLoRA configs: "files" = the random bf16 model saved, then loaded in 4-bit (from_pretrained, as users load);
@@ -47,8 +48,8 @@ PROMPT_SHARE = (0.4, 0.6)  # the completion workloads: a document's prompt share
 _GQA_TINY = dict(TINY, intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=False)
 _LONG_ROPE_TINY = dict(rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64))
 # issue 67f: the 2026 families. LoRA on the family's own targets: Qwen3.5 every decoder linear (its Gated DeltaNet's
-# projections besides attention and MLP, what PEFT's "all-linear" adapts); the MoE families attention only (their
-# experts are 3-D parameters, which LoRA reaches through PEFT's target_parameters: not in the harness yet); Gemma 4
+# projections besides attention and MLP, what PEFT's "all-linear" adapts); the MoE families attention and experts (the
+# experts' 3-D parameters through PEFT's target_parameters, named from the model: ``lora_experts``, issue 72d); Gemma 4
 # attention and MLP (its global layers have no v_proj: their values are their keys).
 _QWEN3_5_TARGETS = (*_LLAMA_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 _ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -148,16 +149,17 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload(
             "gpt-oss-20b-lora", *_base("gpt-oss-20b"), dict(_GPT_OSS_TINY),
-            lora=True, checkpointing=True, lora_targets=_ATTENTION_TARGETS,
+            lora=True, checkpointing=True, lora_targets=_ATTENTION_TARGETS, lora_experts=True,
             notes="gpt-oss-20b shapes in bf16 (attention sinks, sliding 128 / full layers alternating, 32 experts "
-                  "top-4), LoRA r=16 alpha=32 on the attention projections (experts not adapted), gradient "
-                  "checkpointing on",
+                  "top-4), LoRA r=16 alpha=32 on the attention projections and the experts' gate_up / down "
+                  "projections (PEFT's target_parameters), gradient checkpointing on",
         ),
         Workload(
             "qwen3-30b-a3b-lora", *_base("qwen3-30b-a3b"), dict(_QWEN3_MOE_TINY),
-            lora=True, checkpointing=True, lora_targets=_ATTENTION_TARGETS,
+            lora=True, checkpointing=True, lora_targets=_ATTENTION_TARGETS, lora_experts=True,
             notes="Qwen3-30B-A3B shapes (48 layers, 128 experts top-8 of width 768), LoRA r=16 alpha=32 on the "
-                  "attention projections (experts not adapted), gradient checkpointing on",
+                  "attention projections and the experts' gate_up / down projections (PEFT's target_parameters), "
+                  "gradient checkpointing on",
         ),
         Workload(
             "gemma4-12b-lora", *_base("gemma4-12b"), dict(_GEMMA4_TINY),
