@@ -332,3 +332,23 @@ def test_the_probe_builds_its_copy_as_one_process_under_deepspeed_zero3():
         unset_hf_deepspeed_config()
     del zero3
     assert under == alone
+
+
+def test_a_model_whose_attention_builds_its_own_mask_is_refused_by_name():
+    """Doge's attention turns the mask it is handed into a learned bias over query and key positions before calling
+    the attention interface: no varlen kernel takes that bias, and under the seam the model built it from hf_accel's
+    padding mask instead of transformers' (patched logits were off by ~6 on this tiny config). The probe sees a mask
+    at a call its mask function never handed out; patch() refuses, saying so, and the model stays as it was."""
+    from transformers import DogeConfig, DogeForCausalLM
+
+    from hf_accel.errors import UnsupportedModel
+
+    config = DogeConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, keep_window_size=8, pad_token_id=0)
+    torch.manual_seed(0)
+    model = DogeForCausalLM(config).eval()
+    ids = torch.randint(1, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    before = model(input_ids=ids).logits
+    with pytest.raises(UnsupportedModel, match="DogeAttention.*builds a mask of its own"):
+        hf_accel.patch(model)
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)

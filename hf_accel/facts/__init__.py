@@ -115,6 +115,13 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
             "AttentionInterface (ALL_ATTENTION_FUNCTIONS), the seam hf_accel patches, and hf_accel.patches has no "
             "family of its own for it. Train it unpatched.")
     calls = facts.calls
+    if any(c.own_mask for c in calls):
+        names = ", ".join(sorted(c.__name__ for c in facts.attention_classes))
+        raise UnsupportedModel(
+            f"{model_cls.__name__} (model_type {model_type!r}): its attention ({names}) builds a mask "
+            "of its own before it calls the attention interface (e.g. a learned bias over query and key positions), "
+            "which no varlen kernel takes, and which it would build from the padding mask hf_accel's seam hands the "
+            "model instead of transformers' own. Train it unpatched.")
     first = calls[0].heads if calls else (config.num_attention_heads, config.num_attention_heads, 0)
     classes = facts.attention_classes
     layers = {c.layer for c in calls if c.layer is not None}

@@ -45,6 +45,9 @@ class ProbedCall:
     layer: int | None  # the decoder layer it runs in (index among the GradientCheckpointingLayers)
     heads: tuple[int, int, int]  # (query heads, key/value heads, head_dim)
     asks: CallAsks
+    # the call got a mask the model built itself: the probe's mask function hands out none (one full-length causal
+    # document), so any mask at the call was made inside the model (Doge's dynamic bias over query and key positions)
+    own_mask: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ _probe_attention_op.register_autograd(_backward, setup_context=_setup)
 
 class _Recorder:
     def __init__(self) -> None:
-        self.calls: list[tuple[nn.Module, tuple[int, int, int], CallAsks]] = []
+        self.calls: list[tuple[nn.Module, tuple[int, int, int], CallAsks, bool]] = []
 
 
 _RECORDER: list[_Recorder] = []
@@ -108,7 +111,8 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers' attention interface: record the call, return a flash kernel's output shape."""
     if _RECORDER:
         asks = read_call(module, query.shape[-1], scaling, dropout, kwargs)
-        _RECORDER[-1].calls.append((module, (query.shape[1], key.shape[1], query.shape[-1]), asks))
+        _RECORDER[-1].calls.append((module, (query.shape[1], key.shape[1], query.shape[-1]), asks,
+                                    attention_mask is not None))
     q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     out, _ = _probe_attention_op(q_bshd, k_bshd, v_bshd)
     return out, None
@@ -447,8 +451,8 @@ def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16,
         per_token([i + o for i, o in zip(short.inputs, short.op)], [i + o for i, o in zip(long.inputs, long.op)]),
         per_token(short.inputs, long.inputs),
         per_token(short.mlp, long.mlp)))
-    calls = tuple(ProbedCall(names.get(id(module), ""), layer_of.get(id(module)), heads, asks)
-                  for module, heads, asks in recorder.calls)
+    calls = tuple(ProbedCall(names.get(id(module), ""), layer_of.get(id(module)), heads, asks, own_mask)
+                  for module, heads, asks, own_mask in recorder.calls)
     projections = output_projections(long.ops, long.linear_out, long.layer_out)
     classes = tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
     linears = lora_targets(model)
