@@ -317,3 +317,37 @@ def test_compiled_decoding_traces_with_fullgraph(variant, cache, monkeypatch):
     model.train()
     model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
     assert calls == [1]  # training still runs hf_accel's kernels
+
+
+def test_a_global_layer_that_keeps_the_config_window_on_its_module_attends_to_everything():
+    """EXAONE 4 keeps ``config.sliding_window`` on every attention module and passes ``sliding_window`` only from its
+    sliding layers (``None`` from the global ones, as transformers' flash path reads it). The seam took the module's
+    attribute first, so the global layers got the window too: patched logits were off by ~3 on rows longer than the
+    window. The call's own keyword decides; padded left and right, packed, and the gradients equal the unpatched
+    model's."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    config = Exaone4Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
+    torch.manual_seed(0)
+    ref = Exaone4ForCausalLM(config).train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours)
+    ids = torch.randint(1, VOCAB, (2, 14), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, -2:] = 0  # right padding
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    out_ours = ours(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    real = mask.bool()
+    torch.testing.assert_close(out_ours.logits[real], out_ref.logits[real], rtol=1e-4, atol=1e-5)
+    out_ref.loss.backward()
+    out_ours.loss.backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # packed: each document as it computes alone (two longer than the window)
+        pos = torch.cat([torch.arange(6), torch.arange(8)])[None]
+        packed = ours(input_ids=ids[:1], position_ids=pos).logits
+        alone = torch.cat([ref(input_ids=ids[:1, :6]).logits, ref(input_ids=ids[:1, 6:]).logits], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)

@@ -67,7 +67,9 @@ def layer_type(module: torch.nn.Module) -> str | None:
 def read_call(module: torch.nn.Module, head_dim: int, scaling: float | None, dropout: float, kwargs: dict
               ) -> CallAsks:
     """What this call asks for. ``head_dim``: the query's; ``scaling``/``dropout``/``kwargs`` as the call passed them."""
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    # the call's own word first, None included: EXAONE 4 keeps config.sliding_window on every attention module and
+    # passes it only from its sliding layers (as transformers' flash path reads it: the keyword alone)
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     chunk = None
     if layer_type(module) == "chunked_attention":
         chunk = getattr(module.config, "attention_chunk_size", None)
