@@ -351,3 +351,36 @@ def test_a_global_layer_that_keeps_the_config_window_on_its_module_attends_to_ev
         packed = ours(input_ids=ids[:1], position_ids=pos).logits
         alone = torch.cat([ref(input_ids=ids[:1, :6]).logits, ref(input_ids=ids[:1, 6:]).logits], dim=1)
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_that_computes_its_own_positions_reads_no_documents_from_position_ids():
+    """BART's decoder as a causal LM takes no position_ids: its positions never restart, and stock SDPA builds a plain
+    causal mask, so position_ids that reach its attention through **kwargs tell stock nothing. The seam took them as
+    document starts, so a packed row computed neither what stock computes nor each document alone (0.03 off on this
+    tiny config). Patched, it computes what stock computes for every layout; the Trainer pads such a model instead of
+    packing it, saying why."""
+    from types import SimpleNamespace
+
+    from transformers import BartConfig, BartForCausalLM
+
+    from hf_accel.training.data_loading import default_collator
+
+    config = BartConfig(vocab_size=VOCAB, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                        decoder_ffn_dim=128, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=128,
+                        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        pad_token_id=0, is_decoder=True, add_cross_attention=False, use_cache=False)
+    torch.manual_seed(0)
+    ref = BartForCausalLM(config).train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours)
+    ids = torch.randint(1, VOCAB, (1, 14), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids, position_ids=pos).logits,
+                                   ref(input_ids=ids, position_ids=pos).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    collator = default_collator(ours, None, SimpleNamespace(packing=True, patch=True))
+    assert collator.fallback_to_padding
+    llama = make("llama-gqa")
+    hf_accel.patch(llama)
+    assert not default_collator(llama, None, SimpleNamespace(packing=True, patch=True)).fallback_to_padding

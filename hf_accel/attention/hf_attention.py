@@ -26,6 +26,18 @@ from .routing import ATTN_NAME, forward_padding_mask, runs_stock_forward, stock_
 from .varlen import chunked, varlen_batch
 
 BACKEND_ATTR = "_hf_accel_backend"
+# on the attention modules of a model that computes its own positions (its forward takes no position_ids: BART's
+# decoder as a causal LM): position_ids reaching a call through **kwargs tell no documents there, as stock SDPA reads
+# them (the mask it builds has no packed documents, the positions do not restart)
+OWN_POSITIONS_ATTR = "_hf_accel_own_positions"
+
+
+def takes_position_ids(model: torch.nn.Module) -> bool:
+    """Whether the causal LM (or its body) takes ``position_ids`` in its forward, so restarting ones start documents."""
+    import inspect
+
+    bodies = (model, getattr(model, "base_model", model))
+    return any("position_ids" in inspect.signature(type(m).forward).parameters for m in bodies)
 
 
 def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
@@ -94,7 +106,8 @@ def seam_attention(
 def _hf_accel_attention_varlen(module, q_bshd, k_bshd, v_bshd, attention_mask, scaling, dropout,
                                kwargs) -> torch.Tensor:
     asks = read_call(module, q_bshd.shape[-1], scaling, dropout, kwargs)
-    if asks.unknown or (asks.window and attention_mask is not None and _holes(q_bshd, attention_mask, kwargs)):
+    holes = asks.window and attention_mask is not None and _holes(module, q_bshd, attention_mask, kwargs)
+    if asks.unknown or holes:
         query, key, value = (t.transpose(1, 2) for t in (q_bshd, k_bshd, v_bshd))
         return stock_call(module, query, key, value, attention_mask, scaling, dropout, asks, kwargs)
     opts = AttnOptions(
@@ -105,17 +118,21 @@ def _hf_accel_attention_varlen(module, q_bshd, k_bshd, v_bshd, attention_mask, s
         dropout_p=asks.dropout,
         sinks=asks.sinks,
     )
-    position_ids, cu_seq_lens, max_length = _layout_kwargs(kwargs)
+    position_ids, cu_seq_lens, max_length = _layout_kwargs(module, kwargs)
     return seam_attention(
         module, q_bshd, k_bshd, v_bshd, attention_mask=attention_mask, position_ids=position_ids, opts=opts,
         cu_seq_lens=cu_seq_lens, max_length=max_length, chunk=asks.chunk,
     )
 
 
-def _layout_kwargs(kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
+def _layout_kwargs(module: torch.nn.Module, kwargs: dict
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, int | None]:
     """(position_ids, cu_seq_lens_q, max_length_q) of this call: as the call passed them, else as its decoder layer
     was given them (``LAYER_POSITIONS``: a layer that keeps position_ids to itself, as Llama 4's does; also in a
-    checkpoint's recompute), else as the patched model's forward was."""
+    checkpoint's recompute), else as the patched model's forward was. None of them in a model that computes its own
+    positions (``OWN_POSITIONS_ATTR``)."""
+    if getattr(module, OWN_POSITIONS_ATTR, False):
+        return None, None, None
     if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
         return kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if kwargs.get(LAYER_POSITIONS) is not None:
@@ -126,10 +143,10 @@ def _layout_kwargs(kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | No
     return record.position_ids, record.cu_seq_lens, record.max_length
 
 
-def _holes(q_bshd, attention_mask, kwargs) -> bool:
+def _holes(module, q_bshd, attention_mask, kwargs) -> bool:
     """Whether the padding mask has holes inside a row (read from the forward's layout, memoised for every layer)."""
     batch, seq = q_bshd.shape[:2]
-    position_ids, cu_seq_lens, max_length = _layout_kwargs(kwargs)
+    position_ids, cu_seq_lens, max_length = _layout_kwargs(module, kwargs)
     return varlen_batch(batch_size=batch, seq_len=seq, device=q_bshd.device, attention_mask=attention_mask,
                         position_ids=position_ids, cu_seq_lens=cu_seq_lens, max_length=max_length).has_holes
 
@@ -151,7 +168,7 @@ def stock_call(module, query, key, value, attention_mask, scaling, dropout, asks
         mask_function = mu.sliding_window_causal_mask_function(asks.window)
     else:
         mask_function = mu.causal_mask_function if asks.causal else (lambda *index: True)
-    packed, position_ids = None, _layout_kwargs(kwargs)[0]
+    packed, position_ids = None, _layout_kwargs(module, kwargs)[0]
     if attention_mask is None and position_ids is not None:
         packed = (_transformers_find_packed or mu.find_packed_sequence_indices)(position_ids)
     if packed is not None:
@@ -301,16 +318,24 @@ def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], b
 
     register()
     names, modules, undo = [], [], []
+    own_positions = not takes_position_ids(model)
     for name, module in model.named_modules():
         if isinstance(module, classes):
             setattr(module, BACKEND_ATTR, backend)
+            if own_positions:
+                setattr(module, OWN_POSITIONS_ATTR, True)
             names.append(name)
             modules.append(module)
-            undo.append(lambda m=module: m.__dict__.pop(BACKEND_ATTR, None))
+            undo.append(lambda m=module: _untag(m))
     undo += route_attention_modules(model, modules)
     undo += routing_hooks(model.base_model, model.config._attn_implementation)
     undo += _layer_position_hooks(model, modules)
     return names, undo
+
+
+def _untag(module: torch.nn.Module) -> None:
+    for attr in (BACKEND_ATTR, OWN_POSITIONS_ATTR):
+        module.__dict__.pop(attr, None)
 
 
 # A decoder layer given position_ids that it does not pass down to its attention (Llama 4's) hands them on under this
