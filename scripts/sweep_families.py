@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.types:
         types = [t.strip() for t in args.types.split(",") if t.strip()]
     else:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        types = sorted({config.model_type for config in MODEL_FOR_CAUSAL_LM_MAPPING.keys()})
     records = {}
     for model_type in types:
         records[model_type] = run_one(model_type, args.timeout, args.address_space_gib)
