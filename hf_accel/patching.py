@@ -68,6 +68,7 @@ class _Applied:
     fp8_linears: list[str] = field(default_factory=list)
     checkpointing: str | None = None  # the defaults' choice for the model's own checkpointing, where they made one
     notes: list[str] = field(default_factory=list)
+    packing: str | None = None  # PatchReport.packing
 
 
 @dataclass
@@ -201,6 +202,7 @@ def _apply(model, model_hf, decisions: _Decisions, choice: KernelChoice, context
     applied.attention_modules = names
     undo += _bind_experts(model, applied.notes)
     undo += _bind_linear_attention(model_hf, applied.notes)
+    applied.packing = _packing_reason(model_hf, family)
     _tag_layer_backends(model_hf, names, choice.layer_backends, backend)
     if decisions.options.precision == "fp8":  # first: fused ops and compiled layers then call the float8 linears
         from .fused import fp8
@@ -290,6 +292,43 @@ def _bind_linear_attention(model_hf, notes: list[str]) -> list[Callable[[], None
     return undo
 
 
+def _packing_reason(model_hf, family) -> str | None:
+    """Why the patched model would not compute each packed document as it computes it alone, None where it would:
+    it computes its own positions (``takes_position_ids``), or decoder layers mix tokens where neither the seam (no
+    attention call of theirs went through it) nor ``patches.linear_attention`` reaches (MiniMax's lightning
+    attention layers)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from .attention.hf_attention import takes_position_ids
+    from .patches import linear_attention
+
+    if not takes_position_ids(model_hf):
+        return f"{type(model_hf).__name__} computes its own positions (its forward takes no position_ids)"
+    layers = [m for m in model_hf.modules() if isinstance(m, GradientCheckpointingLayer)]
+    covered = set(family.layer_attentions(model_hf.config))
+    covered |= {layers.index(layer) for _, _, layer in linear_attention.linear_attention_modules(model_hf)
+                if layer in layers}
+    outside = [i for i in range(len(layers)) if i not in covered and _mixes_tokens(model_hf.config, i)]
+    if not outside:
+        return None
+    kinds = sorted({type(layers[i]).__name__ for i in outside})
+    return (f"decoder layers {', '.join(map(str, outside))} ({', '.join(kinds)}) make no attention call through "
+            "transformers' AttentionInterface and hf_accel has no patch for how they mix tokens")
+
+
+def _mixes_tokens(config, index: int) -> bool:
+    """Whether decoder layer ``index`` may mix tokens: its ``layer_types`` entry is one transformers builds a mask
+    for (attention, linear attention, convs; not an MLP or MoE layer of a hybrid pattern), or the config has none."""
+    from transformers import masking_utils
+
+    get_text = getattr(config, "get_text_config", None)
+    types = getattr(get_text(decoder=True) if callable(get_text) else config, "layer_types", None)
+    masked = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", None)
+    if not types or masked is None or not 0 <= index < len(types):
+        return True
+    return types[index] in masked
+
+
 def _keep_cpu_4bit_trainable(model_hf, notes: list[str]) -> list[Callable[[], None]]:
     from .fused.quantized import keep_cpu_4bit_trainable
 
@@ -332,6 +371,7 @@ def _report(model_hf, decisions: _Decisions, choice: KernelChoice, applied: _App
         precision=_precision_line(applied),
         speedups=[s.line() for s in decisions.speedups.values()],
         replaced_attn_implementation=applied.previous_attn, attentions=family.attentions, notes=applied.notes,
+        packing=applied.packing,
     )
 
 

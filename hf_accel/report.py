@@ -25,6 +25,9 @@ class PatchReport:
     replaced_attn_implementation: str | None = None  # the model's attn_implementation ("eager", "sdpa"): it keeps it
     attentions: str | None = None  # what runs a call asking for attention probabilities (output_attentions=True)
     notes: list[str] = field(default_factory=list)
+    # why documents packed in one row would reach each other (or not restart their positions) in the patched model,
+    # None where each computes what it computes alone; hf_accel's Trainers pad such a model instead of packing it
+    packing: str | None = None
 
     def __str__(self) -> str:
         lines = [
@@ -47,6 +50,8 @@ class PatchReport:
         if self.fused_ce:
             lines.append("  fused cross-entropy: training loss from hidden states, no full logits")
         lines.append(f"  mlp_chunks: {self.mlp_chunks}")
+        if self.packing:
+            lines.append(f"  packing: not kept apart ({self.packing}); hf_accel's Trainers pad this model")
         if self.precision:
             lines.append(f"  precision: {self.precision}")
         if self.compiled_layers:

@@ -357,13 +357,9 @@ def test_a_model_that_computes_its_own_positions_reads_no_documents_from_positio
     """BART's decoder as a causal LM takes no position_ids: its positions never restart, and stock SDPA builds a plain
     causal mask, so position_ids that reach its attention through **kwargs tell stock nothing. The seam took them as
     document starts, so a packed row computed neither what stock computes nor each document alone (0.03 off on this
-    tiny config). Patched, it computes what stock computes for every layout; the Trainer pads such a model instead of
-    packing it, saying why."""
-    from types import SimpleNamespace
-
+    tiny config). Patched, it computes what stock computes for every layout, and its report says packed documents
+    are not kept apart (tests/test_packing_safety.py: what the Trainers do then)."""
     from transformers import BartConfig, BartForCausalLM
-
-    from hf_accel.training.data_loading import default_collator
 
     config = BartConfig(vocab_size=VOCAB, d_model=64, decoder_layers=2, decoder_attention_heads=4,
                         decoder_ffn_dim=128, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=128,
@@ -379,8 +375,6 @@ def test_a_model_that_computes_its_own_positions_reads_no_documents_from_positio
         torch.testing.assert_close(ours(input_ids=ids, position_ids=pos).logits,
                                    ref(input_ids=ids, position_ids=pos).logits, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
-    collator = default_collator(ours, None, SimpleNamespace(packing=True, patch=True))
-    assert collator.fallback_to_padding
-    llama = make("llama-gqa")
-    hf_accel.patch(llama)
-    assert not default_collator(llama, None, SimpleNamespace(packing=True, patch=True)).fallback_to_padding
+    from hf_accel.patching import STATE_ATTR
+
+    assert "computes its own positions" in ours.__dict__[STATE_ATTR].report.packing

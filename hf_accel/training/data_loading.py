@@ -8,7 +8,6 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from ..attention.hf_attention import takes_position_ids
 from ..data.collators import DataCollatorForPacking, DataCollatorForPadding
 from ..data.sampling import TokenBudgetBatchSampler
 from ..errors import ConfigurationError
@@ -23,12 +22,6 @@ def model_family(model: Any) -> Any:
         return family_of(model)
     except UnsupportedModel:
         return None
-
-
-def _unwrapped(model: Any) -> Any:
-    """The transformers model under an optional PEFT wrapper."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def example_lengths(dataset: Any) -> list[int]:
@@ -80,10 +73,6 @@ def default_collator(model: Any, processing_class: Any, accel: Any) -> Any:
         # e.g. stock Falcon builds its mask without position_ids, stock gpt-oss's eager attention ignores them:
         # packed documents would attend to each other
         collator.use_padding(f"stock (unpatched) {family.name} cannot keep packed documents apart")
-    elif accel.patch and not takes_position_ids(_unwrapped(model)):
-        # BART's decoder as a causal LM: a packed document would not restart its positions
-        collator.use_padding(f"{type(_unwrapped(model)).__name__} computes its own positions (its forward takes no "
-                             "position_ids), so packed documents cannot restart them")
     return collator
 
 

@@ -113,6 +113,10 @@ class PackedTRLMixin:
         policy = self.accelerator.unwrap_model(self.model)
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         patched = self.accel.patch
+        if patched and self.patch_report is not None and self.patch_report.packing:
+            self._accel_note(f"{self._rows}: TRL's padded rows (the patched model would not keep packed documents "
+                             f"apart: {self.patch_report.packing})")
+            return
         if not patched and not _stock_keeps_documents_apart(base):
             # e.g. stock Falcon before transformers 5.24 builds its mask without position_ids: packed documents would
             # attend to each other

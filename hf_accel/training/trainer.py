@@ -150,6 +150,10 @@ class AccelMixin(CheckpointFilesMixin):
         if self.accel.patch:
             self.patch_report = patch(self.model, options=options, context=context)
             logger.info("%s", self.patch_report)
+            if self.patch_report.packing and getattr(self, "_own_collator", False) \
+                    and hasattr(self.data_collator, "use_padding"):
+                self.data_collator.use_padding(f"the patched model would not keep packed documents apart: "
+                                               f"{self.patch_report.packing}")
         elif policy is not None:
             policy.apply(self.model, context)
         if self.patch_report is not None and self.patch_report.fused_ce and getattr(self, "_own_collator", False) \

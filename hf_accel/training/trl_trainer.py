@@ -48,6 +48,7 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
         super().__init__(model, args, *pos, **kwargs)
         _refuse_vision(self.model)  # (TRL loads a model given by name)
         self._accel_setup(accel)
+        self._refuse_packing_it_cannot_keep_apart()
         self._loss_warned: set[str] = set()
         self._hf_accel_loss = trl_loss.unserved_reason(self)
         if self._hf_accel_loss is None:
@@ -60,6 +61,22 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
         else:
             self._loss_note(f"loss: TRL's own ({self._hf_accel_loss})")
             self._speedup_line(f"fused_ce: off (TRL's own loss: {self._hf_accel_loss})")
+
+    def _refuse_packing_it_cannot_keep_apart(self) -> None:
+        """TRL packs (``packing=True``) or lays documents end to end (``padding_free=True``); a patched model whose
+        report says it would not keep them apart (its own positions, token mixing outside the seam) is refused here,
+        before training, and left unpatched."""
+        report = self.patch_report
+        packs = [name for name in ("packing", "padding_free") if getattr(self.args, name, False)]
+        if report is None or not report.packing or not packs:
+            return
+        from ..patching import unpatch
+
+        unpatch(self.model)
+        raise ConfigurationError(
+            f"SFTConfig({', '.join(f'{name}=True' for name in packs)}) puts several documents in one row, and this "
+            f"model would let them reach each other: {report.packing}. Pass SFTConfig(packing=False, "
+            "padding_free=False) to train on padded rows.")
 
     def _accel_fused_ce(self) -> Any:
         return False  # TRL's forward replaces model.forward during training: our loss is bound above it instead
