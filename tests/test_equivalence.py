@@ -378,3 +378,26 @@ def test_a_model_that_computes_its_own_positions_reads_no_documents_from_positio
     from hf_accel.patching import STATE_ATTR
 
     assert "computes its own positions" in ours.__dict__[STATE_ATTR].report.packing
+
+
+def test_a_causal_training_call_with_keys_of_its_own_is_refused_not_computed():
+    """DeepSeek V4's attention appends compressed slots to its keys inside the layer and masks them from the mask
+    transformers builds; under the seam that mask is hf_accel's, so the call ran with no causal mask at all (its
+    patched logits were off by ~4; its probe forward fails on fake tensors, so patch() could not see it). A causal
+    training call with more keys than queries and the seam's mask now raises UnsupportedModel; a cross-attention
+    (not causal) call still runs transformers' attention."""
+    from hf_accel.attention.hf_attention import hf_accel_attention
+    from hf_accel.errors import UnsupportedModel
+
+    class Attention(torch.nn.Module):
+        def __init__(self, causal):
+            super().__init__()
+            self.is_causal, self.config = causal, type("C", (), {"_attn_implementation": "sdpa"})()
+
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8)
+    with pytest.raises(UnsupportedModel, match="7 keys for 5 queries"):
+        hf_accel_attention(Attention(True).train(), q, k, k, None, scaling=0.3)
+    out, _ = hf_accel_attention(Attention(False).train(), q, k, k, None, scaling=0.3)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, k, scale=0.3).transpose(1, 2))
+    with torch.no_grad():  # outside training: a decode step behind a cache, transformers' own attention
+        hf_accel_attention(Attention(True).eval(), q, k, k, None, scaling=0.3)

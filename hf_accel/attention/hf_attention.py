@@ -20,6 +20,7 @@ import transformers.masking_utils as masking_utils
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..errors import UnsupportedModel
 from .calls import CallAsks, read_call
 from .kernels import AttnOptions, varlen_attention
 from .routing import ATTN_NAME, forward_padding_mask, runs_stock_forward, stock_attention, stock_mask
@@ -182,6 +183,15 @@ def stock_call(module, query, key, value, attention_mask, scaling, dropout, asks
 
 def hf_accel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
+    if query.shape[2] != key.shape[2] and module.training and torch.is_grad_enabled() \
+            and getattr(module, "is_causal", True) and getattr(attention_mask, "ndim", 2) == 2:
+        # a causal training call (no KV cache in training) whose keys outnumber its queries, with the mask the seam
+        # handed out: the attention appended keys of its own (DeepSeek V4's compressed slots), whose mask it would
+        # have built from transformers' mask, not from hf_accel's
+        raise UnsupportedModel(
+            f"{type(module).__name__} attends to {key.shape[2]} keys for {query.shape[2]} queries in a training call: "
+            "keys of its own beyond the sequence, masked from the mask transformers builds, which hf_accel's seam "
+            "replaces. hf_accel cannot patch this model; train it unpatched (hf_accel.unpatch(model)).")
     stock = (
         query.shape[2] != key.shape[2]  # a decoding step behind a KV cache (or a static cache's prefill)
         or (attention_mask is not None and getattr(attention_mask, "ndim", None) != 2)  # a 4D (or block) mask

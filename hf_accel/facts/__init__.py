@@ -120,8 +120,9 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
         raise UnsupportedModel(
             f"{model_cls.__name__} (model_type {model_type!r}): its attention ({names}) builds a mask "
             "of its own before it calls the attention interface (e.g. a learned bias over query and key positions), "
-            "which no varlen kernel takes, and which it would build from the padding mask hf_accel's seam hands the "
-            "model instead of transformers' own. Train it unpatched.")
+            "or attends to keys of its own beyond the sequence (e.g. compressed slots), which no varlen kernel takes, "
+            "and it would build them from the padding mask hf_accel's seam hands the model instead of transformers' "
+            "own. Train it unpatched.")
     first = calls[0].heads if calls else (config.num_attention_heads, config.num_attention_heads, 0)
     classes = facts.attention_classes
     layers = {c.layer for c in calls if c.layer is not None}

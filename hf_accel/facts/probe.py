@@ -45,8 +45,10 @@ class ProbedCall:
     layer: int | None  # the decoder layer it runs in (index among the GradientCheckpointingLayers)
     heads: tuple[int, int, int]  # (query heads, key/value heads, head_dim)
     asks: CallAsks
-    # the call got a mask the model built itself: the probe's mask function hands out none (one full-length causal
-    # document), so any mask at the call was made inside the model (Doge's dynamic bias over query and key positions)
+    # the call got a mask the model built itself, or keys beyond the sequence: the probe's mask function hands out
+    # none (one full-length causal document), so any mask at the call was made inside the model (Doge's dynamic bias
+    # over query and key positions), and without a cache a key longer than the query was appended there (DeepSeek
+    # V4's compressed slots)
     own_mask: bool = False
 
 
@@ -112,7 +114,7 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
     if _RECORDER:
         asks = read_call(module, query.shape[-1], scaling, dropout, kwargs)
         _RECORDER[-1].calls.append((module, (query.shape[1], key.shape[1], query.shape[-1]), asks,
-                                    attention_mask is not None))
+                                    attention_mask is not None or key.shape[-2] != query.shape[-2]))
     q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     out, _ = _probe_attention_op(q_bshd, k_bshd, v_bshd)
     return out, None
