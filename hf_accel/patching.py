@@ -297,14 +297,13 @@ def _packing_reason(model_hf, family) -> str | None:
     it computes its own positions (``takes_position_ids``), or decoder layers mix tokens where neither the seam (no
     attention call of theirs went through it) nor ``patches.linear_attention`` reaches (MiniMax's lightning
     attention layers)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     from .attention.hf_attention import takes_position_ids
+    from .memory.targets import decoder_layers
     from .patches import linear_attention
 
     if not takes_position_ids(model_hf):
         return f"{type(model_hf).__name__} computes its own positions (its forward takes no position_ids)"
-    layers = [m for m in model_hf.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model_hf)
     covered = set(family.layer_attentions(model_hf.config))
     covered |= {layers.index(layer) for _, _, layer in linear_attention.linear_attention_modules(model_hf)
                 if layer in layers}

@@ -42,6 +42,14 @@ def no_cuda_reason() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device"
 
 
+def aten_cuda_op_reason(op: str) -> str | None:
+    """Why a backend calling torch's own CUDA kernel ``aten::<op>`` cannot run in this process, or None."""
+    reason = no_cuda_reason()
+    if reason:
+        return reason
+    return None if hasattr(torch.ops.aten, op) else f"this torch build has no aten::{op}"
+
+
 def flash_window(opts: AttnOptions) -> tuple[int, int]:
     """(left, right) in the flash-attention convention: -1 is unbounded; causal means right = 0."""
     left, right = opts.window

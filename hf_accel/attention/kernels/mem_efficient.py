@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import Backend, no_cuda_reason, repeat_kv_heads
+from .backend import Backend, aten_cuda_op_reason, repeat_kv_heads
 from .base import ALL_FLOAT_DTYPES, AttnOptions, Capabilities
 
 NO_MASK, CAUSAL_FROM_BOTTOM_RIGHT = 0, 2  # aten's custom_mask_type values
@@ -33,12 +33,7 @@ class MemEfficientBackend(Backend):
     )
 
     def unavailable_reason(self) -> str | None:
-        reason = no_cuda_reason()
-        if reason:
-            return reason
-        if not hasattr(torch.ops.aten, "_efficient_attention_forward"):
-            return "this torch build has no aten::_efficient_attention_forward"
-        return None
+        return aten_cuda_op_reason("_efficient_attention_forward")
 
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         heads = q_thd.shape[1]

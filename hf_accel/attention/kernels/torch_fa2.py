@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import Backend, flash_window, no_cuda_reason
+from .backend import Backend, aten_cuda_op_reason, flash_window
 from .base import HALF_DTYPES, AttnOptions, Capabilities
 
 
@@ -24,12 +24,7 @@ class TorchFA2Backend(Backend):
     )
 
     def unavailable_reason(self) -> str | None:
-        reason = no_cuda_reason()
-        if reason:
-            return reason
-        if not hasattr(torch.ops.aten, "_flash_attention_forward"):
-            return "this torch build has no aten::_flash_attention_forward"
-        return None
+        return aten_cuda_op_reason("_flash_attention_forward")
 
     def varlen(self, q_thd, k_thd, v_thd, cu_q, cu_k, max_q, max_k, opts: AttnOptions) -> torch.Tensor:
         left, right = flash_window(opts)
