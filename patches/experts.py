@@ -263,6 +263,31 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+@torch.library.custom_op("hf_accel::dense_copy", mutates_args=())
+def _dense_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` that a compiled graph keeps contiguous (``_gemm_operand``)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@_dense_copy.register_fake
+def _dense_copy_fake(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+_dense_copy.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
+
+
+def _gemm_operand(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (E, K, N) as torch's grouped GEMM takes it: one of its last two dimensions of stride 1. A permuted view
+    (PEFT's expert LoRA factor ``lora_B``, stored (out, r * E)) gets a copy through an op of our own: inductor
+    (torch 2.11-2.13) lays a ``.contiguous()`` copy out in its input's stride order when only ``_grouped_mm`` reads
+    it, and the kernel then refuses it ("Invalid strides/sizes", run 41), where a custom op's output keeps its
+    layout."""
+    if w.stride(-1) == 1 or w.stride(-2) == 1:
+        return w
+    return _dense_copy(w)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tensor:
     """Rows of ``x`` (S, K), sorted by expert, times their expert's ``w`` (E, K, N) -> (S, N)."""
     if _is_fake(x):  # the facts probe: shapes only
@@ -272,7 +297,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: _Groups) -> torch.Tenso
         x, w = x.to(dtype), w.to(dtype)
     if _cuda_grouped_mm_serves(x, w):
         fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-        return fn(x, w, offs=groups.offs)
+        return fn(x, _gemm_operand(w), offs=groups.offs)
     parts = [xe @ we for xe, we, n in zip(x.split(groups.counts), w.unbind(0), groups.counts) if n]
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
 
@@ -311,7 +336,7 @@ def experts_linear(module: nn.Module, name: str, x: torch.Tensor, groups: _Group
     if lora is not None:
         lhs, rhs, scaling = lora
         down, up = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))  # (E,in,r), (E,r,out)
-        y = y + grouped_mm(grouped_mm(x, down.contiguous(), groups), up.contiguous(), groups) * scaling
+        y = y + grouped_mm(grouped_mm(x, down, groups), up, groups) * scaling
     if module.has_bias:  # gathered in fp32 so its backward sums each expert's rows in fp32, as eager's broadcast
         y = y + getattr(module, f"{name}_bias").float()[groups.ids].to(y.dtype)
     return y

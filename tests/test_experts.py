@@ -275,6 +275,49 @@ def test_fallback_matches_torch_grouped_mm_on_cpu():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_compiled_lora_experts_through_torch_grouped_mm(model_type, monkeypatch, one_torch_thread):
+    """Run 41 (H100): in a compiled layer, inductor laid the copy of PEFT's permuted expert factor (``lora_B``,
+    stored (out, r * E)) back out in its input's stride order, and torch's grouped GEMM refused it ("Invalid
+    strides/sizes"). Torch's CPU grouped GEMM, which checks the same layout, stands in for the CUDA one here: the
+    MoE block of a bf16 PEFT model (LoRA r=8 on both expert projections) compiled by inductor against the same block
+    eager, output and every gradient."""
+    monkeypatch.setattr(experts, "_cuda_grouped_mm_serves", lambda x, w: x.dtype == w.dtype == torch.bfloat16)
+    model = make(model_type).to(torch.bfloat16)
+    config = peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(3)
+    model = peft.get_peft_model(model, config)
+    experts.apply(model)
+    block = model.base_model.model.model.layers[0].mlp
+    torch.manual_seed(4)
+    hidden = torch.randn(1, 24, _COMMON["hidden_size"], dtype=torch.bfloat16)
+
+    def run(fn):
+        block.zero_grad(set_to_none=True)
+        h = hidden.clone().requires_grad_()
+        out = fn(h)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().sum().backward()
+        grads = {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
+        return out.detach(), h.grad, grads
+
+    eager = run(block)
+    compiled = run(torch.compile(block, backend="inductor"))
+    hidden = hidden.float()
+    exact = run(block.float())  # the same block in fp32: what both bf16 runs approximate
+    assert any("lora_B" in n for n in exact[2]) and exact[2].keys() == eager[2].keys() == compiled[2].keys()
+    pairs = [("output", 0, None), ("input grad", 1, None), *((name, 2, name) for name in exact[2])]
+    for what, i, name in pairs:
+        want = exact[i] if name is None else exact[i][name]
+        bf16 = eager[i] if name is None else eager[i][name]
+        got = compiled[i] if name is None else compiled[i][name]
+        base = (bf16.float() - want).abs().max().item()
+        worst = (got.float() - want).abs().max().item()
+        assert worst <= 2 * base + 1e-3 * want.abs().max().item(), f"{what}: {worst:.3g} vs eager bf16's {base:.3g}"
+
+
 def _saved_bytes(model, module, tokens: int, shape: experts.ExpertsShape) -> int:
     """Bytes of every tensor the experts module's forward keeps for backward (unique storages, parameters aside)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
