@@ -36,3 +36,40 @@ def test_names_the_shapes_and_the_holder_of_what_is_left():
     text = run.stdout
     assert "1 x (2000, 600) float32: 4.6 MiB" in text and "1 x (600, 1000) float32: 2.3 MiB" in text, text
     assert text.strip().splitlines()[-1].endswith("is held by: __main__.Keeper"), text  # through a list and a dict
+
+
+FAILING_SUITE = """
+import weakref
+
+import torch
+
+kept = []
+
+
+def test_fails_holding_a_tensor():
+    activations = torch.zeros(1000)
+    kept.append(weakref.ref(activations))
+    assert False
+
+
+def test_finds_it_freed():
+    assert kept[0]() is None, "the failed test's tensor outlived it"
+"""
+
+
+def test_a_failed_gpu_test_leaves_nothing_to_the_next(tmp_path):
+    """tests/gpu/conftest.py frees what a failed test's frames hold (pytest keeps its traceback in
+    sys.last_traceback): run 41's out-of-memory failure left 75.7 GiB to the next test, which then failed too."""
+    gpu_conftest = Path(__file__).parent / "gpu" / "conftest.py"
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('gpu_conftest', {str(gpu_conftest)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "free_cuda_memory_between_tests = module.free_cuda_memory_between_tests\n")
+    (tmp_path / "test_suite.py").write_text(FAILING_SUITE)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_suite.py"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    assert "test_suite.py::test_fails_holding_a_tensor" in run.stdout  # the first one fails; the second one passes

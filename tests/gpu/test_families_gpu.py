@@ -57,10 +57,12 @@ def _auto(model_type: str, **config):
 
 
 SHAPES.update({
-    # Gemma 4 (E4B-like widths): head_dim 256 on sliding layers, 512 on the global one, KV shared by the last two
+    # Gemma 4 (E4B-like widths): head_dim 256 on sliding layers, 512 on the global ones, KV shared by the last two
+    # (each layer type needs a layer of its own before the shared ones: with one global layer last, stock 5.17 fails
+    # at its first forward with KeyError 'full_attention' and 5.25 refuses the config; run 41)
     "gemma-4": lambda: _auto("gemma4_text", vocab_size=262144, hidden_size=2560, intermediate_size=10240,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=256, global_head_dim=512,
-                             sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                             sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
                              num_kv_shared_layers=2, hidden_size_per_layer_input=256,
                              vocab_size_per_layer_input=262144, final_logit_softcapping=30.0),
     # gpt-oss-20b widths: attention sinks, sliding and full layers, 8 of its 32 experts (top-4)
@@ -75,8 +77,9 @@ SHAPES.update({
     "mixtral-8x7b": lambda: _auto("mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                                   num_attention_heads=32, num_key_value_heads=8, num_local_experts=4,
                                   num_experts_per_tok=2),
-    # Llama 4 Scout widths: chunked layers, a NoPE global layer, 4 of its 16 experts
-    "llama-4-scout": lambda: _auto("llama4_text", vocab_size=202048, hidden_size=5120, intermediate_size=8192,
+    # Llama 4 Scout widths: chunked layers, a NoPE global layer, 4 of its 16 experts; a 32k vocabulary (its 202k made
+    # the fp32 reference 4.8B parameters: AdamW ran an 80 GB card out of memory in run 41)
+    "llama-4-scout": lambda: _auto("llama4_text", vocab_size=32768, hidden_size=5120, intermediate_size=8192,
                                    intermediate_size_mlp=16384, num_attention_heads=40, num_key_value_heads=8,
                                    head_dim=128, num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=512,
                                    layer_types=["chunked_attention"] * 3 + ["full_attention"],
