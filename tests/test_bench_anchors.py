@@ -33,7 +33,7 @@ DOCUMENTED = {
     "trl-qlora-noliger": TrlRecipe(liger=False, quantized=True, kbit_preparation=False),
     "trl-qlora-kbit": TrlRecipe(liger=True, quantized=True, kbit_preparation=True),
 }
-WORKLOADS_OF = {name: ("llama-1b", "llama-8b-lora", "llama-8b-lora-completion")
+WORKLOADS_OF = {name: ("llama-1b", "llama-8b-lora", "llama-8b-lora-completion", "qwen3-30b-a3b-lora")
                 for name in ("trl-fa4-packed", "trl-fa4-packed-liger")}
 WORKLOADS_OF.update({name: ("llama-8b-qlora",) for name in ("trl-qlora", "trl-qlora-noliger", "trl-qlora-kbit")})
 
@@ -105,6 +105,8 @@ def test_each_trl_configuration_gives_trl_what_the_table_says(monkeypatch, name,
     assert attn == [recipe.attn_implementation]
     assert args.packing and args.packing_strategy == recipe.packing_strategy and args.loss_type == recipe.loss_type
     assert args.use_liger_kernel == recipe.liger and args.gradient_checkpointing == wl.checkpointing
+    # Liger's fused experts take no LoRA (bound on PEFT's ParamWrapper they fail): off where the experts carry LoRA
+    assert args.liger_kernel_config == ({"swiglu": False} if recipe.liger and wl.lora_experts else None)
     assert args.completion_only_loss == (data.prompts is not None)
     assert ("completion_mask" in call["train_dataset"].column_names) == (data.prompts is not None)
     # LoRA as TRL's own path adds it: a peft_config with the base model, never a PeftModel built beforehand
@@ -112,6 +114,7 @@ def test_each_trl_configuration_gives_trl_what_the_table_says(monkeypatch, name,
     if wl.lora:
         peft = call["peft_config"]
         assert (peft.r, peft.lora_alpha, set(peft.target_modules)) == (16, 32, set(wl.lora_targets))
+        assert bool(peft.target_parameters) == wl.lora_experts
     else:
         assert "peft_config" not in call
     if recipe.quantized:

@@ -75,7 +75,8 @@ ANCHORS: dict[str, Anchor] = {a.config: a for a in [
            "completion_mask + completion_only_loss=True", _TRL_DOCS, TrlRecipe(),
            competes_with=_LIGER_PAIR[1:] + ("unsloth",), left_out=_TRL_LEFT_OUT),
     Anchor("trl-fa4-packed-liger", "TRL + Liger", "as trl-fa4-packed, plus use_liger_kernel=True (Liger's norms, "
-           "RoPE and SwiGLU; TRL 1.16 keeps its own chunked LM head)", _TRL_DOCS, TrlRecipe(liger=True),
+           "RoPE and SwiGLU; TRL 1.16 keeps its own chunked LM head; with LoRA on MoE experts liger_kernel_config="
+           "{'swiglu': False}: Liger's fused experts take no LoRA)", _TRL_DOCS, TrlRecipe(liger=True),
            competes_with=_LIGER_PAIR[:1] + ("unsloth",), left_out=_TRL_LEFT_OUT),
     Anchor("trl-qlora", "TRL + Liger", "TRL's QLoRA: the NF4 base (bf16 compute) passed as loaded, "
            "SFTTrainer(peft_config=LoraConfig(...)) (TRL makes the adapters bf16 and does not run PEFT's "

@@ -403,8 +403,16 @@ def sft_arguments(settings: RunSettings, data: BenchData, output_dir: str, liger
         gradient_checkpointing_kwargs={"use_reentrant": False}, save_strategy="no",  # TRL's logging_steps
         report_to="none", disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed,
         use_liger_kernel=liger, shuffle_dataset=False, completion_only_loss=data.prompts is not None,
-        loss_type=loss_type,
+        loss_type=loss_type, **liger_settings(settings.workload, liger),
     )
+
+
+def liger_settings(workload: Workload, liger: bool) -> dict[str, Any]:
+    """TrainingArguments' ``liger_kernel_config`` where Liger's defaults cannot train the workload: with LoRA on the
+    MoE experts, its fused experts kernel (``LigerExperts``, bound by ``swiglu=True`` on Qwen3-MoE and Mixtral) takes
+    full weights only, and bound on PEFT's ``ParamWrapper`` it fails at the first step (run 41: "'ParamWrapper' object
+    has no attribute 'hidden_dim'"); its norms and RoPE still serve."""
+    return {"liger_kernel_config": {"swiglu": False}} if liger and workload.lora_experts else {}
 
 
 def run_trl(model: nn.Module, data: BenchData, settings: RunSettings, timing: Timing, liger: bool,
