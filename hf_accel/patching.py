@@ -268,11 +268,17 @@ def _bind_experts(model, notes: list[str]) -> list[Callable[[], None]]:
     a model without experts is left as it is."""
     from .patches import experts
 
+    bound = experts.kernel_library_forwards(model)  # before apply binds over them
     names, undo = experts.apply(model)
     if names:
         notes.append(f"experts: {len(names)} mixture-of-experts modules run their tokens sorted by expert through a "
                      "grouped GEMM (LoRA on the experts as low-rank products; the router and its load-balancing "
                      "logits stay transformers' own)")
+    for library in sorted(set(bound.values())):
+        count = sum(lib == library for lib in bound.values())
+        notes.append(f"experts: {library}'s experts forward, bound on {count} modules, gives way to the grouped path "
+                     "(its fused experts take full weights only: no LoRA reaches them, and on PEFT's wrapper they "
+                     "fail); evaluation runs the model's own experts")
     return undo
 
 

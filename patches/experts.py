@@ -69,6 +69,24 @@ def lora_target_parameters(model: nn.Module) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def kernel_library_forwards(model: nn.Module) -> dict[str, str]:
+    """{name: library} of the experts modules, and of PEFT's wrappers in their place, whose forward a kernel library
+    bound on the instance (liger's ``LigerExperts`` forward, bound by ``use_liger_kernel`` / ``swiglu=True``: fused
+    experts of full weights, which no LoRA reaches and which fail on a ``ParamWrapper``). ``apply`` binds the grouped
+    forward over them; read it before."""
+    from hf_accel import foreign
+
+    wrapper_cls = _param_wrapper()
+    found = {}
+    for name, module in model.named_modules():
+        wrapped = wrapper_cls is not None and isinstance(module, wrapper_cls) \
+            and is_experts_module(module.get_base_layer())
+        library = foreign.origin(module.__dict__.get("forward"))
+        if library is not None and (wrapped or is_experts_module(module)):
+            found[name] = library
+    return found
+
+
 def _raw_parameters(module: nn.Module):
     """(name, parameter) of ``module`` itself, a parametrized one's original included."""
     yield from module.named_parameters(recurse=False)

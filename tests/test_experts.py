@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import hf_accel
 import hf_accel.patches
 from hf_accel.patches import experts
 
@@ -213,6 +214,37 @@ def test_undo_restores_exactly(with_peft, one_torch_thread):
     assert _state(model) == before
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, logits_before)
+
+
+def _liger_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """What liger's ``LigerExperts.forward`` does first, bound on a module that is not a ``LigerExperts`` (PEFT's
+    ``ParamWrapper``: "'ParamWrapper' object has no attribute 'hidden_dim'", run 41); its Triton kernel needs CUDA."""
+    hidden_states.view(-1, self.hidden_dim)
+    raise AssertionError("liger's fused experts ran")
+
+
+_liger_experts_forward.__module__ = "liger_kernel.transformers.swiglu"
+
+
+@pytest.mark.parametrize("with_peft", [False, True])
+def test_a_kernel_library_s_experts_forward_gives_way(with_peft, one_torch_thread):
+    """``use_liger_kernel=True`` binds liger's fused experts on the module in the experts' place (after
+    ``get_peft_model``: PEFT's wrapper, where it fails). ``patch()`` trains through the grouped path instead (the same
+    step as the model without liger's binding), says so in the report, and ``unpatch`` puts liger's forward back."""
+    base = make("qwen3_moe")
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(copy.deepcopy(base), _lora_config("qwen3_moe")) if with_peft else copy.deepcopy(base)
+    torch.manual_seed(3)
+    ours = peft.get_peft_model(copy.deepcopy(base), _lora_config("qwen3_moe")) if with_peft else copy.deepcopy(base)
+    layers = (ours.base_model.model if with_peft else ours).model.layers
+    for layer in layers:  # liger's _patch_swiglu_module(decoder_layer.mlp.experts, LigerExperts)
+        holder = layer.mlp.experts
+        holder.__dict__["forward"] = _liger_experts_forward.__get__(holder, type(holder))
+    report = hf_accel.patch(ours)
+    assert any("liger-kernel's experts forward, bound on 2 modules, gives way" in n for n in report.notes), report
+    assert_same_step(ours, ref, packed_batch())
+    hf_accel.unpatch(ours)
+    assert all(layer.mlp.experts.__dict__["forward"].__func__ is _liger_experts_forward for layer in layers)
 
 
 def test_finds_experts_from_the_model():
