@@ -24,6 +24,7 @@ delta itself before the call, or a parametrization of the user's), the parameter
 """
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def kernel_library_forwards(model: nn.Module) -> dict[str, str]:
     forward over them; read it before."""
     from hf_accel import foreign
 
-    wrapper_cls = _param_wrapper()
+    wrapper_cls = _param_wrapper() if "peft" in sys.modules else None  # no PEFT imported: no wrapper in the model
     found = {}
     for name, module in model.named_modules():
         wrapped = wrapper_cls is not None and isinstance(module, wrapper_cls) \
