@@ -147,13 +147,25 @@ def _count_factor_folds():
     return calls, handle
 
 
+def _tie_free_lora_seed(base, model_type: str) -> int:
+    """The first seed from 3 whose random adapters (router LoRA included) keep the routing margin on the test batch:
+    PEFT 0.22 draws them otherwise than 0.21, and seed 3 left gpt-oss a margin of 8e-4 there."""
+    for seed in range(3, 30):
+        torch.manual_seed(seed)
+        if routing_margin(peft.get_peft_model(copy.deepcopy(base), _lora_config(model_type)),
+                          padded_batch()) > ROUTING_MARGIN:
+            return seed
+    raise AssertionError("no seed in 3-29 gives adapters with a tie-free routing")
+
+
 @pytest.mark.parametrize("model_type", CONFIGS)
 @pytest.mark.parametrize("order", ["patch_then_peft", "peft_then_patch"])
 def test_lora_on_experts_low_rank(model_type, order, one_torch_thread):
     base = make(model_type)
-    torch.manual_seed(3)
+    seed = _tie_free_lora_seed(base, model_type)
+    torch.manual_seed(seed)
     ref = peft.get_peft_model(copy.deepcopy(base), _lora_config(model_type))
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     if order == "patch_then_peft":
         ours = copy.deepcopy(base)
         experts.apply(ours)

@@ -43,14 +43,25 @@ def _names_peft_sees(model: torch.nn.Module) -> dict[str, str]:
     return names
 
 
+def _keyed_as_peft_reads(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` keyed as ``get_peft_model_state_dict`` matches keys: PEFT 0.22 drops torch's FSDP and
+    checkpoint-wrapper segments from the names it derives itself (``remove_torch_wrapper_names``) and reads plain keys;
+    0.21 derives them from ``named_modules`` with the wrappers' segments in (``_names_peft_sees``)."""
+    try:
+        from peft.utils.integrations import remove_torch_wrapper_names  # noqa: F401 - present from PEFT 0.22
+    except ImportError:
+        names = _names_peft_sees(model)
+        return {names.get(key, key): value for key, value in state_dict.items()}
+    return {plain_name(key): value for key, value in state_dict.items()}
+
+
 def adapter_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
                        adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """The entries of ``adapter_name`` in ``state_dict`` (the whole model's, e.g. gathered from FSDP shards), keyed as
     ``PeftModel.save_pretrained`` keys them for an unwrapped model (``...q_proj.lora_A.weight``)."""
     from peft import get_peft_model_state_dict
 
-    names = _names_peft_sees(model)
-    keyed = {names.get(key, key): value for key, value in state_dict.items()}
+    keyed = _keyed_as_peft_reads(model, state_dict)
     selected = get_peft_model_state_dict(model, state_dict=keyed, adapter_name=adapter_name,
                                          save_embedding_layers=_embedding_layers(model, adapter_name))
     return {plain_name(key): value for key, value in selected.items()}
