@@ -169,3 +169,31 @@ def test_watching_reads_nothing_back_per_step(tmp_path, monkeypatch):
     trainer.nan_step = 99  # no nan: a whole run
     trainer.train()
     assert len(reads) == 4  # the saves of steps 3 and 6, the log of step 6, the end
+
+
+def test_transformers_nan_filter_reads_no_loss_back(tmp_path, monkeypatch):
+    """transformers' ``logging_nan_inf_filter`` (on by default) tests every step's loss with ``torch.isnan`` in an
+    ``if``: a host sync per step. Under hf_accel's Trainer the guard covers it on the device, so that check never
+    runs during training, and the user's setting is back when ``train()`` returns. Stock, same settings: it runs."""
+    import sys
+
+    checked = []
+    real_isnan = torch.isnan
+
+    def isnan(x, *a, **kw):
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("transformers", "trainer.py")):
+            checked.append(x)
+        return real_isnan(x, *a, **kw)
+
+    monkeypatch.setattr(torch, "isnan", isnan)
+    settings = dict(max_steps=3, save_strategy="no", logging_steps=3)
+    stock = transformers.Trainer(model=model(), args=args(tmp_path / "stock", **settings), train_dataset=data(),
+                                 data_collator=transformers.DataCollatorForLanguageModeling(
+                                     pad_token_id_only_collator(), mlm=False))
+    stock.train()
+    assert len(checked) == 3 and stock.args.logging_nan_inf_filter  # what the test would see without the change
+    checked.clear()
+    ours = Trainer(model=model(), args=args(tmp_path / "ours", **settings), train_dataset=data(),
+                   accel=AccelArguments(backend="reference", print_summary=False))
+    ours.train()
+    assert checked == [] and ours.args.logging_nan_inf_filter

@@ -209,7 +209,16 @@ class AccelMixin(CheckpointFilesMixin):
         elif self.accel.checkpointing is None and self.patch_report is not None:
             self._accel_default_checkpointing()
         self._meter = ThroughputMeter(self.model, self.args.device)
-        return super()._inner_training_loop(*args, **kwargs)
+        # transformers' per-step NaN/inf check (logging_nan_inf_filter, on by default) reads every loss back: a host
+        # sync that leaves the GPU idle while the next batch is collated (TRL collates in the training process). The
+        # guard covers what it filters, on the device: "stop" raises at the log that would show a non-finite loss,
+        # "skip" logs the interval's average in its place (non_finite.note_loss), as the filter does.
+        kept = self.args.logging_nan_inf_filter
+        self.args.logging_nan_inf_filter = False
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            self.args.logging_nan_inf_filter = kept
 
     def _run_epoch(self, *args, **kwargs):
         with sequence_parallel.resume_skip(self):  # a resume under Ulysses skips inside DeepSpeed's loader adapter

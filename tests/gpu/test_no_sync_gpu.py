@@ -68,8 +68,9 @@ def test_training_step_never_waits_for_the_gpu(compile_layers, target_rows):
 
 def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
     """hf_accel.Trainer (packing, fused loss, throughput meter, non-blocking batch copies) between logging steps:
-    no host sync from steps 3 to 6. transformers' own per-step NaN/inf loss check reads the loss back, so the test
-    turns it off (``logging_nan_inf_filter=False``, as the README's throughput tip says)."""
+    no host sync from steps 3 to 6, with TrainingArguments' defaults: transformers' own per-step NaN/inf loss check
+    (``logging_nan_inf_filter=True``) reads the loss back, and the Trainer turns it off while it trains (its guard
+    covers it on the device)."""
     import transformers
 
     from hf_accel.training.trainer import AccelArguments, Trainer
@@ -91,7 +92,7 @@ def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
             for n in torch.randint(16, 900, (64,), generator=g)]
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4, bf16=True, logging_steps=100,
-        save_strategy="no", report_to="none", logging_nan_inf_filter=False, dataloader_num_workers=2)
+        save_strategy="no", report_to="none", dataloader_num_workers=2)
     trainer = Trainer(model=model, args=args, train_dataset=data, accel=AccelArguments(fused_ce=True),
                       callbacks=[SyncGuard()])
     try:
