@@ -442,7 +442,7 @@ def test_presets_name_real_workloads_and_configs_and_pending_ones_fail_clearly()
         elif preset.name == "llama-1b-levers":  # issue 39c: levers on top of the defaults
             assert {"hf_accel-defaults", "hf_accel-autotune", "hf_accel-cudagraphs"} <= set(preset.configs)
         elif preset.name.startswith("trl-route-"):  # issue 69c: the TRL drop-in beside hf_accel's own row
-            assert ({"hf_accel-defaults", "hf_accel-trl", "hf_accel-trl-liger"} <= set(preset.configs) or
+            assert ({"hf_accel-trainer", "hf_accel-trl", "hf_accel-trl-liger"} <= set(preset.configs) or
                     {"hf_accel-qlora", "hf_accel-qlora-sft", "hf_accel-qlora-sft-liger"} <= set(preset.configs))
         elif preset.name.startswith("fp8-"):  # issue 39d: float8 beside bf16 (the defaults) and a stock anchor
             assert {"hf_accel-defaults", "hf_accel-fp8"} <= set(preset.configs)

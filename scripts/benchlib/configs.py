@@ -350,6 +350,10 @@ CONFIGS: dict[str, BenchConfig] = {
         BenchConfig("hf_accel-defaults", False, ("hf_accel",), _patched(),
                     "hf_accel.patch(model), no arguments (the library's own choices) + the same packing",
                     launched=_hf_accel_trainer("defaults")),
+        BenchConfig("hf_accel-trainer", False, ("hf_accel",), _hf_accel_trainer("defaults"),
+                    "hf_accel.Trainer with no hf_accel flags (AccelArguments' token budget: the step's tokens), "
+                    "the data as a datasets.Dataset: the drop-in for transformers' Trainer, its loop and logging "
+                    "included (hf_accel-defaults runs the harness's own loop)"),
         BenchConfig("hf_accel-defaults-all-rows", False, ("hf_accel",), _patched(all_rows=True),
                     "as hf_accel-defaults, the fused loss over every row (the collator lists no target rows): "
                     "the LM head's work on masked positions, as before issue 39",

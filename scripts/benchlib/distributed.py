@@ -268,8 +268,7 @@ def run_accel_trainer(model: nn.Module, data: BenchData, settings: RunSettings, 
             gradient_accumulation_steps=1, learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0,
             optim="adamw_torch_fused", bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none",
             disable_tqdm=True, dataloader_num_workers=0, seed=settings.seed, ddp_find_unused_parameters=False,
-            logging_nan_inf_filter=False,  # its check reads every step's loss back (a host sync)
-        )
+        )  # logging_nan_inf_filter as its default: hf_accel's Trainer turns transformers' per-step check off itself
         accel.print_summary = False
 
         columns = {"input_ids": data.samples}

@@ -192,11 +192,12 @@ PRESETS: dict[str, Preset] = {
             dict(steps=6, warmup=3, time_budget=1000, config_timeout=170),
         ),
         # issue 69c: the TRL route (hf_accel.SFTTrainer on TRL's own SFTConfig, with and without use_liger_kernel)
-        # beside hf_accel.Trainer's defaults and TRL's anchors, same run: within 3% of the defaults' row, no more memory
+        # beside hf_accel.Trainer (no flags) and TRL's anchors, same run: within 3% of the Trainer's row, no more memory
         *[Preset(
             name, f"{shape}: hf_accel.SFTTrainer with TRL's SFTConfig, with and without use_liger_kernel, vs hf_accel "
             "defaults and TRL + flash-attn-4 with and without Liger",
-            workload, (*_TRL, "hf_accel-defaults", "hf_accel-trl", "hf_accel-trl-liger"), settings,
+            workload, (*_TRL, "hf_accel-defaults", "hf_accel-trainer", "hf_accel-trl", "hf_accel-trl-liger"),
+            settings,
         ) for name, workload, shape, settings in (
             ("trl-route-1b", "llama-1b", "Llama-3.2-1B shapes, full FT",
              dict(steps=30, warmup=6, time_budget=560, config_timeout=120)),
