@@ -352,3 +352,38 @@ def test_a_model_whose_attention_builds_its_own_mask_is_refused_by_name():
     with pytest.raises(UnsupportedModel, match="DogeAttention.*builds a mask of its own"):
         hf_accel.patch(model)
     torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+
+
+def test_a_window_only_the_mask_carries_is_kept():
+    """PhiMoE builds a sliding-window mask and calls attention without ``sliding_window``: the seam, which replaces
+    the mask, attended over the whole row (logits off by ~6 on rows longer than the window; the sweep's one
+    MISMATCH). The probe reads the window from the mask the model asked for, every call takes it: patched equals
+    unpatched (fp32) on a full row four times the window, loss and every gradient; unpatch takes the window off."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_accel.attention.calls import MASK_WINDOW_ATTR
+
+    config = AutoConfig.for_model("phimoe", vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                  sliding_window=4, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config).train()
+    ours = copy.deepcopy(ref)
+    report = hf_accel.patch(ours)
+    assert any("sliding window 4: read from the mask" in note for note in report.notes), report
+    ids = torch.randint(1, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for model in (ref, ours):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = outs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
+    hf_accel.unpatch(ours)
+    assert not any(MASK_WINDOW_ATTR in m.__dict__ for m in ours.modules())

@@ -22,6 +22,10 @@ import torch
 
 # Keyword arguments the seam reads itself (beyond transformers' model-level ones)
 HANDLED = frozenset({"sliding_window", "softcap", "s_aux", "is_causal"})
+# The sliding window of a model whose attention calls do not pass one and whose mask carries it (PhiMoE builds a
+# sliding-window mask and calls attention without ``sliding_window``): read from that mask by the facts probe, set on
+# each attention module by the seam's patch, and read here after the call's own word and the module's attribute.
+MASK_WINDOW_ATTR = "_hf_accel_mask_window"
 OURS = "hf_accel_"  # keyword arguments hf_accel's own hooks pass down (hf_attention.LAYER_POSITIONS, the hybrids')
 # What a forward hands every layer and carries no attention meaning of its own
 _PASSED_DOWN = frozenset({"cache_position", "position_embeddings", "use_cache", "past_key_values", "past_key_value",
@@ -69,7 +73,8 @@ def read_call(module: torch.nn.Module, head_dim: int, scaling: float | None, dro
     """What this call asks for. ``head_dim``: the query's; ``scaling``/``dropout``/``kwargs`` as the call passed them."""
     # the call's own word first, None included: EXAONE 4 keeps config.sliding_window on every attention module and
     # passes it only from its sliding layers (as transformers' flash path reads it: the keyword alone)
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else (
+        getattr(module, "sliding_window", None) or getattr(module, MASK_WINDOW_ATTR, None))
     chunk = None
     if layer_type(module) == "chunked_attention":
         chunk = getattr(module.config, "attention_chunk_size", None)

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..errors import UnsupportedModel
-from .calls import CallAsks, read_call
+from .calls import MASK_WINDOW_ATTR, CallAsks, read_call
 from .kernels import AttnOptions, varlen_attention
 from .routing import ATTN_NAME, forward_padding_mask, runs_stock_forward, stock_attention, stock_mask
 from .varlen import chunked, varlen_batch
@@ -316,14 +316,15 @@ def forward_batch_hooks(model: torch.nn.Module) -> list[Callable[[], None]]:
 GENERIC_ATTENTIONS = "transformers' eager attention for that call (mask and probabilities as in the unpatched model)"
 
 
-def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], backend: str
-                            ) -> tuple[list[str], list[Callable[[], None]]]:
+def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], backend: str,
+                            mask_window: int | None = None) -> tuple[list[str], list[Callable[[], None]]]:
     """The generic seam, for a model whose attention modules (instances of ``classes``) look their function up in
     transformers' AttentionInterface: registers hf_accel's attention and mask functions under our own name, tags each
     attention module with its backend, gives each a routed view of the config (it reads hf_accel's name) and hooks
     the model's body so that each forward builds its mask with hf_accel's mask function (``routing``). Between
     forwards the config reports the implementation the user chose, which also serves every call the seam leaves to
-    transformers. Returns the patched module names and the undo actions (hooks, views and tags removed)."""
+    transformers. ``mask_window``: the sliding window the model's mask carries and its calls do not pass
+    (``MASK_WINDOW_ATTR``). Returns the patched module names and the undo actions (hooks, views and tags removed)."""
     from .routing import route_attention_modules, routing_hooks
 
     register()
@@ -334,6 +335,8 @@ def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], b
             setattr(module, BACKEND_ATTR, backend)
             if own_positions:
                 setattr(module, OWN_POSITIONS_ATTR, True)
+            if mask_window:
+                setattr(module, MASK_WINDOW_ATTR, mask_window)
             names.append(name)
             modules.append(module)
             undo.append(lambda m=module: _untag(m))
@@ -344,7 +347,7 @@ def patch_attention_modules(model: torch.nn.Module, classes: tuple[type, ...], b
 
 
 def _untag(module: torch.nn.Module) -> None:
-    for attr in (BACKEND_ATTR, OWN_POSITIONS_ATTR):
+    for attr in (BACKEND_ATTR, OWN_POSITIONS_ATTR, MASK_WINDOW_ATTR):
         module.__dict__.pop(attr, None)
 
 

@@ -9,6 +9,7 @@ probe input (``fusable``). A family needing more than the seam (Falcon's own att
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +124,9 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
             "or attends to keys of its own beyond the sequence (e.g. compressed slots), which no varlen kernel takes, "
             "and it would build them from the padding mask hf_accel's seam hands the model instead of transformers' "
             "own. Train it unpatched.")
+    window = _mask_window(model_cls, model_type, calls, facts.mask_windows)
+    if window is not None:  # every call takes the window its mask carries
+        calls = tuple(dataclasses.replace(c, asks=dataclasses.replace(c.asks, window=window)) for c in calls)
     first = calls[0].heads if calls else (config.num_attention_heads, config.num_attention_heads, 0)
     classes = facts.attention_classes
     layers = {c.layer for c in calls if c.layer is not None}
@@ -130,13 +134,16 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
     stock_layers = [i for i, a in attention_of.items() if a.stock]
     notes = tuple(f"layer {i}: transformers' own attention for every call ({attention_of[i].stock})"
                   for i in stock_layers)
+    if window is not None:
+        notes += (f"sliding window {window}: read from the mask the model builds (its attention calls do not pass "
+                  "one); every layer's calls take it",)
 
     def layer_bytes(config_: Any, b: int) -> LayerBytes:
         saves = probed(model_cls, config_, _DTYPES.get(b, torch.bfloat16), prepare_copy).layers
         return LayerBytes(*(_mean([getattr(s, f) for s in saves]) for f in ("none", "op", "full", "mlp")))
 
     def apply(model: nn.Module, backend: str):
-        return patch_attention_modules(model, classes, backend)
+        return patch_attention_modules(model, classes, backend, mask_window=window)
 
     return Family(
         name=model_type,
@@ -162,6 +169,22 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
             "the model's forward does more to the LM head's logits than a final soft-cap (a scale, a bias), which the "
             "fused loss would leave out"),
     )
+
+
+def _mask_window(model_cls: type, model_type: str, calls: tuple, windows: tuple[int | None, ...]) -> int | None:
+    """The sliding window a model applies only through the mask it builds (PhiMoE: a sliding-window mask, attention
+    calls without ``sliding_window``), where every mask it built carries that one window; None where the calls say
+    what they keep (a window, a chunk) or no mask keeps a window. Masks of several windows, or sliding beside causal
+    ones, with calls that do not say which layer takes which, are refused."""
+    if not any(w is not None for w in windows) or any(c.asks.window or c.asks.chunk for c in calls):
+        return None
+    if len(set(windows)) == 1:
+        return windows[0]
+    raise UnsupportedModel(
+        f"{model_cls.__name__} (model_type {model_type!r}) builds masks with sliding windows "
+        f"({', '.join('none' if w is None else str(w) for w in dict.fromkeys(windows))}) that its attention calls do "
+        "not pass, so which layer keeps which window is known only to the masks, which hf_accel's seam replaces. "
+        "Train it unpatched.")
 
 
 def stock_keeps_documents_apart(model: nn.Module) -> bool:

@@ -22,6 +22,7 @@ import inspect
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +72,8 @@ class Probed:
     layer_linears: tuple[str, ...] = field(default_factory=tuple)  # last names of the layers' nn.Linear modules
     mlp_width: int | None = None  # the widest linear inside the layers' ``mlp``; None where it holds experts
     plain_head: bool = True  # the logits are the LM head's output (a final soft-cap aside): the fused loss serves
+    # the sliding window of each mask the model built (None: causal, or not a window this reads): ``mask_window``
+    mask_windows: tuple[int | None, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------- the stand-in kernel
@@ -104,6 +107,7 @@ _probe_attention_op.register_autograd(_backward, setup_context=_setup)
 class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[nn.Module, tuple[int, int, int], CallAsks, bool]] = []
+        self.mask_functions: list[Callable | None] = []  # what each mask the model built was asked to keep
 
 
 _RECORDER: list[_Recorder] = []
@@ -121,7 +125,60 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def _probe_mask(*args, **kwargs):
+    if _RECORDER:
+        _RECORDER[-1].mask_functions.append(kwargs.get("mask_function"))
     return None  # causal, no padding: the probe forward has one full-length document
+
+
+def mask_window(mask_function: Callable | None) -> int | None:
+    """The sliding window a transformers mask function keeps: the first query position that no longer sees key 0
+    (``sliding_window_causal_mask_function(w)`` -> w); None for a causal mask. A part that reads the probe's fake
+    tensors (the packed-sequence lookups transformers wraps around the mask: ``and_masks`` of
+    ``remap_positions_for_packed_sequence`` and ``packed_sequence_mask_function``) is read through the functions it
+    wraps; the narrowest window found counts. An ``or_masks`` combination widens what is seen: not read."""
+    if mask_function is None:
+        return None
+    windows = [w for w in _windows(mask_function, depth=0) if w is not None]
+    return min(windows) if windows else None
+
+
+def _windows(mask_function: Callable, depth: int) -> list[int | None]:
+    if depth > 4 or getattr(mask_function, "__qualname__", "").startswith("or_masks."):
+        return []
+    window = _part_window(mask_function)
+    if window is not _UNREAD:
+        return [window]
+    wrapped = []
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        value = cell.cell_contents
+        wrapped += [v for v in (value if isinstance(value, tuple) else (value,)) if inspect.isfunction(v)]
+    return [w for fn in wrapped for w in _windows(fn, depth + 1)]
+
+
+_UNREAD = object()
+
+
+def _part_window(mask_function: Callable) -> Any:
+    """The window of a mask function evaluated with plain indices, None for causal; _UNREAD where it cannot be."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def sees_first_key(q: int) -> bool:
+        zero = torch.tensor(0)
+        seen = mask_function(zero, zero, torch.tensor(q), zero)
+        if isinstance(seen, FakeTensor):
+            raise TypeError("reads the probe's fake tensors")
+        return bool(seen)
+
+    try:
+        if not sees_first_key(0) or sees_first_key(2**30):
+            return None
+        seen, unseen = 0, 2**30
+        while unseen - seen > 1:
+            middle = (seen + unseen) // 2
+            seen, unseen = (middle, unseen) if sees_first_key(middle) else (seen, middle)
+        return unseen
+    except Exception:  # noqa: BLE001 - a function of another shape, or one reading the fake tensors
+        return _UNREAD
 
 
 @functools.lru_cache(maxsize=1)
@@ -459,7 +516,9 @@ def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16,
     classes = tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
     linears = lora_targets(model)
     softcap = bool(getattr(config, "final_logit_softcapping", None))
-    return Probed(calls, saves, projections, classes, linears, _mlp_width(layers), plain_head(long.outside, long.head_out, softcap))
+    return Probed(calls, saves, projections, classes, linears, _mlp_width(layers),
+                  plain_head(long.outside, long.head_out, softcap),
+                  tuple(mask_window(fn) for fn in recorder.mask_functions))
 
 
 def _mlp_width(layers: list[nn.Module]) -> int | None:
