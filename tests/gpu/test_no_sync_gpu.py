@@ -66,14 +66,9 @@ def test_training_step_never_waits_for_the_gpu(compile_layers, target_rows):
     assert all(torch.isfinite(x) for x in losses)
 
 
-def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
-    """hf_accel.Trainer (packing, fused loss, throughput meter, non-blocking batch copies) between logging steps:
-    no host sync from steps 3 to 6, with TrainingArguments' defaults: transformers' own per-step NaN/inf loss check
-    (``logging_nan_inf_filter=True``) reads the loss back, and the Trainer turns it off while it trains (its guard
-    covers it on the device)."""
+def _sync_guard():
+    """A Trainer callback: any host sync from step 3 to step 6 raises (CUDA's sync debug mode)."""
     import transformers
-
-    from hf_accel.training.trainer import AccelArguments, Trainer
 
     class SyncGuard(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -85,6 +80,18 @@ def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
             if state.global_step == 6:
                 torch.cuda.set_sync_debug_mode("default")
 
+    return SyncGuard()
+
+
+def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
+    """hf_accel.Trainer (packing, fused loss, throughput meter, non-blocking batch copies) between logging steps:
+    no host sync from steps 3 to 6, with TrainingArguments' defaults: transformers' own per-step NaN/inf loss check
+    (``logging_nan_inf_filter=True``) reads the loss back, and the Trainer turns it off while it trains (its guard
+    covers it on the device)."""
+    import transformers
+
+    from hf_accel.training.trainer import AccelArguments, Trainer
+
     torch.manual_seed(0)
     model = _model().cuda()
     g = torch.Generator().manual_seed(1)
@@ -94,7 +101,7 @@ def test_trainer_steps_never_wait_for_the_gpu(tmp_path):
         output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4, bf16=True, logging_steps=100,
         save_strategy="no", report_to="none", dataloader_num_workers=2)
     trainer = Trainer(model=model, args=args, train_dataset=data, accel=AccelArguments(fused_ce=True),
-                      callbacks=[SyncGuard()])
+                      callbacks=[_sync_guard()])
     try:
         trainer.train()
     finally:
@@ -107,21 +114,10 @@ def test_sft_trainer_steps_never_wait_for_the_gpu(tmp_path):
     the training process), SFTConfig's defaults otherwise: no host sync from steps 3 to 6. The TRL route's 5% behind
     the harness loop on Llama-1B (run 41) is GPU idle time if a step waits for the GPU (issue 69c)."""
     import datasets
-    import transformers
     import trl
 
     from hf_accel.data.default_task import build_tokenizer
     from hf_accel.training.trl_trainer import SFTTrainer
-
-    class SyncGuard(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 3:
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 6:
-                torch.cuda.set_sync_debug_mode("default")
 
     torch.manual_seed(0)
     model = _model().cuda()
@@ -131,7 +127,7 @@ def test_sft_trainer_steps_never_wait_for_the_gpu(tmp_path):
     args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4, max_length=1024,
                          packing=True, bf16=True, logging_steps=100, save_strategy="no", report_to="none")
     trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
-                         processing_class=build_tokenizer(), callbacks=[SyncGuard()])
+                         processing_class=build_tokenizer(), callbacks=[_sync_guard()])
     try:
         trainer.train()
     finally:
