@@ -13,6 +13,7 @@ from the decisions and what was applied.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -274,8 +275,7 @@ def _bind_experts(model, notes: list[str]) -> list[Callable[[], None]]:
         notes.append(f"experts: {len(names)} mixture-of-experts modules run their tokens sorted by expert through a "
                      "grouped GEMM (LoRA on the experts as low-rank products; the router and its load-balancing "
                      "logits stay transformers' own)")
-    for library in sorted(set(bound.values())):
-        count = sum(lib == library for lib in bound.values())
+    for library, count in sorted(Counter(bound.values()).items()):
         notes.append(f"experts: {library}'s experts forward, bound on {count} modules, gives way to the grouped path "
                      "(its fused experts take full weights only: no LoRA reaches them, and on PEFT's wrapper they "
                      "fail); evaluation runs the model's own experts")

@@ -345,20 +345,16 @@ def test_compiled_lora_experts_through_torch_grouped_mm(model_type, monkeypatch,
         out = out[0] if isinstance(out, tuple) else out
         out.float().square().sum().backward()
         grads = {n: p.grad for n, p in block.named_parameters() if p.grad is not None}
-        return out.detach(), h.grad, grads
+        return {"output": out.detach(), "input grad": h.grad, **grads}
 
     eager = run(block)
     compiled = run(torch.compile(block, backend="inductor"))
     hidden = hidden.float()
     exact = run(block.float())  # the same block in fp32: what both bf16 runs approximate
-    assert any("lora_B" in n for n in exact[2]) and exact[2].keys() == eager[2].keys() == compiled[2].keys()
-    pairs = [("output", 0, None), ("input grad", 1, None), *((name, 2, name) for name in exact[2])]
-    for what, i, name in pairs:
-        want = exact[i] if name is None else exact[i][name]
-        bf16 = eager[i] if name is None else eager[i][name]
-        got = compiled[i] if name is None else compiled[i][name]
-        base = (bf16.float() - want).abs().max().item()
-        worst = (got.float() - want).abs().max().item()
+    assert any("lora_B" in n for n in exact) and exact.keys() == eager.keys() == compiled.keys()
+    for what, want in exact.items():
+        base = (eager[what].float() - want).abs().max().item()
+        worst = (compiled[what].float() - want).abs().max().item()
         assert worst <= 2 * base + 1e-3 * want.abs().max().item(), f"{what}: {worst:.3g} vs eager bf16's {base:.3g}"
 
 
