@@ -167,6 +167,55 @@ def test_stock_falcon_packing_leaks_and_ours_does_not():
     assert rel_err(model(input_ids=ids, position_ids=pos).logits[0], alone) < LOGITS_RTOL
 
 
+def _stock_remaps_packed_positions() -> bool:
+    """transformers counts a packed document's mask positions (Llama 4's chunks) from the document's start."""
+    from transformers import masking_utils
+
+    return hasattr(masking_utils, "remap_positions_for_packed_sequence")
+
+
+def test_stock_chunked_layers_cut_a_packed_row_from_its_start_and_ours_per_document():
+    """Llama 4's chunked layers: stock before transformers' packed-position remapping (5.17, the GPU image; 5.25 has
+    it) cuts a packed row into chunks counted from the row's start, so a document that starts mid-chunk computes what
+    it would not alone; the same documents right-padded, one a row, compute what each does alone, and so does the
+    patched packed row on every version (the GPU families test's references train padded: run 42)."""
+    model = make("llama4-text")
+    assert model.config.attention_chunk_size < max(len(d) for d in _docs())
+    docs = _docs()
+    alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+    ids, pos = torch.cat(docs)[None], torch.cat([torch.arange(len(d)) for d in docs])[None]
+    stock = rel_err(model(input_ids=ids, position_ids=pos).logits[0], alone)
+    assert stock < LOGITS_RTOL if _stock_remaps_packed_positions() else stock > 1e-2
+    width = max(len(d) for d in docs)
+    rows = torch.stack([torch.nn.functional.pad(d, (0, width - len(d))) for d in docs])
+    mask = torch.stack([torch.arange(width) < len(d) for d in docs]).long()
+    padded = model(input_ids=rows, attention_mask=mask).logits[mask.bool()]
+    assert rel_err(padded, alone) < LOGITS_RTOL
+    hf_accel.patch(model)
+    assert rel_err(model(input_ids=ids, position_ids=pos).logits[0], alone) < LOGITS_RTOL
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama4-text"])
+def test_gpu_families_padded_reference_averages_the_packed_targets(variant):
+    """tests/gpu/packed_training.py's right-padded batch averages the loss over the same targets as its packed row:
+    equal losses where stock keeps packed documents apart (Llama), different ones where it does not (Llama 4's chunks
+    before transformers' packed-position remapping)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    try:
+        from packed_training import train
+    finally:
+        sys.path.pop(0)
+    model = make(variant)
+    packed, padded = (train(model, 1, 0.0, padded_rows=rows, device="cpu")[0] for rows in (False, True))
+    if variant == "llama-gqa" or _stock_remaps_packed_positions():
+        assert packed == pytest.approx(padded, rel=1e-5)
+    else:
+        assert abs(packed - padded) > 1e-4  # fp32 noise on this loss: ~1e-7
+
+
 @pytest.mark.parametrize("variant", slow_2026(["llama-gqa", "neox-parallel", "falcon-40b-newarch", "falcon-rw-alibi",
                                                 "mistral-window", "gemma2-softcap", "gemma3-text", *FAMILIES_2026]))
 def test_generate_unchanged(variant):

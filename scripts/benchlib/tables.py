@@ -31,6 +31,10 @@ WORKLOAD_TITLES = {
     "llama-1b-completion": "Llama-3.2-1B shapes, full FT, prompt-masked SFT data",
     "llama-8b-lora-completion": "Llama-3-8B shapes, LoRA r=16 + checkpointing, prompt-masked SFT data",
     "llama-8b-full": "Llama-3-8B shapes, full FT + checkpointing",
+    "qwen3-30b-a3b-lora": "Qwen3-30B-A3B shapes (128 experts top-8), LoRA r=16 on attention + experts + checkpointing",
+    "gpt-oss-20b-lora": "gpt-oss-20b shapes (bf16, 32 experts top-4), LoRA r=16 on attention + experts + checkpointing",
+    "gemma4-12b-lora": "Gemma 4 12B text shapes, LoRA r=16 + checkpointing",
+    "qwen3.5-9b-lora": "Qwen3.5-9B text shapes (Gated DeltaNet + attention), LoRA r=16 + checkpointing",
 }
 CONFIG_LABELS = {
     "hf-sdpa-padded": "HF, SDPA, padded batches of 8",

@@ -118,12 +118,15 @@ def test_fast_path_trains_like_the_unpatched_model(name):
     ref16 = copy.deepcopy(ref32).to(torch.bfloat16)
     ours = copy.deepcopy(ref16)
     report = hf_accel.patch(ours)  # the CUDA defaults
-    want, bf16, got = (train_steps(m, STEPS, LR) for m in (ref32, ref16, ours))
+    layers = family_of(ours).layer_attentions(ours.config).values()
+    # stock cuts a packed row's chunked layers (Llama 4) into chunks from the row's start, not each document's (run
+    # 42): its references train on the documents right-padded, which is what each computes alone
+    padded_rows = any(layer.chunk for layer in layers)
+    want, bf16 = (train_steps(m, STEPS, LR, padded_rows=padded_rows) for m in (ref32, ref16))
+    got = train_steps(ours, STEPS, LR)
     base = max(abs(a - b) for a, b in zip(bf16, want))
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert worst <= 2 * base + 5e-3, f"{name} via {report.backend}: {worst:.4f} vs bf16's own {base:.4f}\n{report}"
-    family = family_of(ours)
-    layers = family.layer_attentions(ours.config).values()
     if any(layer.softcap or layer.sinks for layer in layers):
         assert report.backend != "reference", report  # a fast kernel that declares soft-capping / sinks serves it
     del ref32, ref16, ours
