@@ -96,6 +96,23 @@ def _capture(monkeypatch, name: str, workload: str) -> tuple[dict, list[str], ob
     return call, attn, data
 
 
+@pytest.mark.parametrize("workload", ["qwen3-30b-a3b-lora", "gpt-oss-20b-lora", "qwen3-8b-lora"])
+def test_the_unsloth_row_adapts_the_experts_the_trl_rows_adapt(monkeypatch, workload):
+    """Unsloth's MoE LoRA takes PEFT's target_parameters: its row asks for the very names TRL's row gets (none on a
+    dense workload), and its family check lets the MoE workloads through (issue 72d: Unsloth beside the anchors)."""
+    from benchlib.apart import unsloth_expert_targets
+    from benchlib.configs import REQUIREMENTS
+
+    wl = WORKLOADS[workload]
+    call, _, _ = _capture(monkeypatch, "trl-fa4-packed", workload)
+    model = configs.build_model(RunSettings(wl, "cpu", True, steps=1, warmup=1, step_time_budget=1.0), "sdpa")
+    trl_names = sorted(call["peft_config"].target_parameters or [])
+    assert sorted(unsloth_expert_targets(model, wl).get("target_parameters", [])) == trl_names
+    assert bool(trl_names) == wl.lora_experts
+    assert REQUIREMENTS["unsloth-family"]("cuda", wl.family) is None
+    assert "unsloth" in PRESETS[workload].configs if wl.lora_experts else True
+
+
 @pytest.mark.parametrize("name, workload", [(n, w) for n, ws in WORKLOADS_OF.items() for w in ws])
 def test_each_trl_configuration_gives_trl_what_the_table_says(monkeypatch, name, workload):
     bnb = pytest.importorskip("bitsandbytes") if "qlora" in name else None

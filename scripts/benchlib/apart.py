@@ -10,7 +10,7 @@ import contextlib
 import importlib.machinery
 import os
 import sys
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -152,9 +152,6 @@ def unsloth_runner(load_in_4bit: bool, compiled: bool = True) -> Callable[..., n
     def run(settings: RunSettings, data: BenchData, options: Options, timing: Timing) -> nn.Module:
         import tempfile
 
-        if settings.workload.lora_experts:  # its MoE LoRA is its own API, not PEFT's target_parameters: not wired
-            raise ValueError(f"the Unsloth row does not adapt MoE experts yet (workload {settings.workload.name} "
-                             "asks for LoRA on them); run this workload without it")
         os.environ.update(UNSLOTH_ENV)
         if not compiled:
             os.environ["UNSLOTH_COMPILE_DISABLE"] = "1"
@@ -174,6 +171,7 @@ def unsloth_runner(load_in_4bit: bool, compiled: bool = True) -> Callable[..., n
             model = FastLanguageModel.get_peft_model(
                 model, r=16, lora_alpha=32, lora_dropout=0.0, bias="none", target_modules=list(workload.lora_targets),
                 use_gradient_checkpointing=checkpointing, random_state=settings.seed,
+                **unsloth_expert_targets(model, workload),
             )
         timing.notes.append(f"unsloth: load_in_4bit={load_in_4bit}, full_finetuning={not workload.lora}, "
                             f"{'' if compiled else 'UNSLOTH_COMPILE_DISABLE=1, '}"
@@ -184,6 +182,16 @@ def unsloth_runner(load_in_4bit: bool, compiled: bool = True) -> Callable[..., n
         return model
 
     return run
+
+
+def unsloth_expert_targets(model: nn.Module, workload: Any) -> dict[str, Any]:
+    """Unsloth's MoE LoRA ("Split LoRA", its faster-MoE docs) takes the experts' 3-D projections as PEFT does:
+    ``get_peft_model(target_parameters=[...])``, the same names the TRL rows adapt; nothing for a dense workload."""
+    if not workload.lora_experts:
+        return {}
+    from hf_accel.patches.experts import lora_target_parameters
+
+    return {"target_parameters": list(lora_target_parameters(model))}
 
 
 def unsloth_attention() -> str:

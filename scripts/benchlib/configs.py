@@ -402,7 +402,8 @@ CONFIGS: dict[str, BenchConfig] = {
 # ---- Unsloth and QLoRA (issue 20): packages kept apart (apart.py), models loaded from files -----------------------
 # hf_accel's QLoRA rows need no CUDA of their own: bitsandbytes' CPU backend runs them in the CPU smoke run (--tiny).
 # model types the Unsloth configs run (FastLanguageModel's own list is longer; these are the bench's workloads)
-UNSLOTH_FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
+UNSLOTH_FAMILIES = ("llama", "qwen3", "mistral", "gemma2",
+                    "qwen3_moe", "gpt_oss")  # the MoE two: its faster-MoE path, LoRA on the experts included
 REQUIREMENTS["unsloth-family"] = lambda device, fam: (None if fam in UNSLOTH_FAMILIES else
                                                       f"the Unsloth configs run {', '.join(UNSLOTH_FAMILIES)} "
                                                       f"workloads only, not {fam!r}")

@@ -165,8 +165,9 @@ PRESETS: dict[str, Preset] = {
         *[Preset(
             name, f"{shape}, LoRA r=16 on the attention projections and the experts (PEFT's target_parameters, "
             "the same adapters in every row) + checkpointing: TRL + flash-attn-4 with and without Liger (full "
-            "checkpointing) vs hf_accel defaults / best (checkpointing budget:0.8)",
-            name, (*_TRL, *_DEFAULTS_AND_BEST), _FAMILY_LORA_SETTINGS,
+            "checkpointing) and Unsloth's MoE path (its grouped GEMM with LoRA split per expert, where its pack is "
+            "installed) vs hf_accel defaults / best (checkpointing budget:0.8)",
+            name, (*_TRL, *_DEFAULTS_AND_BEST, "unsloth"), _FAMILY_LORA_SETTINGS,
         ) for name, shape in (
             ("gpt-oss-20b-lora", "gpt-oss-20b shapes in bf16 (attention sinks, sliding 128 / full layers, 32 experts "
              "top-4)"),
