@@ -118,10 +118,13 @@ def test_unpatched_packs_only_where_stock_keeps_documents_apart(tmp_path, family
 
 
 @pytest.mark.slow  # ~2 s each; test_packed_forward_equals_padded_call holds the packed call on families in the fast suite
-@pytest.mark.parametrize("family", ["qwen3-qk-norm", "gemma3-text", "falcon-rw-alibi", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen3-qk-norm", "gemma3-text", "falcon-rw-alibi", "gpt2", "qwen3.5-text",
+                                    "qwen3-moe", "gpt-oss"])
 def test_families_match_trl(tmp_path, family):
     """Families beyond Llama through the generic seam or their own patch: q/k norms, sliding windows shorter than
-    the pairs (Gemma 3), ALiBi (Falcon), absolute positions and Conv1D linears (GPT-2)."""
+    the pairs (Gemma 3), ALiBi (Falcon), absolute positions and Conv1D linears (GPT-2), hybrid linear attention
+    (Qwen3.5: the separate reference's packed call too), experts (Qwen3-MoE, gpt-oss). (Llama 4 fails in plain TRL
+    1.16: its fused LM head reads ``last_hidden_state`` from the text model's MoE output, which has none.)"""
     ours, theirs, _ = against_trl(tmp_path, AccelArguments(print_summary=False), family, max_steps=2)
     assert_same_training(ours, theirs)
 
@@ -225,6 +228,37 @@ def test_packed_forward_equals_padded_call(family, patched, left):
     for name, g in ref_grads.items():
         err = ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
         assert err < GRAD_RTOL, (name, err)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-and-right-padded"])
+def test_reference_scoring_call_keeps_hybrid_documents_apart(left):
+    """The reference's call (eval mode, no grad: TRL's separate reference model) on a hybrid model: its linear-attention
+    layers read the documents from the patched forward's record, which must be the packed row's, not the padded
+    call's that came in (before the fix, Qwen3.5's packed reference log-probs leaked one document's state into the
+    next: 0.026 off)."""
+    import hf_accel
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    seq = 9
+    firsts = torch.tensor([0, 2, 1, 5] if left else [0, 0, 0, 0])
+    lengths = torch.tensor([9, 5, 7, 2]) - firsts * torch.tensor([1, 0, 1, 0])
+    columns = torch.arange(seq)
+    mask = ((columns >= firsts[:, None]) & (columns < (firsts + lengths)[:, None])).long()
+    ids = torch.randint(3, 90, (4, seq)) * mask
+    labels = ids.masked_fill(columns < (firsts + 1)[:, None], -100).masked_fill(mask == 0, -100)
+    outs = []
+    for packed in (False, True):
+        model = make("qwen3.5-text", seed=0).eval()
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+        if packed:
+            hf_accel.patch(model, fused_ce=False, compile=False)
+            bind_packed_forward(model)
+            seen = RowShapes(model)
+        with torch.no_grad():
+            outs.append(model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True))
+    assert seen.shapes == [(1, int(lengths.sum()))]
+    torch.testing.assert_close(outs[1].log_probs, outs[0].log_probs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("accel", [AccelArguments(fused_ce=True), AccelArguments(max_tokens_per_batch=256)],

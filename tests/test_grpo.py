@@ -88,6 +88,18 @@ def test_loss_types_match_trl(tmp_path, loss_type):
     assert_same_training(ours, theirs)
 
 
+@pytest.mark.slow  # ~3 s each
+@pytest.mark.parametrize("family", ["qwen3.5-text", "qwen3-moe", "gpt-oss"])
+def test_2026_families_match_trl(tmp_path, family):
+    """Hybrid linear attention (Qwen3.5) and experts (Qwen3-MoE, gpt-oss), with old log-probs computed without grad
+    (two iterations per generation) and left-padded prompts packed."""
+    kw = dict(steps_per_generation=2, num_iterations=2)
+    ours = run(GRPOTrainer, make(family, seed=0).train(), config(tmp_path / "a", **kw),
+               accel=AccelArguments(print_summary=False))
+    theirs = run(trl.GRPOTrainer, make(family, seed=0).train(), config(tmp_path / "b", **kw))
+    assert_same_training(ours, theirs)
+
+
 def test_lora_with_kl_to_the_adapter_disabled_reference_matches_trl(tmp_path):
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],

@@ -281,6 +281,19 @@ def _install_packed_check_skip() -> None:
     masking_utils.find_packed_sequence_indices = _find_packed_sequence_indices
 
 
+def record_inner_forward(position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None,
+                         max_length: int | None, padding_mask: bool) -> Callable[[], None]:
+    """For a patched forward that runs the model's forward itself on inputs other than its own (the DPO / GRPO packed
+    scoring call: padded rows in, one packed row through): the record then tells what that inner forward got, as its
+    hooks would have, so layers that read it (hybrid models' linear-attention layers outside training) see the packed
+    row's documents. Nothing outside a patched forward (an unpatched model keeps transformers' own packed search).
+    Returns the undo."""
+    if _PATCHED_FORWARD.get() is None:
+        return lambda: None
+    token = _PATCHED_FORWARD.set(_ForwardBatch(position_ids, cu_seq_lens, max_length, padding_mask))
+    return lambda: _PATCHED_FORWARD.reset(token)
+
+
 def suspend_forward_record() -> Callable[[], None]:
     """For a call that runs transformers' own attention inside a patched forward (output_attentions): its mask
     preparation then looks for packed documents itself, as in the unpatched model. Returns the undo."""

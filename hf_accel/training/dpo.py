@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import trl
 
+from ..attention.hf_attention import record_inner_forward
 from ..binding import bind_forward
 from ..errors import ConfigurationError, UnsupportedVersion
 from ..memory.checkpointing import reapply_checkpointing
@@ -242,9 +243,15 @@ def packed_fused_call(inner: Callable, *, input_ids: torch.Tensor, attention_mas
     device = input_ids.device
     idx = layout.on(device)
     labels_t = labels.reshape(-1).index_select(0, idx["take"]).index_fill(0, idx["starts"], IGNORE_INDEX)
-    out = inner(fused_lm_head=True, input_ids=input_ids.reshape(-1).index_select(0, idx["take"])[None],
-                position_ids=idx["position_ids"][None], labels=labels_t[None], cu_seq_lens_q=idx["cu"],
-                cu_seq_lens_k=idx["cu"], max_length_q=layout.max_length, max_length_k=layout.max_length, **kwargs)
+    position_ids = idx["position_ids"][None]
+    # the patched model's record of this forward was taken from the padded call: the packed row replaces it
+    undo = record_inner_forward(position_ids, idx["cu"], layout.max_length, padding_mask=False)
+    try:
+        out = inner(fused_lm_head=True, input_ids=input_ids.reshape(-1).index_select(0, idx["take"])[None],
+                    position_ids=position_ids, labels=labels_t[None], cu_seq_lens_q=idx["cu"], cu_seq_lens_k=idx["cu"],
+                    max_length_q=layout.max_length, max_length_k=layout.max_length, **kwargs)
+    finally:
+        undo()
     return _unpack_output(out, idx, batch, seq)
 
 
