@@ -173,6 +173,7 @@ PARTIAL = {
     "llama-70b-qlora": "a 70B row takes ~5 minutes: TRL's Liger variant only; the others run beside it at 8B",
     "long-context": "one length a process: the long-context sweeps compare the strongest stacks at each length",
     "long-context-1b": "as long-context", "long-context-qlora": "as long-context",
+    "long-context-qwen3.5": "as long-context",
     "multi-gpu": "FSDP2 launches: one stock stack per GPU count", "multi-gpu-8b-lora": "as multi-gpu",
     "multi-gpu-8b": "as multi-gpu",
 }

@@ -37,6 +37,23 @@ def test_long_context_preset_trains_one_document_per_step_in_a_child(tmp_path):
 
 
 @pytest.mark.slow
+def test_hybrid_long_context_preset_trains_one_document_through_both_layer_kinds(tmp_path):
+    """Issue 71d's long-document row: the Qwen3.5 preset's tiny run trains one document a step with hf_accel's
+    budget plan, its Gated DeltaNet and attention layers both in the model."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--preset", "long-context-qwen3.5", "--device", "cpu",
+           "--tiny", "--doc-lengths", "96", "--configs", "hf_accel-best", "--steps", "1", "--warmup", "1",
+           "--best-checkpointing", "budget:125GiB", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("qwen3.5-9b-lora-long-tiny_*.json")).read_text())
+    (result,) = record["results"]
+    assert (result["config"], result["doc_length"], result["status"]) == ("hf_accel-best", 96, "ok"), result
+    assert result["step_tokens"] == [96] and result["tokens_per_s"] > 0
+    assert set(record["model_config"]["layer_types"]) == {"linear_attention", "full_attention"}
+
+
+@pytest.mark.slow
 def test_a_length_the_budget_plan_refuses_names_the_longest_and_stops_the_config(tmp_path):
     """Issue 40: a document no plan fits under --best-checkpointing's budget is refused before its first step with
     the longest length the plan holds (recorded, and in the table), and the config's longer lengths are skipped; the
@@ -63,7 +80,7 @@ def test_a_length_the_budget_plan_refuses_names_the_longest_and_stops_the_config
 H100_80GB_BYTES, H200_BYTES = int(79.1787109375 * 2**30), 143771 * 2**20
 
 
-@pytest.mark.parametrize("preset", ["long-context", "long-context-qlora"])
+@pytest.mark.parametrize("preset", ["long-context", "long-context-qlora", "long-context-qwen3.5"])
 def test_long_context_presets_run_on_an_80gb_card_and_an_h200(preset):
     """Each long-context preset's cap and budget fit an 80 GB card as well as an H200 (run 32, an H100: the QLoRA
     preset's 80 GiB cap and the 8B LoRA preset's 125 GiB budget were refused before any step); the QLoRA preset's

@@ -271,6 +271,15 @@ PRESETS: dict[str, Preset] = {
             "llama-8b-qlora-long",
             ("hf_accel-qlora-budget", "hf_accel-qlora-bf16-budget", "unsloth-qlora", "trl-qlora"), _QLORA_LONG_SETTINGS,
         ),
+        Preset(  # issue 71d: one document is one sequence, so stock's Gated DeltaNet layers are right without fla-core
+            "long-context-qwen3.5", "single documents of 32k-256k tokens, Qwen3.5-9B text model shapes (24 Gated "
+            "DeltaNet layers, linear in the length, + 8 attention layers), LoRA r=16 on all decoder linears: the "
+            "longest length that trains and tokens/s + MFU + device and host peaks per length, for TRL + "
+            "flash-attn-4 with and without Liger (checkpointing) and hf_accel defaults / best (a budget plan of 0.89 "
+            "of the device)",
+            "qwen3.5-9b-lora-long", (*_TRL, "hf_accel-defaults", "hf_accel-best"),
+            dict(_LONG_8B_SETTINGS, doc_lengths="32768,65536,131072,262144"),
+        ),
         Preset(
             "long-context-1b", "as long-context, Llama-3.2-1B shapes, full FT",
             "llama-1b-long", _LONG_CONFIGS, _LONG_SETTINGS,

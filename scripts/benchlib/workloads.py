@@ -216,6 +216,12 @@ WORKLOADS: dict[str, Workload] = {
             notes="Llama-3.1-8B shapes with its rope scaling, QLoRA: the base in bitsandbytes NF4 (bf16 compute), "
                   "LoRA r=16 alpha=32 on all decoder linears, gradient checkpointing on; one document per step",
         ),
+        Workload(  # issue 71d: three of every four layers linear in the length (Gated DeltaNet)
+            "qwen3.5-9b-lora-long", *_base("qwen3.5-9b"), dict(_QWEN3_5_TINY),
+            lora=True, checkpointing=True, lora_targets=_QWEN3_5_TARGETS,
+            notes="Qwen3.5-9B text model shapes (24 Gated DeltaNet + 8 gated attention layers), LoRA r=16 alpha=32 "
+                  "on all decoder linears, gradient checkpointing on; one document per step",
+        ),
         Workload(
             "llama-1b-long", *_base("llama-1b-long"),
             dict(_LLAMA_1B_TINY, **_LONG_ROPE_TINY),
