@@ -414,15 +414,14 @@ def stop_on_signals():
         CHILDREN.stop(signal.Signals(signum).name)
 
     CHILDREN.reset()
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    main_thread = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS} if main_thread else {}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        CHILDREN.reset()  # a stopped run's mark ends with it: a later run in this process starts its children
 
 
 def run_stem(args: argparse.Namespace, suffix: str = "") -> str:

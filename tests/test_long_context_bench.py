@@ -292,6 +292,9 @@ def test_sigterm_stops_the_run_kills_the_child_and_writes_the_record(monkeypatch
     assert len(statuses) == (4 if mode.startswith("long") else 2)  # every (config, length) has its row
     assert all(s == "skipped: the run was stopped (SIGTERM)" for s in statuses if s not in stopped)
     assert signal.getsignal(signal.SIGTERM) is before and CHILDREN._running == set()  # handlers restored
+    # the stop ends with its run: a later run in this process (a test calling run_one after this one in the same
+    # worker) starts its children, not "skipped: the run was stopped"
+    assert CHILDREN.stopped_by is None
 
 
 def test_child_records_cuda_oom_as_oom(monkeypatch, tmp_path):
