@@ -107,16 +107,21 @@ def _moe():
     return Qwen3MoeForCausalLM(cfg).float().train()
 
 
-def test_fused_loss_with_the_moe_auxiliary_loss(tmp_path, caplog):
-    """hf_accel has no patch for Qwen3-MoE (yet): the fused loss is the trainer's, so it serves unpatched too."""
+@pytest.mark.parametrize("patched", [True, False], ids=["grouped-experts", "unpatched"])
+def test_fused_loss_with_the_moe_auxiliary_loss(tmp_path, caplog, patched):
+    """The router's auxiliary loss beside the fused loss: patched (the experts on hf_accel's grouped path, the router
+    logits handed to TRL's aux_loss as stock hands them) and unpatched (the fused loss is the trainer's, so it serves
+    an unpatched model too)."""
     with caplog.at_level("INFO", logger="hf_accel"):
         ours, ours_logs, ours_grads = run(SFTTrainer, _moe(), config(tmp_path / "o", gradient_accumulation_steps=2,
                                                                      per_device_train_batch_size=2),
-                                          prompt_completion(), accel=AccelArguments(**{**ACCEL, "patch": False}))
+                                          prompt_completion(), accel=AccelArguments(**{**ACCEL, "patch": patched}))
     _, ref_logs, ref_grads = run(trl.SFTTrainer, _moe(), config(tmp_path / "r", gradient_accumulation_steps=2,
                                                                 per_device_train_batch_size=2),
                                  prompt_completion())
     assert served(ours) and "router_aux_loss_coef=0.05" in caplog.text
+    assert (ours.patch_report is not None and any("experts" in n for n in ours.patch_report.notes)) == patched, (
+        ours.patch_report and ours.patch_report.notes)
     assert_same_training(ours_logs, ref_logs, ours_grads, ref_grads,
                          metrics=("entropy", "mean_token_accuracy", "num_tokens", "aux_loss"))
 
