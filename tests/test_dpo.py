@@ -230,6 +230,28 @@ def test_packed_forward_equals_padded_call(family, patched, left):
         assert err < GRAD_RTOL, (name, err)
 
 
+def test_packed_scoring_call_skips_transformers_packed_search(monkeypatch):
+    """The packed call runs under a record of the packed row: transformers' search for packed documents in its
+    position_ids (a host read each call) is skipped, as in any patched forward (before, the record was the padded
+    call's, and the search ran once per scoring forward)."""
+    import hf_accel
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_accel.attention import hf_attention
+
+    model = make("llama-gqa", seed=0).train()
+    add_fused_lm_head(model, outputs=("log_probs",))
+    hf_accel.patch(model, fused_ce=False, compile=False)
+    bind_packed_forward(model)
+    searched, search = [], hf_attention._transformers_find_packed
+    monkeypatch.setattr(hf_attention, "_transformers_find_packed", lambda pos: searched.append(pos) or search(pos))
+    mask = torch.tensor([[1] * 9, [1] * 5 + [0] * 4])
+    ids = torch.randint(3, 90, (2, 9)) * mask
+    seen = RowShapes(model)
+    model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True)
+    assert seen.shapes == [(1, 14)] and searched == []
+
+
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-and-right-padded"])
 def test_reference_scoring_call_keeps_hybrid_documents_apart(left):
     """The reference's call (eval mode, no grad: TRL's separate reference model) on a hybrid model: its linear-attention
