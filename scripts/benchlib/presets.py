@@ -275,9 +275,10 @@ PRESETS: dict[str, Preset] = {
             "long-context-qwen3.5", "single documents of 32k-256k tokens, Qwen3.5-9B text model shapes (24 Gated "
             "DeltaNet layers, linear in the length, + 8 attention layers), LoRA r=16 on all decoder linears: the "
             "longest length that trains and tokens/s + MFU + device and host peaks per length, for TRL + "
-            "flash-attn-4 with and without Liger (checkpointing) and hf_accel defaults / best (a budget plan of 0.89 "
-            "of the device)",
-            "qwen3.5-9b-lora-long", (*_TRL, "hf_accel-defaults", "hf_accel-best"),
+            "flash-attn-4 with and without Liger (checkpointing; transformers refuses TRL's position_ids rows for "
+            "these layers without causal-conv1d, and those rows say so) and HF SDPA on the document as one row "
+            "(stock's path that runs without it), vs hf_accel defaults / best (a budget plan of 0.89 of the device)",
+            "qwen3.5-9b-lora-long", (*_TRL, "hf-sdpa-padded", "hf_accel-defaults", "hf_accel-best"),
             dict(_LONG_8B_SETTINGS, doc_lengths="32768,65536,131072,262144"),
         ),
         Preset(
