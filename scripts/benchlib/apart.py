@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .options import BenchConfig, Options
-from .train import RunSettings, Timing, build_model, run_trl
-from .workloads import BenchData
+from .train import RunSettings, Timing, build_model, expert_target_parameters, run_trl
+from .workloads import BenchData, Workload
 
 APART_PACKAGES: dict[str, str] = {"unsloth": "unsloth", "bitsandbytes": "bitsandbytes",  # requirement -> module
                                   "torchao": "torchao"}
@@ -184,14 +184,12 @@ def unsloth_runner(load_in_4bit: bool, compiled: bool = True) -> Callable[..., n
     return run
 
 
-def unsloth_expert_targets(model: nn.Module, workload: Any) -> dict[str, Any]:
+def unsloth_expert_targets(model: nn.Module, workload: Workload) -> dict[str, Any]:
     """Unsloth's MoE LoRA ("Split LoRA", its faster-MoE docs) takes the experts' 3-D projections as PEFT does:
-    ``get_peft_model(target_parameters=[...])``, the same names the TRL rows adapt; nothing for a dense workload."""
-    if not workload.lora_experts:
-        return {}
-    from hf_accel.patches.experts import lora_target_parameters
-
-    return {"target_parameters": list(lora_target_parameters(model))}
+    ``get_peft_model(target_parameters=[...])``, the names every row adapts (``expert_target_parameters``); nothing
+    for a dense workload, whose call stays as Unsloth's notebooks write it."""
+    names = expert_target_parameters(workload, model)
+    return {"target_parameters": names} if names else {}
 
 
 def unsloth_attention() -> str:

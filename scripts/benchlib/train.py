@@ -104,22 +104,28 @@ def build_model(settings: RunSettings, attn_implementation: str) -> nn.Module:
     return model
 
 
+def expert_target_parameters(workload: Workload, model: nn.Module) -> list[str] | None:
+    """Where the workload says so, the MoE experts' 3-D projections as PEFT's ``target_parameters`` names them in
+    ``model`` (``hf_accel.patches.experts.lora_target_parameters``, the list ``hf-accel sft --lora-experts`` adapts):
+    every row that adapts the experts takes these names. None for a workload without LoRA on the experts."""
+    if not workload.lora_experts:
+        return None
+    from hf_accel.patches.experts import lora_target_parameters
+
+    parameters = list(lora_target_parameters(model))
+    if not parameters:
+        raise ValueError(f"workload {workload.name} asks for LoRA on the experts, but this "
+                         f"{type(model).__name__} has no MoE experts module")
+    return parameters
+
+
 def lora_config(workload: Workload, model: nn.Module):
     """The workload's LoRA for ``model``: r=16, alpha=32, no dropout, on its decoder linears, and where the workload
-    says so on the MoE experts' 3-D projections too (PEFT's ``target_parameters``, as ``model`` names them: found by
-    ``hf_accel.patches.experts.lora_target_parameters``, the list ``hf-accel sft --lora-experts`` adapts)."""
+    says so on the MoE experts' 3-D projections too (``expert_target_parameters``)."""
     from peft import LoraConfig
 
-    parameters = None
-    if workload.lora_experts:
-        from hf_accel.patches.experts import lora_target_parameters
-
-        parameters = list(lora_target_parameters(model))
-        if not parameters:
-            raise ValueError(f"workload {workload.name} asks for LoRA on the experts, but this "
-                             f"{type(model).__name__} has no MoE experts module")
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(workload.lora_targets),
-                      target_parameters=parameters, task_type="CAUSAL_LM")
+                      target_parameters=expert_target_parameters(workload, model), task_type="CAUSAL_LM")
 
 
 def add_lora(model: nn.Module, workload: Workload) -> nn.Module:
