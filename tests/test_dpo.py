@@ -144,6 +144,25 @@ def test_packs_policy_and_reference_into_one_row(tmp_path, monkeypatch):
     assert len(layouts) == 2  # one per step, not one per forward
 
 
+def test_logged_padding_is_what_the_policy_forwards_compute(tmp_path):
+    """Packed, the logged padding is none and the tokens are the packed rows'; padded, the padding is the padded
+    rows' empty slots: both read off what the policy's embedding saw."""
+    logged = {}
+    for packing in (True, False):
+        policy, ref = _models()
+        seen = RowShapes(policy, grad_only=True)
+        trainer, _, _ = run(DPOTrainer, policy, config(tmp_path / str(packing), max_steps=2), ref_model=ref,
+                            accel=AccelArguments(packing=packing, print_summary=False))
+        logs = [e for e in trainer.state.log_history if "padding_fraction" in e]
+        logged[packing] = (sum(e["tokens"] for e in logs), [e["padding_fraction"] for e in logs], seen.shapes)
+    (tokens, padding, shapes), (padded_tokens, padded_padding, padded_shapes) = logged[True], logged[False]
+    assert all(rows == 1 for rows, _ in shapes) and padding == [0.0] * len(padding) and padding
+    assert tokens == padded_tokens == sum(n for _, n in shapes)
+    slots = sum(rows * n for rows, n in padded_shapes)
+    assert all(rows > 1 for rows, _ in padded_shapes) and slots > tokens
+    assert sum(padded_padding) / len(padded_padding) == pytest.approx(1 - tokens / slots, rel=0.2)
+
+
 @pytest.mark.parametrize("loss_type", [["ipo"], ["sigmoid", "sft"], *(  # the others in the slow suite (~2 s each)
     pytest.param(t, marks=pytest.mark.slow) for t in (["hinge"], ["sigmoid_norm"], ["apo_zero"]))],
     ids=lambda t: "+".join(t))

@@ -79,6 +79,23 @@ def test_full_finetune_matches_trl(tmp_path, packing):
     assert_same_training(ours, theirs)
 
 
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_logged_padding_is_what_the_scoring_forwards_compute(tmp_path, patched):
+    """Patched, the left-padded prompts and right-padded completions pack: no padding logged. Unpatched, stock
+    attention cannot tell left-padded rows apart when packed, so they stay padded and their empty slots are logged."""
+    model = make("llama-gqa", seed=0).train()
+    scored = []  # the training forwards' rows (generation's run without grad)
+    model.get_input_embeddings().register_forward_hook(
+        lambda m, args, out: scored.append(tuple(args[0].shape)) if torch.is_grad_enabled() else None)
+    trainer, _, _ = run(GRPOTrainer, model, config(tmp_path), accel=AccelArguments(patch=patched, print_summary=False))
+    logs = [e for e in trainer.state.log_history if "padding_fraction" in e]
+    assert logs and scored
+    if patched:
+        assert all(rows == 1 for rows, _ in scored) and all(e["padding_fraction"] == 0.0 for e in logs)
+    else:
+        assert any(rows > 1 for rows, _ in scored) and all(e["padding_fraction"] > 0.0 for e in logs)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", *(pytest.param(t, marks=pytest.mark.slow) for t in ("dr_grpo", "bnpo"))])
 def test_loss_types_match_trl(tmp_path, loss_type):
     kw = dict(loss_type=loss_type, steps_per_generation=2, num_iterations=2)  # old log-probs computed, clipping

@@ -50,6 +50,7 @@ class PackedTRLMixin:
 
     _name = "hf_accel trainer"
     _rows = "rows"  # what the packed rows are, for the notes
+    _left_padded = False  # whether TRL's scoring rows come left-padded (GRPO's prompts): packed by the patched seam only
 
     def _accel_finish_setup(self) -> None:
         self._accel_reference()
@@ -125,6 +126,8 @@ class PackedTRLMixin:
                              "documents apart; the patched model packs)")
             return
         self._undo_packing = [bind_packed_forward(base, seam_reads_cu_seqlens=patched)]
+        # the padding logged is what the forwards compute: none where the rows pack (bind_packed_forward)
+        self._accel_packs_padded_rows = patched or not self._left_padded
         ref = self._unwrapped_ref()
         if ref is not None:
             self._undo_packing.append(bind_packed_forward(ref, seam_reads_cu_seqlens=patched))

@@ -33,6 +33,7 @@ class GRPOTrainer(PackedTRLMixin, AccelMixin, trl.GRPOTrainer):
 
     _name = "hf_accel.GRPOTrainer"
     _rows = "prompt + completion"
+    _left_padded = True
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: trl.GRPOConfig | None = None, *pos,
                  accel: AccelArguments | None = None, **kwargs) -> None:
@@ -58,7 +59,7 @@ class GRPOTrainer(PackedTRLMixin, AccelMixin, trl.GRPOTrainer):
             self._meter.add_batch({
                 "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
                 "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-            })
+            }, packed=self._accel_packs_padded_rows)
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 

@@ -27,9 +27,11 @@ def device_peak_flops(device: torch.device) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device))
 
 
-def batch_counts(batch: Mapping[str, Any]) -> tuple[Any, int, Any]:
+def batch_counts(batch: Mapping[str, Any], packed: bool = False) -> tuple[Any, Any, Any]:
     """(real tokens, token slots, sum of squared document lengths) of one micro-batch, computed where the batch is:
     tensors on the GPU stay there (no host sync per step; the meter reads its sums back when the Trainer logs).
+    ``packed``: a padded batch whose real tokens the model's forwards run packed into one row (hf_accel's DPO / GRPO
+    scoring forwards): its slots are its real tokens.
 
     Padded batches: one document per row, real tokens from the mask. A packed batch (no mask) counts every slot as
     real, which holds for one packed row per micro-batch (no padding tail), as the Trainer builds; its documents come
@@ -45,7 +47,7 @@ def batch_counts(batch: Mapping[str, Any]) -> tuple[Any, int, Any]:
     mask = batch.get("attention_mask")
     if mask is not None:
         lengths = mask.sum(dim=1, dtype=torch.float64)
-        return lengths.sum(), slots, lengths.square().sum()
+        return lengths.sum(), lengths.sum() if packed else slots, lengths.square().sum()
     cu = batch.get("cu_seq_lens_q")
     if cu is not None:
         return slots, slots, cu.diff().to(torch.float64).square().sum()
@@ -89,7 +91,7 @@ def batch_targets(batch: Mapping[str, Any]) -> Any:
 class Window:
     start: float
     tokens: Any = 0  # int, or a 0-dim tensor on the batches' device until read back
-    slots: int = 0
+    slots: Any = 0  # int, or a 0-dim tensor (a packed batch's real tokens) until read back
     flops: Any = 0.0
     data_wait_s: float = 0.0
 
@@ -112,13 +114,14 @@ class ThroughputMeter:
     def _open_windows(self) -> list[Window]:
         return [self.window, self.total] + ([self.steady] if self.steady is not None else [])
 
-    def add_batch(self, batch: Mapping[str, Any]) -> None:
-        tokens, slots, squared_lengths = batch_counts(batch)
+    def add_batch(self, batch: Mapping[str, Any], packed: bool = False) -> None:
+        """One micro-batch (``batch_counts``; ``packed``: its forwards run its real tokens packed)."""
+        tokens, slots, squared_lengths = batch_counts(batch, packed)
         spans = {span: span_sum(batch, *span) for span in self.flop_model.spans}
         flops = self.flop_model.flops_from_sums(tokens, squared_lengths, batch_targets(batch), spans)
         for w in self._open_windows():
             w.tokens = w.tokens + tokens  # may become a device tensor: read back in _metrics
-            w.slots += slots
+            w.slots = w.slots + slots
             w.flops = w.flops + flops
 
     def add_wait(self, seconds: float) -> None:

@@ -252,9 +252,12 @@ class AccelMixin(CheckpointFilesMixin):
             self._meter.add_wait(time.perf_counter() - start)
         return out
 
+    # the meter counts a padded batch's slots as computed (True where the forwards run its real tokens packed)
+    _accel_packs_padded_rows = False
+
     def training_step(self, model, inputs, *args, **kwargs):
         if self._meter is not None:
-            self._meter.add_batch(inputs)
+            self._meter.add_batch(inputs, packed=self._accel_packs_padded_rows)
         inputs.pop(REAL_TOKENS_KEY, None)  # the meter's, not the model's
         loss = super().training_step(model, inputs, *args, **kwargs)
         return non_finite.note_loss(self, loss)
