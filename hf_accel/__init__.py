@@ -31,7 +31,8 @@ _LAZY = {  # public name -> module that defines it
     "FlashMHA": ".attention.flash_mha",
     "AccelArguments": ".training.trainer", "Trainer": ".training.trainer",
     "SFTTrainer": ".training.trl_trainer",  # TRL is optional: imported only when asked for
-    "DPOTrainer": ".training.dpo", "GRPOTrainer": ".training.grpo",
+    "DPOTrainer": ".training.dpo", "GRPOTrainer": ".training.grpo", "KTOTrainer": ".training.kto",
+    "RLOOTrainer": ".training.rloo",
 }
 
 

@@ -153,22 +153,20 @@ def prepare_args(args: Any, accel: AccelArguments, name: str, batches: str) -> N
                 setattr(args, field, False)
 
 
-class DPOTrainer(PackedTRLMixin, AccelMixin, trl.DPOTrainer):
-    """``trl.DPOTrainer`` plus ``accel`` (an ``AccelArguments``). ``accel.packing`` (default True): the chosen and
-    rejected forwards of the policy and of the reference model run padding-free on one packed row; False keeps TRL's
-    padded rows (the patch still applies). ``accel.patch`` patches the policy and a separate reference model.
-    ``accel.max_tokens_per_batch`` is not served here (TRL's ``per_device_train_batch_size`` forms the batches)."""
+class ReferenceTrainerMixin(PackedTRLMixin):
+    """The constructor TRL's trainers with a reference model share (``(model, ref_model, args, ...)``: DPO, KTO):
+    ``accel`` checked, vision models refused, then TRL's own constructor, then the patch and the packing."""
 
-    _name = "hf_accel.DPOTrainer"
-    _rows = "chosen / rejected"
+    _config = "DPOConfig"  # the name of TRL's config class for this trainer
 
-    def __init__(self, model: Any, ref_model: Any = None, args: trl.DPOConfig | None = None, *pos,
-                 accel: AccelArguments | None = None, **kwargs) -> None:
+    def __init__(self, model: Any, ref_model: Any = None, args: Any = None, *pos, accel: AccelArguments | None = None,
+                 **kwargs) -> None:
         if args is None:
             on_gpu = torch.cuda.is_available()
-            args = trl.DPOConfig(output_dir="hf_accel-dpo", report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
+            args = getattr(trl, self._config)(output_dir=f"hf_accel-{self._config.removesuffix('Config').lower()}",
+                                              report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
         accel = accel or AccelArguments()
-        prepare_args(args, accel, self._name, "DPOConfig(per_device_train_batch_size=...)")
+        prepare_args(args, accel, self._name, f"{self._config}(per_device_train_batch_size=...)")
         refuse_vision(model, self._name)
         super().__init__(model, ref_model, args, *pos, **kwargs)
         refuse_vision(self.model, self._name)
@@ -179,6 +177,16 @@ class DPOTrainer(PackedTRLMixin, AccelMixin, trl.DPOTrainer):
         if self.precompute_ref_logps:
             return "reference: log-probs precomputed by TRL before the patch (padded, stock attention)"
         return super()._reference_note()
+
+
+class DPOTrainer(ReferenceTrainerMixin, AccelMixin, trl.DPOTrainer):
+    """``trl.DPOTrainer`` plus ``accel`` (an ``AccelArguments``). ``accel.packing`` (default True): the chosen and
+    rejected forwards of the policy and of the reference model run padding-free on one packed row; False keeps TRL's
+    padded rows (the patch still applies). ``accel.patch`` patches the policy and a separate reference model.
+    ``accel.max_tokens_per_batch`` is not served here (TRL's ``per_device_train_batch_size`` forms the batches)."""
+
+    _name = "hf_accel.DPOTrainer"
+    _rows = "chosen / rejected"
 
 
 def bind_packed_forward(model: torch.nn.Module, *, seam_reads_cu_seqlens: bool = True) -> Callable[[], None]:

@@ -26,22 +26,24 @@ from .dpo import PackedTRLMixin, prepare_args, refuse_vision
 from .trainer import AccelArguments, AccelMixin
 
 
-class GRPOTrainer(PackedTRLMixin, AccelMixin, trl.GRPOTrainer):
-    """``trl.GRPOTrainer`` plus ``accel`` (an ``AccelArguments``). ``accel.packing`` (default True): the policy's and
-    the reference's scoring forwards run padding-free on one packed row; False keeps TRL's padded rows (the patch
-    still applies). Generation stays TRL's. ``accel.max_tokens_per_batch`` is not served (TRL forms the batches)."""
+class RolloutTrainerMixin(PackedTRLMixin):
+    """What TRL's trainers over generated completions share (``(model, reward_funcs, args, ...)``: GRPO, RLOO): the
+    constructor (``accel`` checked, vision models refused, TRL's own constructor, then the patch and the packing),
+    the throughput meter fed from the generated batch, and the reference note."""
 
-    _name = "hf_accel.GRPOTrainer"
+    _config = "GRPOConfig"  # the name of TRL's config class for this trainer
     _rows = "prompt + completion"
     _left_padded = True
 
-    def __init__(self, model: Any, reward_funcs: Any = None, args: trl.GRPOConfig | None = None, *pos,
+    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *pos,
                  accel: AccelArguments | None = None, **kwargs) -> None:
         if args is None:
             on_gpu = torch.cuda.is_available()
-            args = trl.GRPOConfig(output_dir="hf_accel-grpo", report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
+            args = getattr(trl, self._config)(output_dir=f"hf_accel-{self._config.removesuffix('Config').lower()}",
+                                              report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
         accel = accel or AccelArguments()
-        prepare_args(args, accel, self._name, "GRPOConfig(per_device_train_batch_size=..., num_generations=...)")
+        prepare_args(args, accel, self._name,
+                     f"{self._config}(per_device_train_batch_size=..., num_generations=...)")
         refuse_vision(model, self._name)
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         refuse_vision(self.model, self._name)
@@ -49,9 +51,10 @@ class GRPOTrainer(PackedTRLMixin, AccelMixin, trl.GRPOTrainer):
         self._accel_finish_setup()
 
     def training_step(self, model, inputs, num_items_in_batch):
-        # GRPO's inputs are dataset rows (generation happens in _prepare_inputs): AccelMixin's accounting of a
-        # collated batch does not apply; the meter counts the generated batch in compute_loss instead
-        loss = trl.GRPOTrainer.training_step(self, model, inputs, num_items_in_batch)
+        # the inputs are dataset rows (generation happens in _prepare_inputs): AccelMixin's accounting of a collated
+        # batch does not apply (TRL's training_step, after AccelMixin's in the MRO); the meter counts the generated
+        # batch in compute_loss instead
+        loss = super(AccelMixin, self).training_step(model, inputs, num_items_in_batch)
         return non_finite.note_loss(self, loss)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -67,3 +70,11 @@ class GRPOTrainer(PackedTRLMixin, AccelMixin, trl.GRPOTrainer):
         if self.beta == 0.0:
             return "reference: none (beta=0.0: TRL computes no KL term)"
         return super()._reference_note()
+
+
+class GRPOTrainer(RolloutTrainerMixin, AccelMixin, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` plus ``accel`` (an ``AccelArguments``). ``accel.packing`` (default True): the policy's and
+    the reference's scoring forwards run padding-free on one packed row; False keeps TRL's padded rows (the patch
+    still applies). Generation stays TRL's. ``accel.max_tokens_per_batch`` is not served (TRL forms the batches)."""
+
+    _name = "hf_accel.GRPOTrainer"
