@@ -380,6 +380,32 @@ def test_a_model_that_computes_its_own_positions_reads_no_documents_from_positio
     assert "computes its own positions" in ours.__dict__[STATE_ATTR].report.packing
 
 
+def test_position_ids_passed_down_to_a_decoder_that_takes_them_start_documents():
+    """Whisper's decoder as a causal LM: its forward and its wrapper's take no position_ids but pass **kwargs on to
+    the decoder, which takes them (its positions restart, and stock SDPA keeps packed documents apart). Read from
+    the outer forwards alone it looked like BART's, and the seam computed the packed row as if the positions ran on
+    (0.33 off each document alone on this tiny config)."""
+    from transformers import WhisperConfig, WhisperForCausalLM
+
+    config = WhisperConfig(vocab_size=VOCAB, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                           decoder_ffn_dim=128, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=128,
+                           max_target_positions=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                           pad_token_id=0, decoder_start_token_id=1, use_cache=False)
+    torch.manual_seed(0)
+    ref = WhisperForCausalLM(config).train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours)
+    ids = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    with torch.no_grad():
+        alone = torch.cat([ref(input_ids=ids[:, :6]).logits, ref(input_ids=ids[:, 6:]).logits], dim=1)
+        torch.testing.assert_close(ours(input_ids=ids, position_ids=pos).logits, alone, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ref(input_ids=ids, position_ids=pos).logits, alone, rtol=1e-4, atol=1e-5)
+    from hf_accel.patching import STATE_ATTR
+
+    assert ours.__dict__[STATE_ATTR].report.packing is None
+
+
 def test_a_causal_training_call_with_keys_of_its_own_is_refused_not_computed():
     """DeepSeek V4's attention appends compressed slots to its keys inside the layer and masks them from the mask
     transformers builds; under the seam that mask is hf_accel's, so the call ran with no causal mask at all (its

@@ -34,11 +34,30 @@ OWN_POSITIONS_ATTR = "_hf_accel_own_positions"
 
 
 def takes_position_ids(model: torch.nn.Module) -> bool:
-    """Whether the causal LM (or its body) takes ``position_ids`` in its forward, so restarting ones start documents."""
+    """Whether ``position_ids`` given to the causal LM reach a forward that takes them, so restarting ones start
+    documents: down the modules from the causal LM to the one that holds its decoder layers, each forward takes
+    them, or passes them on in ``**kwargs`` to the next (Whisper's decoder as a causal LM: its wrapper passes them to
+    the decoder, which takes them; BART's decoder takes none)."""
     import inspect
 
-    bodies = (model, getattr(model, "base_model", model))
-    return any("position_ids" in inspect.signature(type(m).forward).parameters for m in bodies)
+    from ..memory.targets import decoder_layers
+
+    layers = decoder_layers(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    holder = names.get(id(layers[0]), "").split(".")[:-2] if layers else []  # "model.decoder" of "...layers.0"
+    path = [model]
+    for part in holder:
+        path.append(getattr(path[-1], part, None))
+        if path[-1] is None:
+            path = [model, getattr(model, "base_model", model)]  # layers not held by a plain attribute path
+            break
+    for module in path:
+        parameters = inspect.signature(type(module).forward).parameters
+        if "position_ids" in parameters:
+            return True
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return False
+    return False
 
 
 def hf_accel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
