@@ -387,3 +387,57 @@ def test_a_window_only_the_mask_carries_is_kept():
         torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
     hf_accel.unpatch(ours)
     assert not any(MASK_WINDOW_ATTR in m.__dict__ for m in ours.modules())
+
+
+def test_an_attention_that_reads_transformers_mask_itself_is_refused_at_patch():
+    """DeepSeek V3.2's (and GLM-5's, ...) sparse-attention indexer indexes transformers' 4-D mask inside the attention
+    module, before the attention call (``attention_mask[:, 0, :, :]``). Under the seam the model gets a padding mask
+    or none, so the patched model failed at its first forward with a TypeError; patch() now refuses it, naming the
+    module. The stock model trains."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_accel.errors import UnsupportedModel
+
+    config = AutoConfig.for_model(
+        "deepseek_v32", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, n_group=1,
+        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, index_topk=8, index_head_dim=16,
+        index_n_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(3, 128, (1, 12))
+    model(input_ids=ids, labels=ids).loss.backward()  # stock: fine
+    with pytest.raises(UnsupportedModel, match="DeepseekV32Attention.*reads the attention mask"):
+        hf_accel.patch(model)
+
+
+def test_an_attention_call_longer_than_the_forward_s_layout_is_refused():
+    """BLT attends over sequences of its own making (byte patches): a call of 15 positions in a forward whose packed
+    position_ids cover 14. The seam expanded the 14 onto the 15 (a RuntimeError); it now says what the model does."""
+    from hf_accel.attention.varlen import varlen_batch
+    from hf_accel.errors import UnsupportedModel
+
+    positions = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    with pytest.raises(UnsupportedModel, match="15 positions in a forward whose position_ids covers 14"):
+        varlen_batch(batch_size=1, seq_len=15, device=torch.device("cpu"), position_ids=positions)
+    with pytest.raises(UnsupportedModel, match="attention mask covers 14"):
+        varlen_batch(batch_size=1, seq_len=15, device=torch.device("cpu"), attention_mask=torch.ones(1, 14))
+    assert varlen_batch(batch_size=1, seq_len=14, device=torch.device("cpu"), position_ids=positions).cu_seqlens.tolist() \
+        == [0, 6, 14]
+
+
+def test_a_model_whose_probe_failed_reads_its_heads_from_its_attention_s_own_config():
+    """BLT's probe forward fails on fake tensors (a data-dependent patching step) and its top config has no
+    num_attention_heads (each sub-model has its own config): the seam without found facts read the top config and
+    patch() raised AttributeError. It reads the attention module's own config first."""
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_accel.facts import _unprobed
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    top = types.SimpleNamespace(model_type="blt")  # no num_attention_heads, no hidden_size
+    family = _unprobed(model, top, RuntimeError("a probe failure"))
+    assert family.head_shape(top) == (4, 2, 8)

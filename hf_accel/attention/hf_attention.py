@@ -40,11 +40,10 @@ def takes_position_ids(model: torch.nn.Module) -> bool:
     the decoder, which takes them; BART's decoder takes none)."""
     import inspect
 
-    from ..memory.targets import decoder_layers
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = decoder_layers(model)
-    names = {id(m): name for name, m in model.named_modules()}
-    holder = names.get(id(layers[0]), "").split(".")[:-2] if layers else []  # "model.decoder" of "...layers.0"
+    first = next((name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)), "")
+    holder = first.split(".")[:-2]  # "model.decoder" of "model.decoder.layers.0"
     path = [model]
     for part in holder:
         path.append(getattr(path[-1], part, None))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidBatch
+from ..errors import InvalidBatch, UnsupportedModel
 
 INT32_LIMIT = 2**31 - 1
 
@@ -217,6 +217,12 @@ def varlen_batch(
         return hit
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = key_padding_from_4d(attention_mask)
+    for name, layout in (("attention mask", attention_mask), ("position_ids", position_ids)):
+        if layout is not None and layout.shape[-1] != seq_len:
+            raise UnsupportedModel(
+                f"an attention call over {seq_len} positions in a forward whose {name} covers {layout.shape[-1]}: "
+                "the model attends over sequences of its own making (e.g. BLT's byte patches), whose documents "
+                "hf_accel's seam cannot read from the forward's layout. Train it unpatched (hf_accel.unpatch(model)).")
     if cu_seq_lens is not None and max_length is not None and attention_mask is None:
         value = from_cu_seqlens(cu_seq_lens, max_length, batch_size, seq_len, device)
     else:

@@ -109,6 +109,14 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
             raise UnsupportedModel(
                 f"hf_accel could not read {model_cls.__name__}'s facts from a probe forward on fake tensors "
                 f"({type(e).__name__}: {e}); pass the model itself, or train it unpatched.") from e
+        reader = _reads_the_mask_itself(model, e)
+        if reader is not None:
+            raise UnsupportedModel(
+                f"{model_cls.__name__} (model_type {model_type!r}): its attention ({reader}) reads the attention "
+                "mask transformers builds itself before it calls the attention interface (e.g. to overlay a sparse "
+                "selection of keys), and under hf_accel's seam the model gets a padding mask or none instead: its "
+                f"probe forward, given what the seam gives, failed there ({type(e).__name__}: {e}). Train it "
+                "unpatched.") from e
         return _unprobed(model, config, e)
     if not facts.attention_classes:
         raise UnsupportedModel(
@@ -215,6 +223,36 @@ def _fusable(model: nn.Module):
     return fusable_modules(model)
 
 
+def _reads_the_mask_itself(model: nn.Module, error: Exception) -> str | None:
+    """The attention class whose own code the probe forward failed in, before its attention-interface call, or None.
+    The probe's mask function gives what the seam gives a full-length document (no mask), so an attention module
+    that indexes or overlays transformers' 4-D mask itself (DeepSeek V3.2's and GLM-5's sparse-attention indexers)
+    fails there, patched as on the probe. Failures of fake tensors themselves (data-dependent values) say nothing of
+    the mask."""
+    import inspect
+
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    from .probe import _probe_attention
+
+    fake_limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                   fake_tensor.UnsupportedOperatorException, symbolic_shapes.GuardOnDataDependentSymNode)
+    if isinstance(error, fake_limits):
+        return None
+    classes = {type(m) for m in model.modules() if uses_attention_interface(m)}
+    codes = {inspect.unwrap(cls.forward).__code__: cls.__name__ for cls in classes}
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code in codes:
+            found = codes[code]
+        elif found is not None and code is _probe_attention.__code__:
+            return None  # it failed in (or under) the attention call, not in the module's own code before it
+        tb = tb.tb_next
+    return found
+
+
 def _unprobed(model: nn.Module, config, error: Exception) -> Family:
     """The generic seam for a model whose probe forward failed: every call still reads its own asks and picks its
     kernel; what only the probe finds is left off (the trimmed recompute, MLP chunks) or refused (the memory
@@ -224,8 +262,25 @@ def _unprobed(model: nn.Module, config, error: Exception) -> Family:
 
     attention = [m for m in model.modules() if uses_attention_interface(m)]
     classes = tuple(dict.fromkeys(type(m) for m in attention))
-    heads = config.num_attention_heads
-    head_dim = getattr(attention[0], "head_dim", None) or config.hidden_size // heads
+    own = getattr(attention[0], "config", None) or config  # a sub-model's own config (BLT's local encoder)
+
+    def read(name: str) -> Any:
+        for source in (own, config):
+            try:
+                value = getattr(source, name, None)
+            except Exception:  # noqa: BLE001 - a per-layer attribute read globally (Dots3's per_layer_config)
+                value = None
+            if value is not None:
+                return value
+        return None
+
+    heads = read("num_attention_heads") or getattr(attention[0], "num_heads", None)
+    head_dim = getattr(attention[0], "head_dim", None) or (read("hidden_size") or 0) // (heads or 1)
+    if not heads or not head_dim:
+        raise UnsupportedModel(
+            f"{type(model).__name__} (model_type {config.model_type!r}): its probe forward on fake tensors failed "
+            f"({type(error).__name__}: {error}) and its attention's heads cannot be read from its config either; "
+            "train it unpatched.") from error
     first = (heads, heads // getattr(attention[0], "num_key_value_groups", 1), head_dim)
     targets = lora_targets(model)
     why = f"{type(error).__name__}: {error}"
