@@ -441,3 +441,36 @@ def test_a_model_whose_probe_failed_reads_its_heads_from_its_attention_s_own_con
     top = types.SimpleNamespace(model_type="blt")  # no num_attention_heads, no hidden_size
     family = _unprobed(model, top, RuntimeError("a probe failure"))
     assert family.head_shape(top) == (4, 2, 8)
+
+
+def test_an_attention_that_indexes_the_mask_is_refused_where_the_probe_failed_before_it():
+    """HunYuan V4's probe forward fails while its fake-tensor copy is built, before any attention runs, so the probe
+    cannot show its attention indexing transformers' 4-D mask (as DeepSeek V3.2's does); patch() went on without
+    found facts and the model failed at its first forward. The attention's own code is read instead."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from hf_accel.errors import UnsupportedModel
+
+    if "hy_v4" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no HunYuan V4 (hy_v4: transformers 5.2x)")
+    try:
+        config = hy_v4_config()
+    except Exception as e:  # noqa: BLE001 - 5.17's HunYuan V4 names its layer types otherwise
+        pytest.skip(f"this transformers' HunYuan V4 config takes other layer types ({str(e)[:80]})")
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(3, 128, (1, 12))
+    model(input_ids=ids, labels=ids).loss.backward()  # stock: fine
+    with pytest.raises(UnsupportedModel, match="HYV4Attention.*its forward indexes the mask"):
+        hf_accel.patch(model)
+
+
+def hy_v4_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "hy_v4", vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, n_routed_experts=4, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["indexed_attention"] * 3, index_topk=8, index_head_dim=16, index_n_heads=2,
+        indexer_types=["full", "full", "shared"], use_cache=False)

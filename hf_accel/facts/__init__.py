@@ -10,6 +10,7 @@ probe input (``fusable``). A family needing more than the seam (Falcon's own att
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -110,13 +111,16 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
                 f"hf_accel could not read {model_cls.__name__}'s facts from a probe forward on fake tensors "
                 f"({type(e).__name__}: {e}); pass the model itself, or train it unpatched.") from e
         reader = _reads_the_mask_itself(model, e)
+        found = f"its probe forward, given what the seam gives, failed there ({type(e).__name__}: {e})"
+        if reader is None:  # the probe failed before any attention ran: read the attention's own code
+            reader = _indexes_the_mask(model)
+            found = f"its forward indexes the mask (the probe forward failed earlier: {type(e).__name__}: {e})"
         if reader is not None:
             raise UnsupportedModel(
                 f"{model_cls.__name__} (model_type {model_type!r}): its attention ({reader}) reads the attention "
                 "mask transformers builds itself before it calls the attention interface (e.g. to overlay a sparse "
-                "selection of keys), and under hf_accel's seam the model gets a padding mask or none instead: its "
-                f"probe forward, given what the seam gives, failed there ({type(e).__name__}: {e}). Train it "
-                "unpatched.") from e
+                "selection of keys), and under hf_accel's seam the model gets a padding mask or none instead: "
+                f"{found}. Train it unpatched.") from e
         return _unprobed(model, config, e)
     if not facts.attention_classes:
         raise UnsupportedModel(
@@ -251,6 +255,26 @@ def _reads_the_mask_itself(model: nn.Module, error: Exception) -> str | None:
             return None  # it failed in (or under) the attention call, not in the module's own code before it
         tb = tb.tb_next
     return found
+
+
+_MASK_READ = re.compile(r"attention_mask\s*\[|attention_mask\.(?:masked_fill|dtype|dim\(|ndim)|attention_mask\s*[&|]")
+
+
+def _indexes_the_mask(model: nn.Module) -> str | None:
+    """The attention class whose forward reads transformers' mask itself (indexes it, reads its dtype or rank, or
+    overlays a selection on it), from its source, or None: for a model whose probe forward failed before any
+    attention ran (HunYuan V4's). Every attention class of transformers 5.25 that does so is a sparse-attention
+    indexer's (DeepSeek V3.2, GLM-5, HunYuan V4, Qwen4-exp, Kolibri, Mistral Large 4, Dots3)."""
+    import inspect
+
+    for cls in dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)):
+        try:
+            source = inspect.getsource(inspect.unwrap(cls.forward))
+        except (OSError, TypeError):
+            continue
+        if _MASK_READ.search(source):
+            return cls.__name__
+    return None
 
 
 def _unprobed(model: nn.Module, config, error: Exception) -> Family:
