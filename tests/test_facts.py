@@ -474,3 +474,27 @@ def hy_v4_config():
         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"],
         layer_types=["indexed_attention"] * 3, index_topk=8, index_head_dim=16, index_n_heads=2,
         indexer_types=["full", "full", "shared"], use_cache=False)
+
+
+def test_a_text_only_causal_lm_on_a_text_sub_config_is_patched():
+    """MllamaForCausalLM (and Emu3ForCausalLM) is a text-only causal LM built on the text sub-config, whose model type
+    transformers maps to no causal LM class: patch() refused it as "not a causal LM". The class itself is one: it is
+    patched, and a packed row computes each document alone."""
+    import copy
+
+    from transformers import MllamaForCausalLM
+    from transformers.models.mllama.configuration_mllama import MllamaTextConfig
+
+    config = MllamaTextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                              cross_attention_layers=[1], bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              use_cache=False)
+    torch.manual_seed(0)
+    ref = MllamaForCausalLM(config).train()
+    ours = copy.deepcopy(ref)
+    hf_accel.patch(ours)
+    ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    with torch.no_grad():
+        alone = torch.cat([ref(input_ids=ids[:, :6]).logits, ref(input_ids=ids[:, 6:]).logits], dim=1)
+        torch.testing.assert_close(ours(input_ids=ids, position_ids=pos).logits, alone, rtol=1e-4, atol=1e-5)

@@ -38,6 +38,19 @@ def causal_lm_class(config) -> type:
             "vision / audio towers. Train it unpatched.") from e
 
 
+def _is_causal_lm_class(model_cls: type) -> bool:
+    """Whether ``model_cls`` is (a subclass of) a class transformers' AutoModelForCausalLM builds for some config:
+    ``Emu3ForCausalLM`` and ``MllamaForCausalLM`` are, though their own configs (the text sub-configs) map to none."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        classes = tuple(AutoModelForCausalLM._model_mapping.values())
+    except Exception:  # noqa: BLE001 - a mapping entry whose module cannot load here
+        return False
+    flat = tuple(c for entry in classes for c in (entry if isinstance(entry, tuple) else (entry,)))
+    return issubclass(model_cls, flat)
+
+
 def _fingerprint(config) -> str:
     try:
         return config.to_json_string(use_diff=False)
@@ -102,7 +115,8 @@ def found_family(model_or_config: Any, prepare_copy: Callable[[nn.Module], None]
 def _found(model_cls: type, config, model: nn.Module | None = None,
            prepare_copy: Callable[[nn.Module], None] | None = None) -> Family:
     model_type = config.model_type
-    causal_lm_class(config)  # a causal LM (or its body): not a vision or audio tower, an encoder, ...
+    if not _is_causal_lm_class(model_cls):  # a text-only causal LM on a sub-config (Emu3's, Mllama's) is one
+        causal_lm_class(config)  # a causal LM (or its body): not a vision or audio tower, an encoder, ...
     try:
         facts = probed(model_cls, config, prepare_copy=prepare_copy)
     except Exception as e:  # noqa: BLE001 - a forward fake tensors cannot run: the seam without found facts
