@@ -403,7 +403,9 @@ def test_position_ids_passed_down_to_a_decoder_that_takes_them_start_documents()
         torch.testing.assert_close(ref(input_ids=ids, position_ids=pos).logits, alone, rtol=1e-4, atol=1e-5)
     from hf_accel.patching import STATE_ATTR
 
-    assert ours.__dict__[STATE_ATTR].report.packing is None
+    # (5.17's probe sees no attention call in its decoder layers: the report says packing is not kept apart there,
+    # and hf_accel's Trainers pad it; never for its positions)
+    assert "computes its own positions" not in (ours.__dict__[STATE_ATTR].report.packing or "")
 
 
 def test_a_causal_training_call_with_keys_of_its_own_is_refused_not_computed():
