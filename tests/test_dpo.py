@@ -4,8 +4,6 @@ the first optimizer step; packed and padded, a separate reference model and a PE
 TRL's loss variants. The packed forward is also held to the padded one directly (bind_packed_forward)."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers
@@ -15,7 +13,7 @@ from hf_accel.errors import ConfigurationError
 from hf_accel.facts import stock_keeps_documents_apart
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
-from tests.trl_runs import FirstGrads, lora_policy_recording_checkpointing, trl_config
+from tests.trl_runs import FirstGrads, lora_policy, lora_policy_recording_checkpointing, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.dpo import DPOTrainer, bind_packed_forward  # noqa: E402
@@ -182,18 +180,11 @@ def test_length_desensitised_and_weighted_match_trl(tmp_path):
 
 
 def test_lora_adapter_disabled_as_reference_matches_trl(tmp_path):
-    peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
-                           init_lora_weights=False)  # non-zero B: the policy differs from its reference at step 1
-
-    def policy():
-        torch.manual_seed(3)
-        return peft.get_peft_model(make("llama-gqa", seed=0), copy.deepcopy(lora)).train()
-
-    model = policy()
+    pytest.importorskip("peft")  # lora_policy: non-zero B, the policy differs from its reference at step 1
+    model = lora_policy()
     seen = RowShapes(model.get_base_model())
     ours = run(DPOTrainer, model, config(tmp_path / "a"), accel=AccelArguments(print_summary=False))
-    theirs = run(trl.DPOTrainer, policy(), config(tmp_path / "b"))
+    theirs = run(trl.DPOTrainer, lora_policy(), config(tmp_path / "b"))
     assert_same_training(ours, theirs)
     assert ours[0].ref_model is None and all(rows == 1 for rows, _ in seen.shapes)
     assert any(n.startswith("reference: the policy with its PEFT adapter disabled") for n in ours[0].patch_report.notes)

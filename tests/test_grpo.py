@@ -10,7 +10,7 @@ import torch
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.training.trainer import AccelArguments
 from tests.tiny_models import make
-from tests.trl_runs import FirstGrads, lora_policy_recording_checkpointing, trl_config
+from tests.trl_runs import FirstGrads, lora_policy, lora_policy_recording_checkpointing, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.grpo import GRPOTrainer  # noqa: E402
@@ -118,18 +118,11 @@ def test_2026_families_match_trl(tmp_path, family):
 
 
 def test_lora_with_kl_to_the_adapter_disabled_reference_matches_trl(tmp_path):
-    peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
-                           init_lora_weights=False)
-
-    def policy():
-        torch.manual_seed(3)
-        return peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
-
-    model = policy()
+    pytest.importorskip("peft")  # lora_policy: non-zero B, the policy differs from its reference at step 1
+    model = lora_policy()
     seen = RowShapes(model.get_base_model())
     ours = run(GRPOTrainer, model, config(tmp_path / "a", beta=0.1), accel=AccelArguments(print_summary=False))
-    theirs = run(trl.GRPOTrainer, policy(), config(tmp_path / "b", beta=0.1))
+    theirs = run(trl.GRPOTrainer, lora_policy(), config(tmp_path / "b", beta=0.1))
     assert_same_training(ours, theirs)
     assert theirs[1][-1]["kl"] > 0  # the reference's log-probs differ from the policy's after a step
     assert any(rows == 1 for rows, _ in seen.shapes)  # scoring forwards packed (generation's are (B, S))

@@ -6,14 +6,13 @@ the reference. KTO's forwards (the completions', and the KL rows' of mismatched 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hf_accel.data.default_task import build_tokenizer, make_examples
 from hf_accel.errors import ConfigurationError
 from hf_accel.training.trainer import AccelArguments
 from tests.test_dpo import RowShapes, assert_same_training
 from tests.tiny_models import make
-from tests.trl_runs import FirstGrads, trl_config
+from tests.trl_runs import FirstGrads, lora_policy, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.kto import KTOTrainer  # noqa: E402
@@ -58,16 +57,9 @@ def test_matches_trl_with_reference_model(tmp_path, packing):
 
 
 def test_lora_adapter_disabled_as_reference_matches_trl(tmp_path):
-    peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
-                           init_lora_weights=False)  # non-zero B: the policy differs from its reference at step 1
-
-    def policy():
-        torch.manual_seed(3)
-        return peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
-
-    ours = run(KTOTrainer, policy(), config(tmp_path / "a"), accel=AccelArguments(print_summary=False))
-    theirs = run(trl.KTOTrainer, policy(), config(tmp_path / "b"))
+    pytest.importorskip("peft")  # lora_policy: non-zero B, the policy differs from its reference at step 1
+    ours = run(KTOTrainer, lora_policy(), config(tmp_path / "a"), accel=AccelArguments(print_summary=False))
+    theirs = run(trl.KTOTrainer, lora_policy(), config(tmp_path / "b"))
     assert_same_training(ours, theirs, METRICS)
     assert any(n.startswith("reference: the policy with its PEFT adapter disabled") for n in ours[0].patch_report.notes)
 

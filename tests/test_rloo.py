@@ -10,7 +10,7 @@ import torch
 from hf_accel.training.trainer import AccelArguments
 from tests.test_grpo import assert_same_training, run
 from tests.tiny_models import make
-from tests.trl_runs import trl_config
+from tests.trl_runs import lora_policy, trl_config
 
 trl = pytest.importorskip("trl")
 from hf_accel.training.rloo import RLOOTrainer  # noqa: E402
@@ -43,16 +43,9 @@ def test_full_finetune_matches_trl(tmp_path, packing):
 
 
 def test_lora_with_kl_to_the_adapter_disabled_reference_matches_trl(tmp_path):
-    peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
-                           init_lora_weights=False)  # non-zero B: the policy differs from its reference at step 1
-
-    def policy():
-        torch.manual_seed(3)
-        return peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
-
-    ours = run(RLOOTrainer, policy(), config(tmp_path / "a", beta=0.1), accel=AccelArguments(print_summary=False))
-    theirs = run(trl.RLOOTrainer, policy(), config(tmp_path / "b", beta=0.1))
+    pytest.importorskip("peft")  # lora_policy: non-zero B, the policy differs from its reference at step 1
+    ours = run(RLOOTrainer, lora_policy(), config(tmp_path / "a", beta=0.1), accel=AccelArguments(print_summary=False))
+    theirs = run(trl.RLOOTrainer, lora_policy(), config(tmp_path / "b", beta=0.1))
     assert_same_training(ours, theirs)
     assert theirs[1][-1]["kl"] > 0
     assert any(n.startswith("reference: the policy with its PEFT adapter disabled") for n in ours[0].patch_report.notes)

@@ -33,6 +33,20 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def lora_policy():
+    """A tiny Llama policy under PEFT LoRA r=4 on q/v/down with non-zero B factors (seeded): it differs from its
+    adapter-disabled reference at the first step, so the rewards, margins and KL mean something. A fresh one each
+    call (the same weights)."""
+    import peft
+
+    from tests.tiny_models import make
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False)
+    torch.manual_seed(3)
+    return peft.get_peft_model(make("llama-gqa", seed=0), lora).train()
+
+
 def lora_policy_recording_checkpointing():
     """A tiny Llama policy under PEFT LoRA (non-zero B: it differs from its adapter-disabled reference) and the list
     that gets, at every training forward of its first decoder layer (not a checkpoint's recompute), every layer's

@@ -40,15 +40,14 @@ def causal_lm_class(config) -> type:
 
 def _is_causal_lm_class(model_cls: type) -> bool:
     """Whether ``model_cls`` is (a subclass of) a class transformers' AutoModelForCausalLM builds for some config:
-    ``Emu3ForCausalLM`` and ``MllamaForCausalLM`` are, though their own configs (the text sub-configs) map to none."""
+    ``Emu3ForCausalLM`` and ``MllamaForCausalLM`` are, though their own configs (the text sub-configs) map to none.
+    By class name, from the lazy mapping's names (and the classes registered into it): reading its classes would
+    import every model module transformers has (seconds at each patch)."""
     from transformers import AutoModelForCausalLM
 
-    try:
-        classes = tuple(AutoModelForCausalLM._model_mapping.values())
-    except Exception:  # noqa: BLE001 - a mapping entry whose module cannot load here
-        return False
-    flat = tuple(c for entry in classes for c in (entry if isinstance(entry, tuple) else (entry,)))
-    return issubclass(model_cls, flat)
+    mapping = AutoModelForCausalLM._model_mapping
+    names = set(mapping._model_mapping.values()) | {c.__name__ for c in getattr(mapping, "_extra_content", {}).values()}
+    return any(cls.__name__ in names for cls in model_cls.__mro__)
 
 
 def _fingerprint(config) -> str:
@@ -115,19 +114,24 @@ def found_family(model_or_config: Any, prepare_copy: Callable[[nn.Module], None]
 def _found(model_cls: type, config, model: nn.Module | None = None,
            prepare_copy: Callable[[nn.Module], None] | None = None) -> Family:
     model_type = config.model_type
-    if not _is_causal_lm_class(model_cls):  # a text-only causal LM on a sub-config (Emu3's, Mllama's) is one
+    try:
         causal_lm_class(config)  # a causal LM (or its body): not a vision or audio tower, an encoder, ...
+    except UnsupportedModel:
+        if not _is_causal_lm_class(model_cls):  # a text-only causal LM on a sub-config (Emu3's, Mllama's) is one
+            raise
     try:
         facts = probed(model_cls, config, prepare_copy=prepare_copy)
     except Exception as e:  # noqa: BLE001 - a forward fake tensors cannot run: the seam without found facts
-        if model is None or not any(uses_attention_interface(m) for m in model.modules()):
+        classes = () if model is None else \
+            tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
+        if not classes:
             raise UnsupportedModel(
                 f"hf_accel could not read {model_cls.__name__}'s facts from a probe forward on fake tensors "
                 f"({type(e).__name__}: {e}); pass the model itself, or train it unpatched.") from e
-        reader = _reads_the_mask_itself(model, e)
+        reader = _reads_the_mask_itself(classes, e)
         found = f"its probe forward, given what the seam gives, failed there ({type(e).__name__}: {e})"
         if reader is None:  # the probe failed before any attention ran: read the attention's own code
-            reader = _indexes_the_mask(model)
+            reader = _indexes_the_mask(classes)
             found = f"its forward indexes the mask (the probe forward failed earlier: {type(e).__name__}: {e})"
         if reader is not None:
             raise UnsupportedModel(
@@ -241,12 +245,12 @@ def _fusable(model: nn.Module):
     return fusable_modules(model)
 
 
-def _reads_the_mask_itself(model: nn.Module, error: Exception) -> str | None:
-    """The attention class whose own code the probe forward failed in, before its attention-interface call, or None.
-    The probe's mask function gives what the seam gives a full-length document (no mask), so an attention module
-    that indexes or overlays transformers' 4-D mask itself (DeepSeek V3.2's and GLM-5's sparse-attention indexers)
-    fails there, patched as on the probe. Failures of fake tensors themselves (data-dependent values) say nothing of
-    the mask."""
+def _reads_the_mask_itself(classes: tuple[type, ...], error: Exception) -> str | None:
+    """The attention class (of ``classes``, the model's) whose own code the probe forward failed in, before its
+    attention-interface call, or None. The probe's mask function gives what the seam gives a full-length document (no
+    mask), so an attention module that indexes or overlays transformers' 4-D mask itself (DeepSeek V3.2's and GLM-5's
+    sparse-attention indexers) fails there, patched as on the probe. Failures of fake tensors themselves
+    (data-dependent values) say nothing of the mask."""
     import inspect
 
     from torch._subclasses import fake_tensor
@@ -258,7 +262,6 @@ def _reads_the_mask_itself(model: nn.Module, error: Exception) -> str | None:
                    fake_tensor.UnsupportedOperatorException, symbolic_shapes.GuardOnDataDependentSymNode)
     if isinstance(error, fake_limits):
         return None
-    classes = {type(m) for m in model.modules() if uses_attention_interface(m)}
     codes = {inspect.unwrap(cls.forward).__code__: cls.__name__ for cls in classes}
     found, tb = None, error.__traceback__
     while tb is not None:
@@ -274,14 +277,14 @@ def _reads_the_mask_itself(model: nn.Module, error: Exception) -> str | None:
 _MASK_READ = re.compile(r"attention_mask\s*\[|attention_mask\.(?:masked_fill|dtype|dim\(|ndim)|attention_mask\s*[&|]")
 
 
-def _indexes_the_mask(model: nn.Module) -> str | None:
-    """The attention class whose forward reads transformers' mask itself (indexes it, reads its dtype or rank, or
-    overlays a selection on it), from its source, or None: for a model whose probe forward failed before any
-    attention ran (HunYuan V4's). Every attention class of transformers 5.25 that does so is a sparse-attention
-    indexer's (DeepSeek V3.2, GLM-5, HunYuan V4, Qwen4-exp, Kolibri, Mistral Large 4, Dots3)."""
+def _indexes_the_mask(classes: tuple[type, ...]) -> str | None:
+    """The attention class (of ``classes``, the model's) whose forward reads transformers' mask itself (indexes it,
+    reads its dtype or rank, or overlays a selection on it), from its source, or None: for a model whose probe forward
+    failed before any attention ran (HunYuan V4's). Every attention class of transformers 5.25 that does so is a
+    sparse-attention indexer's (DeepSeek V3.2, GLM-5, HunYuan V4, Qwen4-exp, Kolibri, Mistral Large 4, Dots3)."""
     import inspect
 
-    for cls in dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)):
+    for cls in classes:
         try:
             source = inspect.getsource(inspect.unwrap(cls.forward))
         except (OSError, TypeError):

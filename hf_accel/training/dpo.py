@@ -52,6 +52,28 @@ class PackedTRLMixin:
     _rows = "rows"  # what the packed rows are, for the notes
     _left_padded = False  # whether TRL's scoring rows come left-padded (GRPO's prompts): packed by the patched seam only
 
+    _config: str  # the name of TRL's config class for this trainer (each trainer's own)
+    _batches = "per_device_train_batch_size=..."  # what forms its batches, for prepare_args' message
+
+    def _accel_before_trl(self, model: Any, args: Any, accel: AccelArguments | None) -> tuple[Any, AccelArguments]:
+        """Before TRL's constructor: TRL's config (its defaults where none is given, bf16 on a GPU), ``accel``
+        checked against what the trainer serves, a vision model refused."""
+        if args is None:
+            on_gpu = torch.cuda.is_available()
+            args = getattr(trl, self._config)(output_dir=f"hf_accel-{self._config.removesuffix('Config').lower()}",
+                                              report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
+        accel = accel or AccelArguments()
+        prepare_args(args, accel, self._name, f"{self._config}({self._batches})")
+        refuse_vision(model, self._name)
+        return args, accel
+
+    def _accel_after_trl(self, accel: AccelArguments) -> None:
+        """After TRL's constructor: the model TRL built refused if it is a vision model, then the patch, the
+        reference model and the packing."""
+        refuse_vision(self.model, self._name)
+        self._accel_setup(accel)
+        self._accel_finish_setup()
+
     def _accel_finish_setup(self) -> None:
         self._accel_reference()
         self._accel_pack()
@@ -157,21 +179,11 @@ class ReferenceTrainerMixin(PackedTRLMixin):
     """The constructor TRL's trainers with a reference model share (``(model, ref_model, args, ...)``: DPO, KTO):
     ``accel`` checked, vision models refused, then TRL's own constructor, then the patch and the packing."""
 
-    _config = "DPOConfig"  # the name of TRL's config class for this trainer
-
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, *pos, accel: AccelArguments | None = None,
                  **kwargs) -> None:
-        if args is None:
-            on_gpu = torch.cuda.is_available()
-            args = getattr(trl, self._config)(output_dir=f"hf_accel-{self._config.removesuffix('Config').lower()}",
-                                              report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
-        accel = accel or AccelArguments()
-        prepare_args(args, accel, self._name, f"{self._config}(per_device_train_batch_size=...)")
-        refuse_vision(model, self._name)
+        args, accel = self._accel_before_trl(model, args, accel)
         super().__init__(model, ref_model, args, *pos, **kwargs)
-        refuse_vision(self.model, self._name)
-        self._accel_setup(accel)
-        self._accel_finish_setup()
+        self._accel_after_trl(accel)
 
     def _reference_note(self) -> str:
         if self.precompute_ref_logps:
@@ -186,6 +198,7 @@ class DPOTrainer(ReferenceTrainerMixin, AccelMixin, trl.DPOTrainer):
     ``accel.max_tokens_per_batch`` is not served here (TRL's ``per_device_train_batch_size`` forms the batches)."""
 
     _name = "hf_accel.DPOTrainer"
+    _config = "DPOConfig"
     _rows = "chosen / rejected"
 
 

@@ -22,7 +22,7 @@ import torch
 import trl
 
 from . import non_finite
-from .dpo import PackedTRLMixin, prepare_args, refuse_vision
+from .dpo import PackedTRLMixin
 from .trainer import AccelArguments, AccelMixin
 
 
@@ -31,24 +31,15 @@ class RolloutTrainerMixin(PackedTRLMixin):
     constructor (``accel`` checked, vision models refused, TRL's own constructor, then the patch and the packing),
     the throughput meter fed from the generated batch, and the reference note."""
 
-    _config = "GRPOConfig"  # the name of TRL's config class for this trainer
+    _batches = "per_device_train_batch_size=..., num_generations=..."
     _rows = "prompt + completion"
     _left_padded = True
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, *pos,
                  accel: AccelArguments | None = None, **kwargs) -> None:
-        if args is None:
-            on_gpu = torch.cuda.is_available()
-            args = getattr(trl, self._config)(output_dir=f"hf_accel-{self._config.removesuffix('Config').lower()}",
-                                              report_to="none", bf16=on_gpu, use_cpu=not on_gpu)
-        accel = accel or AccelArguments()
-        prepare_args(args, accel, self._name,
-                     f"{self._config}(per_device_train_batch_size=..., num_generations=...)")
-        refuse_vision(model, self._name)
+        args, accel = self._accel_before_trl(model, args, accel)
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        refuse_vision(self.model, self._name)
-        self._accel_setup(accel)
-        self._accel_finish_setup()
+        self._accel_after_trl(accel)
 
     def training_step(self, model, inputs, num_items_in_batch):
         # the inputs are dataset rows (generation happens in _prepare_inputs): AccelMixin's accounting of a collated
@@ -78,3 +69,4 @@ class GRPOTrainer(RolloutTrainerMixin, AccelMixin, trl.GRPOTrainer):
     still applies). Generation stays TRL's. ``accel.max_tokens_per_batch`` is not served (TRL forms the batches)."""
 
     _name = "hf_accel.GRPOTrainer"
+    _config = "GRPOConfig"

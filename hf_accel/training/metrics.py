@@ -47,7 +47,8 @@ def batch_counts(batch: Mapping[str, Any], packed: bool = False) -> tuple[Any, A
     mask = batch.get("attention_mask")
     if mask is not None:
         lengths = mask.sum(dim=1, dtype=torch.float64)
-        return lengths.sum(), lengths.sum() if packed else slots, lengths.square().sum()
+        real = lengths.sum()
+        return real, real if packed else slots, lengths.square().sum()
     cu = batch.get("cu_seq_lens_q")
     if cu is not None:
         return slots, slots, cu.diff().to(torch.float64).square().sum()
