@@ -112,7 +112,10 @@ def test_assistant_only_loss_with_a_chat_template(tmp_path):
     assert_same_training(logs[0], logs[1], grads[0].grads, grads[1].grads)
 
 
-def test_a_vision_language_model_is_refused():
+@pytest.mark.parametrize("trainer", ["SFTTrainer", "DPOTrainer", "GRPOTrainer"])
+def test_a_vision_language_model_is_refused(trainer):
+    """Each of our TRL trainers refuses it before TRL's constructor, naming TRL's own trainer to use instead."""
+    import hf_accel
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     config = LlavaConfig(
@@ -122,10 +125,8 @@ def test_a_vision_language_model_is_refused():
                                        num_attention_heads=2, image_size=8, patch_size=4),
         image_token_index=95)
     model = LlavaForConditionalGeneration(config)
-    with pytest.raises(ConfigurationError, match="text-only causal LMs.*llava.*trl.SFTTrainer"):
-        SFTTrainer(model=model, args=config_for_vision(), accel=AccelArguments(**ACCEL))
+    args = getattr(trl, trainer.replace("Trainer", "Config"))(output_dir="unused", report_to="none", use_cpu=True)
+    extra = {"reward_funcs": lambda completions, **_: [0.0] * len(completions)} if trainer == "GRPOTrainer" else {}
+    with pytest.raises(ConfigurationError, match=f"text-only causal LMs.*llava.*trl.{trainer}"):
+        getattr(hf_accel, trainer)(model=model, args=args, accel=AccelArguments(**ACCEL), **extra)
     assert torch.is_tensor(next(model.parameters()))  # untouched
-
-
-def config_for_vision():
-    return trl.SFTConfig(output_dir="unused", report_to="none", use_cpu=True)

@@ -37,6 +37,7 @@ from ..errors import ConfigurationError, UnsupportedVersion
 from ..memory.checkpointing import reapply_checkpointing
 from ..patching import patch
 from .trainer import AccelArguments, AccelMixin
+from .trl_trainer import refuse_vision
 
 logger = logging.getLogger("hf_accel")
 
@@ -345,11 +346,3 @@ def _unpack_output(out: Any, idx: dict[str, torch.Tensor], batch: int, seq: int)
         padded = flat.new_zeros(batch * (seq - 1)).index_copy(0, dst, flat)
         setattr(out, name, padded.view(batch, seq - 1))
     return out
-
-
-def refuse_vision(model: Any, name: str) -> None:
-    config = getattr(model, "config", None)
-    if config is not None and config.get_text_config() is not config:
-        raise ConfigurationError(
-            f"{name} trains text-only causal LMs; got {type(model).__name__} ({config.model_type}), a model with a "
-            f"vision (or other non-text) tower. Train it with TRL's own trainer.")

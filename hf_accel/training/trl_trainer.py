@@ -44,9 +44,9 @@ class SFTTrainer(AccelMixin, trl.SFTTrainer):
                 if hasattr(args, name):
                     setattr(args, name, False)
         if not isinstance(model, str):
-            _refuse_vision(model)
+            refuse_vision(model, "hf_accel.SFTTrainer")
         super().__init__(model, args, *pos, **kwargs)
-        _refuse_vision(self.model)  # (TRL loads a model given by name)
+        refuse_vision(self.model, "hf_accel.SFTTrainer")  # (TRL loads a model given by name)
         self._accel_setup(accel)
         self._refuse_packing_it_cannot_keep_apart()
         self._loss_warned: set[str] = set()
@@ -136,11 +136,13 @@ def _loss_name(trainer: Any) -> str:
     return name
 
 
-def _refuse_vision(model: Any) -> None:
+def refuse_vision(model: Any, name: str) -> None:
+    """Refuses a model with a vision (or other non-text) tower: ``name``'s trainer (``hf_accel.SFTTrainer``, ...)
+    trains text-only causal LMs. A model given by name (a str) is checked once TRL has loaded it."""
     config = getattr(model, "config", None)
     if config is not None and config.get_text_config() is not config:
         raise ConfigurationError(
-            f"hf_accel.SFTTrainer trains text-only causal LMs; got {type(model).__name__} ({config.model_type}), a "
-            "model with a vision (or other non-text) tower. Train it with trl.SFTTrainer, or fine-tune its language "
-            "model alone (e.g. AutoModelForCausalLM on the text config) with hf_accel.SFTTrainer."
+            f"{name} trains text-only causal LMs; got {type(model).__name__} ({config.model_type}), a model with a "
+            f"vision (or other non-text) tower. Train it with trl.{name.rsplit('.', 1)[-1]}, or fine-tune its "
+            f"language model alone (e.g. AutoModelForCausalLM on the text config) with {name}."
         )
