@@ -389,6 +389,46 @@ def test_a_window_only_the_mask_carries_is_kept():
     assert not any(MASK_WINDOW_ATTR in m.__dict__ for m in ours.modules())
 
 
+def test_a_sliding_mask_no_layer_takes_is_not_a_window():
+    """Cohere Compass's model builds a sliding-window mask beside the causal one on every forward, and hands it only to
+    "sliding_attention" layers, which its defaults have none of; each call passes ``sliding_window`` (None on full
+    layers). patch() refused it ("masks with sliding windows (none, 4) ... known only to the masks"). The calls say
+    each layer's window: patched equals unpatched (fp32) on a row four times the window, loss and every gradient, and
+    on two packed documents against each alone; with sliding layers configured, they keep their window."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for layer_types in (None, ["sliding_attention", "full_attention"]):
+        config = AutoConfig.for_model(
+            "cohere_compass_text", vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, sliding_window=4, layer_types=layer_types,
+            rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+                             for kind in ("full_attention", "sliding_attention")},
+            pad_token_id=0, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(config).train()
+        ours = copy.deepcopy(ref)
+        hf_accel.patch(ours)
+        ids = torch.randint(1, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+        outs = []
+        for model in (ref, ours):
+            model.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            outs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        (want, want_grads), (got, got_grads) = outs
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert got_grads.keys() == want_grads.keys()
+        for name, g in want_grads.items():
+            torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
+        positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
+        with torch.no_grad():
+            packed = ours(input_ids=ids, position_ids=positions).logits
+            alone = torch.cat([ref(input_ids=ids[:, :9]).logits, ref(input_ids=ids[:, 9:]).logits], dim=1)
+        torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
 def test_an_attention_that_reads_transformers_mask_itself_is_refused_at_patch():
     """DeepSeek V3.2's (and GLM-5's, ...) sparse-attention indexer indexes transformers' 4-D mask inside the attention
     module, before the attention call (``attention_mask[:, 0, :, :]``). Under the seam the model gets a padding mask

@@ -154,7 +154,7 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
             "or attends to keys of its own beyond the sequence (e.g. compressed slots), which no varlen kernel takes, "
             "and it would build them from the padding mask hf_accel's seam hands the model instead of transformers' "
             "own. Train it unpatched.")
-    window = _mask_window(model_cls, model_type, calls, facts.mask_windows)
+    window = _mask_window(model_cls, model_type, calls, facts.mask_windows, facts.calls_say_window)
     if window is not None:  # every call takes the window its mask carries
         calls = tuple(dataclasses.replace(c, asks=dataclasses.replace(c.asks, window=window)) for c in calls)
     first = calls[0].heads if calls else (config.num_attention_heads, config.num_attention_heads, 0)
@@ -201,12 +201,16 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
     )
 
 
-def _mask_window(model_cls: type, model_type: str, calls: tuple, windows: tuple[int | None, ...]) -> int | None:
+def _mask_window(model_cls: type, model_type: str, calls: tuple, windows: tuple[int | None, ...],
+                 calls_say_window: bool) -> int | None:
     """The sliding window a model applies only through the mask it builds (PhiMoE: a sliding-window mask, attention
     calls without ``sliding_window``), where every mask it built carries that one window; None where the calls say
-    what they keep (a window, a chunk) or no mask keeps a window. Masks of several windows, or sliding beside causal
-    ones, with calls that do not say which layer takes which, are refused."""
-    if not any(w is not None for w in windows) or any(c.asks.window or c.asks.chunk for c in calls):
+    what they keep (a window, a chunk, or ``sliding_window`` passed by every call, None included: transformers' flash
+    path reads the keyword alone, so a mask built and handed to no sliding layer, as Cohere Compass's defaults build
+    one, does not count) or no mask keeps a window. Masks of several windows, or sliding beside causal ones, with calls
+    that do not say which layer takes which, are refused."""
+    if (not any(w is not None for w in windows) or calls_say_window
+            or any(c.asks.window or c.asks.chunk for c in calls)):
         return None
     if len(set(windows)) == 1:
         return windows[0]

@@ -74,6 +74,8 @@ class Probed:
     plain_head: bool = True  # the logits are the LM head's output (a final soft-cap aside): the fused loss serves
     # the sliding window of each mask the model built (None: causal, or not a window this reads): ``mask_window``
     mask_windows: tuple[int | None, ...] = ()
+    # every attention call passed ``sliding_window`` (None included): the calls say which layer keeps which window
+    calls_say_window: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- the stand-in kernel
@@ -108,6 +110,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[nn.Module, tuple[int, int, int], CallAsks, bool]] = []
         self.mask_functions: list[Callable | None] = []  # what each mask the model built was asked to keep
+        self.windows_said: list[bool] = []  # whether each call passed ``sliding_window`` (None included)
 
 
 _RECORDER: list[_Recorder] = []
@@ -119,6 +122,7 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
         asks = read_call(module, query.shape[-1], scaling, dropout, kwargs)
         _RECORDER[-1].calls.append((module, (query.shape[1], key.shape[1], query.shape[-1]), asks,
                                     attention_mask is not None or key.shape[-2] != query.shape[-2]))
+        _RECORDER[-1].windows_said.append("sliding_window" in kwargs)
     q_bshd, k_bshd, v_bshd = (t.transpose(1, 2).contiguous() for t in (query, key, value))
     out, _ = _probe_attention_op(q_bshd, k_bshd, v_bshd)
     return out, None
@@ -518,7 +522,8 @@ def probe_config(model_cls: type, config, dtype: torch.dtype = torch.bfloat16,
     softcap = bool(getattr(config, "final_logit_softcapping", None))
     return Probed(calls, saves, projections, classes, linears, _mlp_width(layers),
                   plain_head(long.outside, long.head_out, softcap),
-                  tuple(mask_window(fn) for fn in recorder.mask_functions))
+                  tuple(mask_window(fn) for fn in recorder.mask_functions),
+                  bool(recorder.windows_said) and all(recorder.windows_said))
 
 
 def _mlp_width(layers: list[nn.Module]) -> int | None:
