@@ -282,7 +282,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     from benchlib.report import repeat_command, versions, write_outputs
 
-    results = [_child(args, argv, c) for c in args.configs.split(",")]
+    results = []
+    for config in args.configs.split(","):  # each row as it ends: a run cut short still shows the rows it finished
+        results.append(_child(args, argv, config))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
     text = table(results)
     now = dt.datetime.now(dt.timezone.utc)
     record = {"command": repeat_command("scripts/bench_preference.py", argv), "date": now.isoformat(timespec="seconds"),
