@@ -33,6 +33,7 @@ _LAZY = {  # public name -> module that defines it
     "SFTTrainer": ".training.trl_trainer",  # TRL is optional: imported only when asked for
     "DPOTrainer": ".training.dpo", "GRPOTrainer": ".training.grpo", "KTOTrainer": ".training.kto",
     "RLOOTrainer": ".training.rloo",
+    "text_model": ".multimodal",
 }
 
 

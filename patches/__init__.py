@@ -52,9 +52,9 @@ def _refuse_multimodal(model, config) -> None:
     raise UnsupportedModel(
         f"{type(model).__name__} (model_type {config.model_type!r}) is a multimodal model: hf_accel patches its "
         f"text model (model_type {getattr(text, 'model_type', None)!r}) but not the model around it (vision tower, "
-        "image-token masks). For text-only training, patch the text model on its own: build its CausalLM from "
-        "config.text_config on the meta device and give it this model's language model and LM head (the same "
-        "weights; the recipe: docs/families.md, 'Multimodal checkpoints'); or train this model unpatched."
+        "image-token masks). For text-only training, patch the text model on its own: hf_accel.text_model(model) "
+        "gives it as its own causal LM holding this model's language model and LM head (the same weights; "
+        "docs/families.md, 'Multimodal checkpoints'); or train this model unpatched."
     )
 
 

@@ -12,7 +12,7 @@ import torch
 
 import hf_accel
 from hf_accel.errors import BackendUnavailable, UnsupportedModel
-from tiny_models import FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, make, slow_2026
+from tiny_models import FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, gemma3_multimodal, gemma4_multimodal, make, slow_2026
 
 LOGITS_RTOL = 2e-4  # relative to the logits' scale (issue 2's bar)
 GRAD_RTOL = 1e-3  # relative to each gradient's scale
@@ -309,45 +309,57 @@ def test_dynamic_rope_scaling_patches_and_trains_as_unpatched():
     assert estimate_training_memory(ref_model.config, dtype="fp32", batch_tokens=64).layer.none_bytes > 0
 
 
-def _tiny_gemma3_multimodal():
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    from tiny_models import _GEMMA
-
-    torch.manual_seed(0)
-    config = Gemma3Config(text_config=dict(_GEMMA), mm_tokens_per_image=4, vision_config=dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
-    return Gemma3ForConditionalGeneration(config)
-
-
-def test_a_multimodal_gemma3_is_refused_with_the_text_model_recipe_which_computes_the_same():
-    """AutoModelForCausalLM builds Gemma 3 4B-27B as Gemma3ForConditionalGeneration: refused with the way to patch its
-    text model. The recipe (docs/families.md) shares the modules and gives the full model's text-only logits exactly;
-    patched, it trains like the unpatched multimodal model on a text batch."""
-    from transformers import Gemma3ForCausalLM
-
-    full = _tiny_gemma3_multimodal().train()
-    with pytest.raises(UnsupportedModel, match="multimodal.*'gemma3_text'.*Multimodal checkpoints"):
+@pytest.mark.parametrize("build", [gemma3_multimodal, gemma4_multimodal], ids=["gemma3", "gemma4"])
+def test_a_multimodal_model_is_refused_and_its_text_model_computes_the_same_patched(build):
+    """AutoModelForCausalLM builds Gemma 3 4B-27B and Gemma 4 as ...ForConditionalGeneration: patch() refuses it,
+    naming hf_accel.text_model. text_model() holds the same modules (no weight copied), gives the full model's
+    text-only logits exactly, and patched with its defaults trains like the unpatched multimodal model on a text
+    batch (loss and every gradient, fp32) and keeps packed documents apart as the full model computes each alone."""
+    full = build().train()
+    with pytest.raises(UnsupportedModel, match=r"multimodal.*_text'.*hf_accel.text_model\(model\)"):
         hf_accel.patch(full)
     assert hf_accel.patch_report(full) is None
-    with torch.device("meta"):
-        text = Gemma3ForCausalLM(full.config.text_config)
-    text.model, text.lm_head = full.model.language_model, full.lm_head
-    assert not any(t.is_meta for t in [*text.parameters(), *text.buffers()])
-    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    text = hf_accel.text_model(full)
+    assert text.training and type(text).__name__.endswith("ForCausalLM")
+    shared = {id(p) for p in full.parameters()}
+    assert all(id(p) in shared for p in text.parameters())
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(text.eval()(input_ids=ids).logits, full.eval()(input_ids=ids).logits)
     full.train()
+    text.train()
     loss_ref = full(input_ids=ids, labels=ids).loss
     loss_ref.backward()
-    ref_grads = {n: p.grad.clone() for n, p in text.named_parameters()}
+    ref_grads = {n: p.grad.clone() for n, p in text.named_parameters() if p.grad is not None}
+    positions = torch.cat([torch.arange(11), torch.arange(9)])[None]
+    with torch.no_grad():
+        alone = torch.cat([full(input_ids=ids[:, :11]).logits, full(input_ids=ids[:, 11:]).logits], dim=1)
     full.zero_grad(set_to_none=True)
-    assert hf_accel.patch(text.train(), backend="reference").model_type == "gemma3_text"
+    hf_accel.patch(text)
     loss = text(input_ids=ids, labels=ids).loss
     loss.backward()
     assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-5)
+    grads = dict(text.named_parameters())
     for name, g in ref_grads.items():
-        assert rel_err(dict(text.named_parameters())[name].grad, g) < GRAD_RTOL, name
+        assert rel_err(grads[name].grad, g) < GRAD_RTOL, name
+    with torch.no_grad():
+        packed = text(input_ids=ids, position_ids=positions).logits
+    assert rel_err(packed, alone) < LOGITS_RTOL
+
+
+def test_text_model_refuses_what_it_cannot_take_apart():
+    """A text model, a PEFT model and a module that is no transformers model each get a ConfigurationError saying
+    what to pass instead."""
+    from hf_accel.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="has no text sub-config: it is a text model already"):
+        hf_accel.text_model(make("llama-gqa"))
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(gemma3_multimodal(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ConfigurationError, match="not a PEFT model.*before get_peft_model"):
+        hf_accel.text_model(lora)
+    with pytest.raises(ConfigurationError, match="takes a transformers model; got Linear"):
+        hf_accel.text_model(torch.nn.Linear(2, 2))
 
 
 def test_forced_backend_that_cannot_serve_raises():

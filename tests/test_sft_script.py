@@ -567,3 +567,37 @@ def test_lora_experts_puts_peft_adapters_on_the_experts_and_is_refused_without_t
     make("qwen3-moe", seed=0).config.save_pretrained(moe)
     (moe / "tokenizer.json").write_text("{}")
     preflight(sft_module.parse_args([*base[2:], "--model", str(moe), "--lora-r", "4", "--lora-experts"]))
+
+
+def test_a_multimodal_checkpoint_trains_its_text_model_with_text_model(tmp_path, sft_module):
+    """A multimodal --model (Gemma 3 4B-27B, Gemma 4: AutoModelForCausalLM builds the vision tower too) is refused from
+    its config, before the weights load, naming --text-model; with it, the run trains the language model and LM head
+    (hf_accel.text_model) patched, losses those of the same run unpatched, and saves a text-only checkpoint.
+    --text-model on a text model is refused."""
+    import json
+
+    from hf_accel.cli.preflight import preflight
+    from hf_accel.errors import UsageError
+    from tests.tiny_models import gemma3_multimodal, make
+
+    folder = tmp_path / "gemma3"
+    gemma3_multimodal().save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    out = ["--output-dir", str(tmp_path / "unused")]
+    with pytest.raises(UsageError, match=r"multimodal checkpoint \(gemma3.*'gemma3_text'.*pass --text-model"):
+        preflight(sft_module.parse_args(["--model", str(folder), *out]))
+    with pytest.raises(UsageError, match="--text-model: the built-in model is a text model"):
+        preflight(sft_module.parse_args(["--text-model", *out]))
+    dense = tmp_path / "dense"
+    make("llama-gqa", seed=0).config.save_pretrained(dense)
+    (dense / "tokenizer.json").write_text("{}")
+    with pytest.raises(UsageError, match=f"--text-model: --model {dense} .llama. is a text model already"):
+        preflight(sft_module.parse_args(["--model", str(dense), "--text-model", *out]))
+    common = ["--model", str(folder), "--text-model", "--max-steps", "2", "--logging-steps", "1", "--eval-examples",
+              "0", "--lr", "1e-3", "--batch-size", "8", "--threads", "1"]
+    patched = sft_module.main([*common, "--output-dir", str(tmp_path / "patched")])["losses"]
+    stock = sft_module.main([*common, "--no-patch", "--output-dir", str(tmp_path / "stock")])["losses"]
+    assert len(patched) == 2
+    torch.testing.assert_close(patched, stock, rtol=1e-4, atol=0)
+    saved = json.loads((tmp_path / "patched" / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3ForCausalLM"] and saved["model_type"] == "gemma3_text"

@@ -196,3 +196,23 @@ def layer_inputs_alive_after_forward(model, batch) -> list[bool]:
     alive = [ref() is not None for ref in inputs]
     loss.backward()
     return alive
+
+
+def gemma3_multimodal():
+    """Gemma3ForConditionalGeneration (what AutoModelForCausalLM builds for Gemma 3 4B-27B): a one-layer SigLIP tower,
+    the projector and the ``_GEMMA`` text model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Gemma3Config(text_config=dict(_GEMMA), mm_tokens_per_image=4, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+    return Gemma3ForConditionalGeneration(config)
+
+
+def gemma4_multimodal():
+    """Gemma4ForConditionalGeneration around the "gemma4-text" model (its config's defaults build no towers)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = FAMILIES_2026["gemma4-text"]().config
+    torch.manual_seed(0)
+    return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text.to_dict()))

@@ -43,6 +43,10 @@ class ModelDataArguments:
     model: str | None = field(default=None, metadata=_help("local path or hub id of a causal LM"))
     tokenizer: str | None = field(default=None, metadata=_help(
         "local path or hub id of the tokenizer, when --model's folder has none (e.g. the base model's)"))
+    text_model: bool = field(default=False, metadata=_help(
+        "train the language model of a multimodal --model (Gemma 3 4B-27B, Gemma 4: AutoModelForCausalLM builds them "
+        "with their vision tower) on its own: its language model and LM head, the checkpoint's weights; the output "
+        "is a text-only checkpoint of its text config's causal-LM class"))
     dataset: str | None = field(default=None, metadata=_help(
         "local json/jsonl/parquet file, a folder from scripts/pretokenize.py, or a hub id; needs the model to train: "
         "--model (or --smollm2, --model-shape, --tiny-model)"))

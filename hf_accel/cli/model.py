@@ -113,6 +113,13 @@ def load_model_and_tokenizer(args: argparse.Namespace, sources=None):
     else:
         tok = default_task.build_tokenizer()
         model = default_task.tiny_llama(len(tok), seed=args.seed)
+    if getattr(args, "text_model", False):
+        from ..multimodal import text_model
+
+        full = type(model).__name__
+        model = text_model(model)
+        print(f"text model: {type(model).__name__}, {full}'s language model and LM head (the same weights; its other "
+              "towers are neither trained nor saved)", flush=True)
     if quantization is not None and not getattr(model, "is_quantized", False):
         model = reload_quantized(model, quantization, dtype)  # built in memory (the default task, --smollm2)
     if tok.pad_token is None:

@@ -43,7 +43,37 @@ def preflight(args: argparse.Namespace) -> Sources:
     check_backend_trains_here(args.backend)
     if getattr(args, "lora_experts", False):
         check_lora_experts(args, sources)
+    check_text_model(args, sources)
     return sources
+
+
+def check_text_model(args: argparse.Namespace, sources: Sources) -> None:
+    """A multimodal --model (Gemma 3 4B-27B, Gemma 4) trains with --text-model, and --text-model only with one: said
+    from the config, before the weights load."""
+    from transformers import AutoConfig
+
+    from ..multimodal import is_multimodal
+
+    if not args.model:
+        if args.text_model:
+            raise UsageError("--text-model: the built-in model is a text model; pass --model of a multimodal "
+                             "checkpoint (Gemma 3 4B-27B, Gemma 4), or leave --text-model out")
+        return
+    try:
+        config = AutoConfig.from_pretrained(args.model, **sources.model)
+    except (OSError, ValueError):
+        return  # loading will say what is wrong with it
+    multimodal = is_multimodal(config)
+    text = config.get_text_config(decoder=True) if multimodal else None
+    if multimodal and not args.text_model:
+        raise UsageError(
+            f"--model {args.model} is a multimodal checkpoint ({config.model_type}: a vision or audio tower around "
+            f"the {text.model_type!r} language model), which hf-accel sft does not train as a whole; pass "
+            "--text-model to train its language model and LM head (the same weights; the output is a text-only "
+            "checkpoint), or train it with another tool")
+    if args.text_model and not multimodal:
+        raise UsageError(f"--text-model: --model {args.model} ({config.model_type}) is a text model already; leave "
+                         "--text-model out")
 
 
 def check_lora_experts(args: argparse.Namespace, sources: Sources) -> None:

@@ -144,5 +144,6 @@ def refuse_vision(model: Any, name: str) -> None:
         raise ConfigurationError(
             f"{name} trains text-only causal LMs; got {type(model).__name__} ({config.model_type}), a model with a "
             f"vision (or other non-text) tower. Train it with trl.{name.rsplit('.', 1)[-1]}, or fine-tune its "
-            f"language model alone (e.g. AutoModelForCausalLM on the text config) with {name}."
+            f"language model alone with {name}: hf_accel.text_model(model) gives it as a causal LM sharing this "
+            "model's weights."
         )
