@@ -69,6 +69,13 @@ def text_model(model: Any) -> Any:
         raise UnsupportedModel(
             f"{cls.__name__} holds weights beyond the language model and the LM head ({', '.join(left[:3])}), which "
             f"{type(model).__name__} does not share with it: text_model() cannot build it. Train the model unpatched.")
+    # a quantized model (bitsandbytes 4-bit, ...) stays one: PEFT, the Trainer and save_pretrained read its state
+    for name in ("hf_quantizer", "is_quantized", "quantization_method"):
+        if name in model.__dict__:
+            setattr(out, name, model.__dict__[name])
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        text.quantization_config = quantization  # the sub-config the text model saves as its own
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         out.generation_config = generation_config

@@ -12,7 +12,8 @@ import torch
 
 import hf_accel
 from hf_accel.errors import BackendUnavailable, UnsupportedModel
-from tiny_models import FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, gemma3_multimodal, gemma4_multimodal, make, slow_2026
+from tiny_models import (FAMILIES_2026, NEW_FAMILIES, VARIANTS, VOCAB, gemma3_multimodal, gemma4_multimodal, make,
+                         slow_2026)
 
 LOGITS_RTOL = 2e-4  # relative to the logits' scale (issue 2's bar)
 GRAD_RTOL = 1e-3  # relative to each gradient's scale

@@ -601,3 +601,23 @@ def test_a_multimodal_checkpoint_trains_its_text_model_with_text_model(tmp_path,
     torch.testing.assert_close(patched, stock, rtol=1e-4, atol=0)
     saved = json.loads((tmp_path / "patched" / "config.json").read_text())
     assert saved["architectures"] == ["Gemma3ForCausalLM"] and saved["model_type"] == "gemma3_text"
+
+
+def test_text_model_of_a_multimodal_checkpoint_trains_as_qlora(tmp_path, sft_module):
+    """--text-model --load-in-4bit: the text model keeps the 4-bit model's quantization state, so the run is QLoRA
+    as stock PEFT trains it (--no-patch), not a second quantization of 4-bit weights (which failed with a shape
+    error), and its base really is 4-bit (LoRA on the unquantized base has other losses)."""
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install 'hf_accel[qlora]')")
+    from tests.tiny_models import gemma3_multimodal
+
+    folder = tmp_path / "gemma3"
+    gemma3_multimodal().save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    common = ["--model", str(folder), "--text-model", "--lora-r", "4", "--max-steps", "2", "--logging-steps", "1",
+              "--eval-examples", "0", "--lr", "1e-3", "--batch-size", "8", "--threads", "1"]
+    losses = {name: sft_module.main([*common, *extra, "--output-dir", str(tmp_path / name)])["losses"]
+              for name, extra in {"patched": ["--load-in-4bit"], "stock": ["--load-in-4bit", "--no-patch"],
+                                  "unquantized": ["--no-patch"]}.items()}
+    assert len(losses["patched"]) == 2
+    torch.testing.assert_close(losses["patched"], losses["stock"], rtol=1e-5, atol=0)
+    assert abs(losses["stock"][0] - losses["unquantized"][0]) > 1e-4 * losses["unquantized"][0]
