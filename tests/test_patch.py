@@ -273,6 +273,19 @@ def test_a_model_outside_the_attention_interface_is_refused_saying_so():
     assert {n: type(m) for n, m in model.named_modules()} == before and hf_accel.patch_report(model) is None
 
 
+def test_a_model_outside_the_interface_whose_probe_fails_is_refused_for_the_interface():
+    """XLNet's probe forward fails on fake tensors (a dtype mismatch), and its attention is its own: the refusal says
+    it does not reach the interface (it said only that the probe failed, and to "pass the model itself", which the
+    user had done)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "xlnet", vocab_size=64, d_model=32, n_layer=2, n_head=2, d_inner=64))
+    with pytest.raises(UnsupportedModel, match="XLNetLMHeadModel .* does not reach attention through transformers'"):
+        hf_accel.patch(model)
+    assert hf_accel.patch_report(model) is None
+
+
 def test_a_vision_tower_is_refused_as_not_a_causal_lm():
     """A multimodal model's vision tower (Gemma 3's Siglip) is not a causal LM: patch() refuses it with
     UnsupportedModel before building anything (transformers' own tests patch every model they build, towers too)."""

@@ -124,6 +124,8 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
     except Exception as e:  # noqa: BLE001 - a forward fake tensors cannot run: the seam without found facts
         classes = () if model is None else \
             tuple(dict.fromkeys(type(m) for m in model.modules() if uses_attention_interface(m)))
+        if model is not None and not classes:  # the probe's failure aside, nothing here reaches the seam
+            raise _no_interface(model_cls, model_type) from e
         if not classes:
             raise UnsupportedModel(
                 f"hf_accel could not read {model_cls.__name__}'s facts from a probe forward on fake tensors "
@@ -141,10 +143,7 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
                 f"{found}. Train it unpatched.") from e
         return _unprobed(model, config, e)
     if not facts.attention_classes:
-        raise UnsupportedModel(
-            f"{model_cls.__name__} (model_type {model_type!r}) does not reach attention through transformers' "
-            "AttentionInterface (ALL_ATTENTION_FUNCTIONS), the seam hf_accel patches, and hf_accel.patches has no "
-            "family of its own for it. Train it unpatched.")
+        raise _no_interface(model_cls, model_type)
     calls = facts.calls
     if any(c.own_mask for c in calls):
         names = ", ".join(sorted(c.__name__ for c in facts.attention_classes))
@@ -199,6 +198,13 @@ def _found(model_cls: type, config, model: nn.Module | None = None,
             "the model's forward does more to the LM head's logits than a final soft-cap (a scale, a bias), which the "
             "fused loss would leave out"),
     )
+
+
+def _no_interface(model_cls: type, model_type: str) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"{model_cls.__name__} (model_type {model_type!r}) does not reach attention through transformers' "
+        "AttentionInterface (ALL_ATTENTION_FUNCTIONS), the seam hf_accel patches, and hf_accel.patches has no "
+        "family of its own for it. Train it unpatched.")
 
 
 def _mask_window(model_cls: type, model_type: str, calls: tuple, windows: tuple[int | None, ...],
