@@ -354,6 +354,21 @@ def test_a_model_whose_attention_builds_its_own_mask_is_refused_by_name():
     torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
 
 
+def assert_trains_as(ours: nn.Module, ref: nn.Module, ids: torch.Tensor) -> None:
+    """``ours`` (patched) gives ``ref``'s (unpatched, fp32) logits, and every gradient of the loss on ``ids``."""
+    outs = []
+    for model in (ref, ours):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = outs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
+
+
 def test_a_window_only_the_mask_carries_is_kept():
     """PhiMoE builds a sliding-window mask and calls attention without ``sliding_window``: the seam, which replaces
     the mask, attended over the whole row (logits off by ~6 on rows longer than the window; the sweep's one
@@ -374,17 +389,7 @@ def test_a_window_only_the_mask_carries_is_kept():
     report = hf_accel.patch(ours)
     assert any("sliding window 4: read from the mask" in note for note in report.notes), report
     ids = torch.randint(1, 96, (1, 16), generator=torch.Generator().manual_seed(1))
-    outs = []
-    for model in (ref, ours):
-        model.zero_grad(set_to_none=True)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        outs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (want, want_grads), (got, got_grads) = outs
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert got_grads.keys() == want_grads.keys()
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
+    assert_trains_as(ours, ref, ids)
     hf_accel.unpatch(ours)
     assert not any(MASK_WINDOW_ATTR in m.__dict__ for m in ours.modules())
 
@@ -411,17 +416,7 @@ def test_a_sliding_mask_no_layer_takes_is_not_a_window():
         ours = copy.deepcopy(ref)
         hf_accel.patch(ours)
         ids = torch.randint(1, 96, (1, 16), generator=torch.Generator().manual_seed(1))
-        outs = []
-        for model in (ref, ours):
-            model.zero_grad(set_to_none=True)
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            outs.append((out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-        (want, want_grads), (got, got_grads) = outs
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        assert got_grads.keys() == want_grads.keys()
-        for name, g in want_grads.items():
-            torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=name)
+        assert_trains_as(ours, ref, ids)
         positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
         with torch.no_grad():
             packed = ours(input_ids=ids, position_ids=positions).logits
