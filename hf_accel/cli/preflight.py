@@ -41,17 +41,26 @@ def preflight(args: argparse.Namespace) -> Sources:
 
         check_dataset_id(args.dataset)
     check_backend_trains_here(args.backend)
+    config = _model_config(args, sources) if args.model else None
     if getattr(args, "lora_experts", False):
-        check_lora_experts(args, sources)
-    check_text_model(args, sources)
+        check_lora_experts(args, config)
+    check_text_model(args, config)
     return sources
 
 
-def check_text_model(args: argparse.Namespace, sources: Sources) -> None:
-    """A multimodal --model (Gemma 3 4B-27B, Gemma 4) trains with --text-model, and --text-model only with one: said
-    from the config, before the weights load."""
+def _model_config(args: argparse.Namespace, sources: Sources) -> Any:
+    """--model's config, read once for the checks from it; None where it cannot be read (loading will say why)."""
     from transformers import AutoConfig
 
+    try:
+        return AutoConfig.from_pretrained(args.model, **sources.model)
+    except (OSError, ValueError):
+        return None
+
+
+def check_text_model(args: argparse.Namespace, config: Any) -> None:
+    """A multimodal --model (Gemma 3 4B-27B, Gemma 4) trains with --text-model, and --text-model only with one: said
+    from its ``config``, before the weights load."""
     from ..multimodal import is_multimodal
 
     if not args.model:
@@ -59,9 +68,7 @@ def check_text_model(args: argparse.Namespace, sources: Sources) -> None:
             raise UsageError("--text-model: the built-in model is a text model; pass --model of a multimodal "
                              "checkpoint (Gemma 3 4B-27B, Gemma 4), or leave --text-model out")
         return
-    try:
-        config = AutoConfig.from_pretrained(args.model, **sources.model)
-    except (OSError, ValueError):
+    if config is None:
         return  # loading will say what is wrong with it
     multimodal = is_multimodal(config)
     text = config.get_text_config(decoder=True) if multimodal else None
@@ -76,18 +83,14 @@ def check_text_model(args: argparse.Namespace, sources: Sources) -> None:
                          "--text-model out")
 
 
-def check_lora_experts(args: argparse.Namespace, sources: Sources) -> None:
+def check_lora_experts(args: argparse.Namespace, config: Any) -> None:
     """--lora-experts on a model whose config builds no mixture-of-experts experts modules: refused from the config
-    (built on the meta device), before the weights load."""
-    from transformers import AutoConfig
-
+    (--model's ``config``, or the --model-shape's, built on the meta device), before the weights load."""
     from ..patches.experts import experts_shapes
     from .shapes import model_shape_config
 
     if args.model:
-        try:
-            config = AutoConfig.from_pretrained(args.model, **sources.model)
-        except (OSError, ValueError):
+        if config is None:
             return  # loading will say what is wrong with it
         what = f"--model {args.model}"
     elif args.model_shape:
